@@ -1,0 +1,38 @@
+"""The ``ace-extproc`` command. Each subcommand lives in its own module, which
+provides ``add_arguments(parser)`` and ``run(args) -> int``; this file only wires them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("ace_extproc.server", "run the ext_proc gRPC server"),
+    "up": ("ace_extproc.stack", "start Envoy, ace-extproc and simulated pods on 127.0.0.1:8080"),
+    "sim": ("ace_extproc.sim.app", "run one simulated vLLM-compatible engine pod"),
+    "envoy-config": ("ace_extproc.envoy_config", "render the Envoy bootstrap for a fleet"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ace-extproc", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(args._module)
+    result: int = module.run(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,457 @@
+"""Render the Envoy bootstrap that puts ace-extproc in front of a fleet.
+
+The shape, and why each piece is there, is explained in ``envoy/README.md``. In short:
+ext_proc (fail-open) picks a pod and sets ``x-ace-upstream`` plus ``clear_route_cache``;
+the first route sends the request to the single-host cluster that header names; the
+second route sends everything else to the default destination's cluster of all pods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ace_extproc import config as cfg
+
+# The header ext_proc sets to pin a pod; its value is a ``Pod.cluster`` name.
+UPSTREAM_HEADER = "x-ace-upstream"
+# Headers only ace-extproc or Envoy may set: a client-supplied copy is removed before
+# routing (early header mutation), or a client could pin any pod while ext_proc is down.
+STRIPPED_REQUEST_HEADERS = (UPSTREAM_HEADER, "x-ace-served-by", "x-gateway-destination-endpoint")
+EXT_PROC_CLUSTER = "ace_extproc"
+# Namespaces of the dynamic metadata ext_proc may return; any other is silently dropped.
+METADATA_NAMESPACES = ("ace", "envoy.lb")
+# Response headers Envoy adds from that metadata, saving ext_proc a response-phase round trip.
+RESPONSE_HEADERS = {
+    "x-ace-trace-prefix-kv-cache": "%DYNAMIC_METADATA(ace:trace)%",
+    "x-ace-served-by": "%DYNAMIC_METADATA(ace:served_by)%",
+}
+# Generations run for minutes and a non-streamed one sends nothing until it is done: no
+# overall route timeout, only a generous idle timeout (it replaces the HCM's 5 min one).
+ROUTE_IDLE_TIMEOUT = "900s"
+CONNECT_TIMEOUT = "1s"
+
+_SKIP_RESPONSE = {
+    "response_header_mode": "SKIP",
+    "response_body_mode": "NONE",
+    "response_trailer_mode": "SKIP",
+}
+PROCESSING_MODES: dict[str, dict[str, str]] = {
+    # Headers, then the whole body in one message; the answer to the body sets the header.
+    "buffered": {
+        "request_header_mode": "SEND",
+        "request_body_mode": "BUFFERED",
+        "request_trailer_mode": "SKIP",
+        **_SKIP_RESPONSE,
+    },
+    # One stream for the body, no buffer limit; Envoy requires trailers SEND with it.
+    "full_duplex": {
+        "request_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        **_SKIP_RESPONSE,
+    },
+}
+
+ACCESS_LOG_FORMAT = (
+    '[%START_TIME%] "%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROTOCOL%" '
+    "%RESPONSE_CODE% %RESPONSE_FLAGS% %RESPONSE_CODE_DETAILS% "
+    "%BYTES_RECEIVED% %BYTES_SENT% %DURATION%ms "
+    "upstream=%UPSTREAM_CLUSTER% host=%UPSTREAM_HOST% "
+    "served_by=%DYNAMIC_METADATA(ace:served_by)% trace=%DYNAMIC_METADATA(ace:trace)% "
+    "id=%REQ(X-REQUEST-ID)%\n"
+)
+
+_HTTP2_OPTIONS = {
+    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {}},
+    }
+}
+# Envoy's default circuit breakers allow 1024 concurrent requests per cluster. LLM
+# streams are long-lived and the default cluster holds a whole destination, so raise them.
+_CIRCUIT_BREAKERS = {
+    "thresholds": [
+        {
+            "priority": "DEFAULT",
+            "max_connections": 100_000,
+            "max_pending_requests": 100_000,
+            "max_requests": 100_000,
+        }
+    ]
+}
+
+
+# ---------------------------------------------------------------- addresses
+
+
+def split_host_port(value: str, what: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port); ConfigError names ``what``."""
+    host, sep, port_s = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise cfg.ConfigError(f"{what}: expected host:port, got {value!r}")
+    return host, int(port_s)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _socket_address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _bind_address(value: str, what: str) -> dict[str, Any]:
+    """Envoy binds listeners only to IP addresses, never to names."""
+    host, port = split_host_port(value, what)
+    host = "127.0.0.1" if host == "localhost" else host
+    if not _is_ip(host):
+        raise cfg.ConfigError(f"{what}: {host!r} is not an IP address")
+    return _socket_address(host, port)
+
+
+def _duration(seconds: float, what: str) -> str:
+    if seconds <= 0:
+        raise cfg.ConfigError(f"{what}: must be positive, got {seconds!r}")
+    return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
+
+
+# ---------------------------------------------------------------- clusters
+
+
+def _cluster(
+    name: str, endpoints: list[tuple[str, int, int | None]], **extra: Any
+) -> dict[str, Any]:
+    """A cluster of ``(host, port, weight)`` endpoints: STATIC when all are IPs, else
+    STRICT_DNS (which resolves each name and keeps every address it returns)."""
+    lb_endpoints = []
+    for host, port, weight in endpoints:
+        ep: dict[str, Any] = {"endpoint": {"address": _socket_address(host, port)}}
+        if weight is not None:
+            ep["load_balancing_weight"] = weight
+        lb_endpoints.append(ep)
+    static = all(_is_ip(host) for host, _, _ in endpoints)
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC" if static else "STRICT_DNS",
+        "connect_timeout": CONNECT_TIMEOUT,
+    }
+    if not static:
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+    cluster.update(extra)
+    cluster["load_assignment"] = {
+        "cluster_name": name,
+        "endpoints": [{"lb_endpoints": lb_endpoints}],
+    }
+    return cluster
+
+
+def _lb_weights(pods: tuple[cfg.Pod, ...]) -> list[int | None]:
+    # Envoy weights are integers >= 1; only emit them when the pods actually differ.
+    if all(p.weight == pods[0].weight for p in pods):
+        return [None] * len(pods)
+    top = max(p.weight for p in pods)
+    return [max(1, round(100 * p.weight / top)) for p in pods]
+
+
+def _pod_clusters(fleet: cfg.Fleet) -> list[dict[str, Any]]:
+    clusters = []
+    for dest in fleet.destinations:
+        weights = _lb_weights(dest.pods)
+        clusters.append(
+            _cluster(
+                dest.cluster,
+                [(p.host, p.port, w) for p, w in zip(dest.pods, weights, strict=True)],
+                lb_policy="LEAST_REQUEST",
+                circuit_breakers=_CIRCUIT_BREAKERS,
+            )
+        )
+        for pod in dest.pods:
+            clusters.append(
+                _cluster(
+                    pod.cluster, [(pod.host, pod.port, None)], circuit_breakers=_CIRCUIT_BREAKERS
+                )
+            )
+    return clusters
+
+
+def _ext_proc_cluster(settings: cfg.Settings, uds: str | None) -> dict[str, Any]:
+    if uds:
+        return {
+            "name": EXT_PROC_CLUSTER,
+            "type": "STATIC",
+            "connect_timeout": CONNECT_TIMEOUT,
+            "typed_extension_protocol_options": _HTTP2_OPTIONS,
+            "load_assignment": {
+                "cluster_name": EXT_PROC_CLUSTER,
+                "endpoints": [
+                    {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": uds}}}}]}
+                ],
+            },
+        }
+    host, port = split_host_port(settings.listen, "router.listen")
+    # The server may bind a wildcard; Envoy must dial a concrete loopback address.
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return _cluster(
+        EXT_PROC_CLUSTER, [(host, port, None)], typed_extension_protocol_options=_HTTP2_OPTIONS
+    )
+
+
+# ---------------------------------------------------------------- HTTP connection manager
+
+
+def _ext_proc_filter(processing_mode: str, message_timeout_s: float) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
+            "stat_prefix": "ace",
+            # Fail-open: if ace-extproc is down or slow, the request goes on unpinned.
+            "failure_mode_allow": True,
+            "processing_mode": dict(PROCESSING_MODES[processing_mode]),
+            "message_timeout": _duration(message_timeout_s, "message_timeout"),
+            # ext_proc may switch response processing on for a single request.
+            "allow_mode_override": True,
+            "metadata_options": {"receiving_namespaces": {"untyped": list(METADATA_NAMESPACES)}},
+        },
+    }
+
+
+def _route_config(config: cfg.Config) -> dict[str, Any]:
+    retry = {"retry_on": "connect-failure,reset", "num_retries": 1}
+    no_timeout = {"timeout": "0s", "idle_timeout": ROUTE_IDLE_TIMEOUT}
+    return {
+        "name": "ace",
+        # On the route_config, so Envoy's own error replies carry them too. An absent
+        # metadata key renders as an empty value, and empty headers are not added.
+        "response_headers_to_add": [
+            {"header": {"key": k, "value": v}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            for k, v in RESPONSE_HEADERS.items()
+        ],
+        "virtual_hosts": [
+            {
+                "name": "ace",
+                "domains": ["*"],
+                # BUFFERED bodies are limited by this (Envoy's default is ~1 MiB: 413 above).
+                "request_body_buffer_limit": config.settings.max_body_bytes,
+                "routes": [
+                    {
+                        # Pinned by ext_proc: the header names a single-pod cluster.
+                        "name": "pinned",
+                        "match": {
+                            "prefix": "/",
+                            "headers": [{"name": UPSTREAM_HEADER, "present_match": True}],
+                        },
+                        "route": {
+                            "cluster_header": UPSTREAM_HEADER,
+                            **no_timeout,
+                            "retry_policy": retry,
+                        },
+                    },
+                    {
+                        # Fail-open: ext_proc down, shadow mode, or no decision.
+                        "name": "default",
+                        "match": {"prefix": "/"},
+                        "route": {
+                            "cluster": config.fleet.default.cluster,
+                            **no_timeout,
+                            "retry_policy": {
+                                **retry,
+                                "retry_host_predicate": [
+                                    {
+                                        "name": "envoy.retry_host_predicates.previous_hosts",
+                                        "typed_config": {
+                                            "@type": "type.googleapis.com/envoy.extensions."
+                                            "retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                                        },
+                                    }
+                                ],
+                            },
+                        },
+                    },
+                ],
+            }
+        ],
+    }
+
+
+def _http_connection_manager(
+    config: cfg.Config, processing_mode: str, message_timeout_s: float
+) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network."
+            "http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": "ace_ingress",
+            "codec_type": "AUTO",
+            # Runs before route selection; the header_mutation *filter* would be too late
+            # for cluster_header routing (the route is already chosen by then).
+            "early_header_mutation_extensions": [
+                {
+                    "name": "envoy.http.early_header_mutation.header_mutation",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.http."
+                        "early_header_mutation.header_mutation.v3.HeaderMutation",
+                        "mutations": [{"remove": h} for h in STRIPPED_REQUEST_HEADERS],
+                    },
+                }
+            ],
+            "access_log": [
+                {
+                    "name": "envoy.access_loggers.stdout",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/"
+                        "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
+                        "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}},
+                    },
+                }
+            ],
+            "route_config": _route_config(config),
+            "http_filters": [
+                _ext_proc_filter(processing_mode, message_timeout_s),
+                {
+                    "name": "envoy.filters.http.router",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                    },
+                },
+            ],
+        },
+    }
+
+
+# ---------------------------------------------------------------- public API
+
+
+class _Dumper(yaml.SafeDumper):
+    """Writes shared sub-dicts out in full: anchors and aliases make the file hard to read."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def render(
+    config: cfg.Config,
+    *,
+    listen: str = "127.0.0.1:8080",
+    admin: str = "127.0.0.1:9901",
+    processing_mode: str = "buffered",
+    message_timeout_s: float = 1.0,
+    ext_proc_uds: str | None = None,
+) -> dict[str, Any]:
+    """The Envoy bootstrap for ``config`` as a dict. ``ext_proc_uds`` (else
+    ``settings.uds``) makes Envoy reach ace-extproc over a unix socket instead of
+    ``settings.listen``. Raises ConfigError on a bad address, mode or timeout."""
+    if processing_mode not in PROCESSING_MODES:
+        raise cfg.ConfigError(
+            f"processing mode {processing_mode!r}: expected one of {', '.join(PROCESSING_MODES)}"
+        )
+    return {
+        "admin": {"address": _bind_address(admin, "admin")},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "ace",
+                    "address": _bind_address(listen, "listen"),
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                _http_connection_manager(config, processing_mode, message_timeout_s)
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [
+                _ext_proc_cluster(config.settings, ext_proc_uds or config.settings.uds),
+                *_pod_clusters(config.fleet),
+            ],
+        },
+    }
+
+
+def render_yaml(
+    config: cfg.Config,
+    *,
+    listen: str = "127.0.0.1:8080",
+    admin: str = "127.0.0.1:9901",
+    processing_mode: str = "buffered",
+    message_timeout_s: float = 1.0,
+    ext_proc_uds: str | None = None,
+) -> str:
+    """``render`` as YAML, with a header saying where it came from."""
+    doc = render(
+        config,
+        listen=listen,
+        admin=admin,
+        processing_mode=processing_mode,
+        message_timeout_s=message_timeout_s,
+        ext_proc_uds=ext_proc_uds,
+    )
+    header = (
+        f"# Envoy bootstrap rendered by `ace-extproc envoy-config` "
+        f"(processing mode: {processing_mode}).\n"
+        "# Do not edit by hand: re-render it (see envoy/README.md).\n"
+    )
+    return header + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=100)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fleet", help="fleet YAML (default: the built-in 4-pod simulated fleet)")
+    parser.add_argument("--listen", default="127.0.0.1:8080", help="Envoy's HTTP listener")
+    parser.add_argument("--admin", default="127.0.0.1:9901", help="Envoy's admin listener")
+    parser.add_argument(
+        "--processing-mode",
+        choices=tuple(PROCESSING_MODES),
+        default="buffered",
+        help="how the request body reaches ext_proc (default: buffered)",
+    )
+    parser.add_argument(
+        "--message-timeout",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="ext_proc per-message timeout; on expiry the request fails open (default: 1)",
+    )
+    parser.add_argument(
+        "--ext-proc-uds",
+        metavar="PATH",
+        help="reach ace-extproc over this unix socket (default: router.uds, else router.listen)",
+    )
+    parser.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        text = render_yaml(
+            cfg.load(args.fleet),
+            listen=args.listen,
+            admin=args.admin,
+            processing_mode=args.processing_mode,
+            message_timeout_s=args.message_timeout,
+            ext_proc_uds=args.ext_proc_uds,
+        )
+    except cfg.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.output:
+        try:
+            Path(args.output).write_text(text)
+        except OSError as exc:
+            print(f"error: {args.output}: {exc.strerror}", file=sys.stderr)
+            return 2
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,60 @@
+"""The calibrated time-to-first-token model shared by the router's estimates,
+the simulated engine and the fleet simulation.
+
+With ``n`` uncached prompt tokens and ``c`` cached prefix tokens::
+
+    TTFT_ms = t0 + max(t_step, a*n + b*n*(c + n/2))
+
+``a`` is the per-token cost of the prefill, ``b`` the attention term that grows
+with the context each new token attends to, ``t_step`` the floor of one engine
+step.  Coefficients are fitted to public H100 figures (see
+``shared/reference/engines.md`` and the README); they are estimates, not
+measurements of any particular fleet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TTFTModel:
+    name: str
+    t0_ms: float
+    a_ms: float
+    b_ms: float
+    t_step_ms: float
+
+    def prefill_ms(self, uncached: int, cached: int = 0) -> float:
+        """Compute time of a prefill of ``uncached`` tokens after ``cached`` warm ones."""
+        n = max(uncached, 0)
+        return max(self.t_step_ms, self.a_ms * n + self.b_ms * n * (cached + n / 2))
+
+    def ttft_ms(self, uncached: int, cached: int = 0) -> float:
+        """TTFT of one request alone on an idle engine."""
+        return self.t0_ms + self.prefill_ms(uncached, cached)
+
+    def speedup(self, prompt_tokens: int, cached: int) -> float:
+        """Cold TTFT over warm TTFT for a prompt of which ``cached`` tokens are warm."""
+        cached = min(max(cached, 0), prompt_tokens)
+        return self.ttft_ms(prompt_tokens) / self.ttft_ms(prompt_tokens - cached, cached)
+
+
+MODELS: dict[str, TTFTModel] = {
+    m.name: m
+    for m in (
+        TTFTModel("llama-3.3-70b-fp8-tp2", 10.0, 0.0718, 2.9e-6, 18.6),
+        TTFTModel("llama-3.3-70b-fp8-tp4", 10.0, 0.040, 1.45e-6, 11.0),
+        TTFTModel("llama-3.1-8b-fp8", 5.0, 0.0163, 1.17e-6, 4.6),
+    )
+}
+DEFAULT_MODEL = "llama-3.3-70b-fp8-tp4"
+
+
+def get_model(name: str) -> TTFTModel:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown TTFT model {name!r}; known: {', '.join(sorted(MODELS))}"
+        ) from None

@@ -1,0 +1,214 @@
+"""What ace-extproc decides for one request, free of gRPC: the header phase settles
+everything the headers can (mode, tenant, bypasses), the body phase parses, hashes,
+picks and rewrites. ``server.py`` feeds it Envoy's messages; ``mutate.py`` turns
+its ``Outcome`` into Envoy's mutations.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+from ace_extproc import request as req
+from ace_extproc.config import Config, ConfigError, Mode, Pod
+from ace_extproc.latency import get_model
+from ace_extproc.prefix import cache_prefix_id, hash_prompt, scope_seed
+from ace_extproc.routing import BlockIndex, FleetState, Picker, PrefixAffinityPicker
+from ace_extproc.tenants import MissingKey, Tenants, UnknownKey
+
+log = logging.getLogger("ace_extproc")
+
+UPSTREAM_HEADER = "x-ace-upstream"
+OVERRIDE_HEADER = "x-ace-skill-override"
+SKILL = "prefix_kv_cache"
+
+
+@dataclass(slots=True)
+class Outcome:
+    """The decision for one request, and everything Envoy must be told about it."""
+
+    mode: Mode
+    action: str
+    prefix_key: str = "-"
+    pod: Pod | None = None  # pinned only in prod
+    would_pick: Pod | None = None  # the decision, in any mode
+    saved_tokens: int = 0
+    speedup: float = 1.0
+    body: bytes | None = None  # the rewritten body (prod)
+    reject_status: int = 0  # answer the client directly with this status
+    reject_body: bytes = b""
+
+    @property
+    def trace(self) -> str:
+        return (
+            f"mode={self.mode.value},action={self.action},prefix_key={self.prefix_key},"
+            f"saved_prefill_tokens={self.saved_tokens},speedup={self.speedup:.2f}"
+        )
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """What the header phase learned, kept for the body phase."""
+
+    path: str
+    mode: Mode
+    tenant: str
+    client_upstream: bool  # the client sent x-ace-upstream (Envoy should have stripped it)
+    outcome: Outcome | None = None  # set when the headers alone decide
+
+
+def _bypass(mode: Mode, reason: str) -> Outcome:
+    return Outcome(mode, f"bypass_{reason}")
+
+
+class Processor:
+    def __init__(self, config: Config, picker: Picker | None = None) -> None:
+        self.settings = config.settings
+        self.fleet = FleetState(config.fleet)
+        self.index = BlockIndex(config.settings.index_blocks_per_pod)
+        self.picker: Picker = picker or PrefixAffinityPicker(self.fleet, self.index)
+        self.tenants = Tenants(config.settings.tenants, config.settings.salt_secret)
+        self.ttft = get_model(config.settings.ttft_model)
+
+    # ------------------------------------------------------------ header phase
+
+    def on_headers(self, headers: Mapping[str, str], end_of_stream: bool) -> RequestContext:
+        s = self.settings
+        path = headers.get(":path", "").partition("?")[0]
+        ctx = RequestContext(path, s.mode, s.tenants.anonymous, UPSTREAM_HEADER in headers)
+        if path not in req.ROUTABLE_PATHS:
+            ctx.outcome = _bypass(s.mode, "unknown_path")
+            return ctx
+        if headers.get(":method") != "POST":
+            ctx.outcome = _bypass(s.mode, "method")
+            return ctx
+        override = headers.get(OVERRIDE_HEADER)
+        if override is not None and s.allow_mode_override:
+            try:
+                ctx.mode = _parse_override(override, s.mode)
+            except _BadOverride as exc:
+                ctx.outcome = _bypass(s.mode, exc.reason)
+                return ctx
+        if ctx.mode is Mode.OFF:
+            ctx.outcome = Outcome(Mode.OFF, "off")
+            return ctx
+        try:
+            ctx.tenant = self.tenants.resolve(
+                headers.get("authorization"), headers.get(s.tenants.header or "")
+            )
+        except (UnknownKey, MissingKey) as exc:
+            known = isinstance(exc, MissingKey)
+            ctx.outcome = _auth_failure(ctx.mode, "missing_key" if known else "unknown_key")
+            return ctx
+        content_type = headers.get("content-type", "application/json").lower()
+        if "json" not in content_type:
+            ctx.outcome = _bypass(ctx.mode, "content_type")
+        elif end_of_stream:
+            ctx.outcome = _bypass(ctx.mode, "empty_body")
+        elif _int(headers.get("content-length")) > s.max_body_bytes:
+            ctx.outcome = _bypass(ctx.mode, "too_large")
+        return ctx
+
+    # -------------------------------------------------------------- body phase
+
+    def on_body(self, ctx: RequestContext, body: bytes) -> Outcome:
+        if ctx.outcome is not None:
+            return ctx.outcome
+        mode = ctx.mode
+        if len(body) > self.settings.max_body_bytes:
+            return _bypass(mode, "too_large")
+        try:
+            parsed = req.parse(ctx.path, body)
+        except req.RequestError as exc:
+            log.info("bypass: %s (%s)", exc.reason, exc)
+            return _bypass(mode, exc.reason)
+        destination = self.fleet.destination_for(parsed.model)
+        if destination is None:
+            return _bypass(mode, "unknown_model")
+        s = self.settings
+        hashes = hash_prompt(
+            parsed.prompt, parsed.cacheable_end, s.block_bytes, scope_seed(ctx.tenant, parsed.model)
+        )
+        pick = self.picker.pick(hashes, self.fleet.candidates(destination))
+        if pick is None:
+            return _bypass(mode, "no_pod")
+        prompt_tokens = max(1, int(len(parsed.prompt) / s.bytes_per_token))
+        saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
+        outcome = Outcome(
+            mode,
+            pick.action,
+            hashes.prefix_key,
+            would_pick=pick.pod,
+            saved_tokens=saved,
+            speedup=self.ttft.speedup(prompt_tokens, saved),
+        )
+        if mode is Mode.PROD:
+            outcome.pod = pick.pod
+            fields = (
+                f'"cache_prefix_id":"{cache_prefix_id(ctx.tenant, hashes.prefix_key)}",'
+                f'"cache_salt":"{self.tenants.salt(ctx.tenant)}"'
+            )
+            outcome.body = rewrite_body(body, fields, parsed.has_router_fields)
+        return outcome
+
+
+def rewrite_body(body: bytes, fields: str, strip_client_fields: bool) -> bytes:
+    """The body with the router's fields (a JSON object fragment, no braces) added.
+
+    The common case splices them in after the opening brace, leaving the client's
+    bytes as they were; only a body carrying its own ``cache_salt`` or
+    ``cache_prefix_id`` is decoded and re-encoded, so the client's values are gone
+    rather than shadowed by a duplicate key.
+    """
+    if strip_client_fields:
+        obj = msgspec.json.decode(body)
+        for name in req.ROUTER_FIELDS:
+            obj.pop(name, None)
+        body = msgspec.json.encode(obj)
+    start = body.index(b"{") + 1
+    rest = body[start:].lstrip()
+    sep = b"," if rest[:1] != b"}" else b""
+    return b"".join((b"{", fields.encode(), sep, rest))
+
+
+class _BadOverride(Exception):
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _parse_override(value: str, default: Mode) -> Mode:
+    """``prefix_kv_cache=<mode>`` (other skills' entries, comma-separated, are ignored)."""
+    mode = default
+    for item in value.split(","):
+        if not item.strip():
+            continue
+        skill, sep, setting = item.partition("=")
+        if not sep or not skill.strip():
+            raise _BadOverride("bad_override")
+        if skill.strip() == SKILL:
+            try:
+                mode = Mode.parse(setting)
+            except ConfigError:
+                raise _BadOverride("unknown_mode") from None
+    return mode
+
+
+def _auth_failure(mode: Mode, reason: str) -> Outcome:
+    # In shadow the router must not change what happens to a request: report only.
+    if mode is not Mode.PROD:
+        return _bypass(mode, reason)
+    message = "missing API key" if reason == "missing_key" else "invalid API key"
+    body = msgspec.json.encode(
+        {"error": {"message": message, "type": "authentication_error", "code": 401}}
+    )
+    return Outcome(mode, f"reject_{reason}", reject_status=401, reject_body=body)
+
+
+def _int(value: str | None) -> int:
+    try:
+        return int(value) if value else 0
+    except ValueError:
+        return 0

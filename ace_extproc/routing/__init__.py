@@ -1,0 +1,8 @@
+"""Routing: the fleet's pods (``fleet``), what each holds warm (``index``), where new
+prefixes go (``rendezvous``), and the policies that choose (``picker``)."""
+
+from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.index import BlockIndex
+from ace_extproc.routing.picker import Pick, Picker, PrefixAffinityPicker
+
+__all__ = ["BlockIndex", "FleetState", "Pick", "Picker", "PrefixAffinityPicker"]

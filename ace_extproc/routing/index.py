@@ -1,0 +1,81 @@
+"""Which pods hold which prefix blocks: the router's belief about the engines' caches.
+
+Each pod has a bounded LRU of block hashes, as the engine's own prefix cache is a
+bounded LRU of blocks. A shared map from block hash to a bitmask of pod slots makes
+a longest-prefix lookup one dict probe per block for all pods at once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class BlockIndex:
+    def __init__(self, capacity_per_pod: int) -> None:
+        self.capacity = capacity_per_pod
+        self._owners: dict[int, int] = {}  # block hash -> bitmask of pod slots
+        self._lru: dict[int, OrderedDict[int, None]] = {}  # slot -> blocks, oldest first
+
+    def add_pod(self, slot: int) -> None:
+        self._lru.setdefault(slot, OrderedDict())
+
+    def drop_pod(self, slot: int) -> None:
+        """Forget everything a pod held (it left, or its engine restarted)."""
+        blocks = self._lru.pop(slot, None)
+        if not blocks:
+            return
+        clear = ~(1 << slot)
+        owners = self._owners
+        for h in blocks:
+            mask = owners[h] & clear
+            if mask:
+                owners[h] = mask
+            else:
+                del owners[h]
+
+    def longest_match(self, blocks: Sequence[int], candidates: int) -> tuple[int, int]:
+        """``(depth, pods)``: how many leading blocks the best candidates hold, and the
+        bitmask of the candidates that hold that many."""
+        owners = self._owners
+        pods = candidates
+        depth = 0
+        for h in blocks:
+            held = owners.get(h, 0) & pods
+            if not held:
+                break
+            pods = held
+            depth += 1
+        return depth, (pods if depth else 0)
+
+    def record(self, slot: int, blocks: Sequence[int]) -> None:
+        """The pod now holds these blocks (it is about to prefill them)."""
+        lru = self._lru.get(slot)
+        if lru is None or not blocks:
+            return
+        bit = 1 << slot
+        owners = self._owners
+        # Touch the tail first so the head ends most recent: like the engine, evict a
+        # conversation's newest blocks before the prefix every later turn needs.
+        for h in reversed(blocks):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                owners[h] = owners.get(h, 0) | bit
+        excess = len(lru) - self.capacity
+        clear = ~bit
+        for _ in range(max(excess, 0)):
+            h, _none = lru.popitem(last=False)
+            mask = owners[h] & clear
+            if mask:
+                owners[h] = mask
+            else:
+                del owners[h]
+
+    def blocks_held(self, slot: int) -> int:
+        lru = self._lru.get(slot)
+        return len(lru) if lru is not None else 0
+
+    def __len__(self) -> int:
+        return len(self._owners)

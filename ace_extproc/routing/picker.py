@@ -1,0 +1,55 @@
+"""The picker interface, and the first policy: prefix affinity.
+
+A picker is called once per request with the request's block hashes and the
+bitmask of candidate pods; it returns a ``Pick`` and records what the chosen pod
+will hold. Policies are interchangeable behind ``Picker`` so the benchmark can run
+each of them exactly as the server calls them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ace_extproc.config import Pod
+from ace_extproc.prefix import PrefixHashes
+from ace_extproc.routing import rendezvous
+from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.index import BlockIndex
+
+
+@dataclass(slots=True, frozen=True)
+class Pick:
+    pod: Pod
+    slot: int
+    matched_blocks: int  # leading blocks the router believes the pod holds warm
+    action: str  # "hit": went to a warm pod; "miss": placed fresh
+
+
+class Picker(Protocol):
+    def pick(self, hashes: PrefixHashes, candidates: int) -> Pick | None:
+        """The pod for this request among ``candidates`` (a bitmask of slots), or None
+        when there is no candidate."""
+        ...
+
+
+class PrefixAffinityPicker:
+    """Longest warm prefix wins; a new prefix goes to its rendezvous pod.
+
+    Ties between pods holding the same longest match also break by rendezvous
+    order, so replicas agree on them too.
+    """
+
+    def __init__(self, fleet: FleetState, index: BlockIndex) -> None:
+        self.fleet = fleet
+        self.index = index
+        for slot in range(len(fleet.pods)):
+            index.add_pod(slot)
+
+    def pick(self, hashes: PrefixHashes, candidates: int) -> Pick | None:
+        if not candidates:
+            return None
+        depth, holders = self.index.longest_match(hashes.blocks, candidates)
+        slot = rendezvous.best(hashes.route_key, self.fleet.seeds, holders or candidates)
+        self.index.record(slot, hashes.blocks)
+        return Pick(self.fleet.pods[slot], slot, depth, "hit" if depth else "miss")
