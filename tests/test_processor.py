@@ -1,0 +1,175 @@
+import dataclasses
+import hashlib
+
+import msgspec
+import pytest
+
+from ace_extproc.config import Config, Mode, Settings, TenantConfig, sim_fleet
+from ace_extproc.processor import Processor, rewrite_body
+
+CHAT = "/v1/chat/completions"
+
+
+def make(mode=Mode.PROD, **settings):
+    fleet = sim_fleet([f"127.0.0.1:{8001 + i}" for i in range(4)])
+    base = Settings(mode=mode, salt_secret=b"secret", **settings)
+    return Processor(Config(fleet, base))
+
+
+def headers(path=CHAT, method="POST", **extra):
+    h = {":path": path, ":method": method, "content-type": "application/json"}
+    h.update({k.replace("_", "-"): v for k, v in extra.items()})
+    return h
+
+
+def body(messages, **extra):
+    return msgspec.json.encode({"model": "sim-llama", "messages": messages, **extra})
+
+
+LONG = "You are a helpful assistant. " * 100  # ~2.9 KB: several blocks
+
+
+def run(p, h, b, eos=False):
+    ctx = p.on_headers(h, eos)
+    return p.on_body(ctx, b)
+
+
+def test_prod_pins_rewrites_and_reports():
+    p = make()
+    b = body([{"role": "system", "content": LONG}, {"role": "user", "content": "hi"}])
+    first = run(p, headers(), b)
+    assert first.mode is Mode.PROD and first.action == "miss" and first.pod is not None
+    sent = msgspec.json.decode(first.body)
+    assert sent["cache_prefix_id"] == f"ace-kv-anon-{first.prefix_key}"
+    salt = sent["cache_salt"]
+    assert len(salt) == 64 and all(c in "0123456789abcdef" for c in salt)
+    assert sent["messages"] == msgspec.json.decode(b)["messages"]
+    second = run(p, headers(), body([
+        {"role": "system", "content": LONG}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"},
+    ]))
+    assert second.action == "hit" and second.pod == first.pod
+    assert second.saved_tokens > 600 and second.speedup > 1.5
+    assert second.trace == (
+        f"mode=prod,action=hit,prefix_key={second.prefix_key},"
+        f"saved_prefill_tokens={second.saved_tokens},speedup={second.speedup:.2f}"
+    )
+
+
+def test_shadow_decides_but_neither_pins_nor_rewrites():
+    p = make(Mode.SHADOW)
+    out = run(p, headers(), body([{"role": "user", "content": LONG}]))
+    assert out.mode is Mode.SHADOW and out.action == "miss"
+    assert out.pod is None and out.body is None and out.would_pick is not None
+
+
+def test_override_header_switches_mode_per_request():
+    p = make()
+    h = headers(x_ace_skill_override="prefix_kv_cache=shadow")
+    assert run(p, h, body([{"role": "user", "content": "x"}])).mode is Mode.SHADOW
+    h = headers(x_ace_skill_override="other=1, prefix_kv_cache=off")
+    assert run(p, h, body([{"role": "user", "content": "x"}])).action == "off"
+    locked = make(allow_mode_override=False)
+    h = headers(x_ace_skill_override="prefix_kv_cache=off")
+    assert run(locked, h, body([{"role": "user", "content": "x"}])).mode is Mode.PROD
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [("garbage", "bad_override"), ("=prod", "bad_override"), ("prefix_kv_cache=fast", "unknown_mode")],
+)
+def test_bad_override_passes_through(value, reason):
+    out = run(make(), headers(x_ace_skill_override=value), body([{"role": "user", "content": "x"}]))
+    assert out.action == f"bypass_{reason}" and out.pod is None and out.body is None
+
+
+@pytest.mark.parametrize(
+    ("h", "eos", "reason"),
+    [
+        (headers(path="/v1/models", method="GET"), True, "unknown_path"),
+        (headers(path="/v1/embeddings"), False, "unknown_path"),
+        (headers(method="GET"), True, "method"),
+        (headers(content_type="text/plain"), False, "content_type"),
+        (headers(), True, "empty_body"),
+        (headers(content_length="999999999"), False, "too_large"),
+    ],
+)
+def test_headers_alone_decide_bypasses(h, eos, reason):
+    ctx = make().on_headers(h, eos)
+    assert ctx.outcome is not None and ctx.outcome.action == f"bypass_{reason}"
+
+
+def test_body_over_limit_and_unknown_model_bypass():
+    p = make(max_body_bytes=1000)
+    assert run(p, headers(), body([{"role": "user", "content": "x" * 2000}])).action == "bypass_too_large"
+    fleet = sim_fleet(["127.0.0.1:8001"])
+    dest = dataclasses.replace(fleet.destinations[0], models=("only-this",))
+    p2 = Processor(Config(dataclasses.replace(fleet, destinations=(dest,)), Settings()))
+    assert run(p2, headers(), body([{"role": "user", "content": "x"}])).action == "bypass_unknown_model"
+
+
+def test_query_string_does_not_hide_the_path():
+    out = run(make(), headers(path=CHAT + "?x=1"), body([{"role": "user", "content": "x"}]))
+    assert out.action == "miss"
+
+
+def keyed(**kw):
+    digests = {hashlib.sha256(b"key-a").digest(): "acme", hashlib.sha256(b"key-b").digest(): "globex"}
+    return make(tenants=TenantConfig(key_digests=digests, **kw))
+
+
+def test_tenants_from_api_keys_get_their_own_prefix_space_and_salt():
+    p = keyed()
+    b = body([{"role": "system", "content": LONG}, {"role": "user", "content": "hi"}])
+    a = run(p, headers(authorization="Bearer key-a"), b)
+    g = run(p, headers(authorization="Bearer key-b"), b)
+    assert a.action == g.action == "miss"  # the same text, but not the same prefix
+    assert a.prefix_key != g.prefix_key
+    sa, sg = (msgspec.json.decode(o.body) for o in (a, g))
+    assert sa["cache_salt"] != sg["cache_salt"]
+    assert sa["cache_prefix_id"].startswith("ace-kv-acme-")
+    assert sg["cache_prefix_id"].startswith("ace-kv-globex-")
+
+
+def test_unknown_key_gets_401_and_the_key_is_never_echoed():
+    out = run(keyed(), headers(authorization="Bearer sk-secret-123"), body([{"role": "user", "content": "x"}]))
+    assert out.reject_status == 401
+    err = msgspec.json.decode(out.reject_body)
+    assert err["error"]["type"] == "authentication_error"
+    assert b"sk-secret" not in out.reject_body and "sk-secret" not in out.trace
+    # Missing key: anonymous unless required.
+    assert run(keyed(), headers(), body([{"role": "user", "content": "x"}])).action == "miss"
+    assert run(keyed(require_key=True), headers(), body([{"role": "user", "content": "x"}])).reject_status == 401
+    # In shadow nothing is rejected: the router only reports.
+    shadow = make(Mode.SHADOW, tenants=keyed().tenants._config)
+    assert run(shadow, headers(authorization="Bearer nope"), body([{"role": "user", "content": "x"}])).action == "bypass_unknown_key"
+
+
+def test_trusted_tenant_header():
+    p = make(tenants=TenantConfig(header="x-tenant"))
+    out = run(p, headers(x_tenant="team-7"), body([{"role": "user", "content": "x"}]))
+    assert msgspec.json.decode(out.body)["cache_prefix_id"].startswith("ace-kv-team-7-")
+    bad = run(p, headers(x_tenant="../evil"), body([{"role": "user", "content": "x"}]))
+    assert msgspec.json.decode(bad.body)["cache_prefix_id"].startswith("ace-kv-anon-")
+
+
+def test_client_cache_fields_are_replaced_not_shadowed():
+    b = body([{"role": "user", "content": "x"}], cache_salt="mine", cache_prefix_id="forged")
+    out = run(make(), headers(), b)
+    raw = out.body
+    assert raw.count(b'"cache_salt"') == 1 and raw.count(b'"cache_prefix_id"') == 1
+    sent = msgspec.json.decode(raw)
+    assert sent["cache_salt"] != "mine" and sent["cache_prefix_id"] != "forged"
+
+
+@pytest.mark.parametrize(
+    "original",
+    [b'{"a":1}', b'  {  "a" : [1, {"b": 2}] }  ', b"{}", b'{"cache_salt": null, "z": 1}'],
+)
+def test_rewrite_body_is_valid_json_with_the_fields(original):
+    out = rewrite_body(original, '"cache_prefix_id":"p","cache_salt":"s"', b"cache_salt" in original)
+    obj = msgspec.json.decode(out)
+    assert obj["cache_prefix_id"] == "p" and obj["cache_salt"] == "s"
+    assert {k: v for k, v in obj.items() if k not in ("cache_prefix_id", "cache_salt")} == {
+        k: v for k, v in msgspec.json.decode(original).items() if k != "cache_salt"
+    }

@@ -1,0 +1,108 @@
+import msgspec
+import pytest
+
+from ace_extproc import request as req
+
+
+def chat(messages, **extra):
+    return msgspec.json.encode({"model": "m", "messages": messages, **extra})
+
+
+def test_chat_canonical_prefix_grows_with_the_conversation():
+    turn1 = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi"},
+    ]
+    turn2 = [*turn1, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "More"}]
+    a = req.parse(req.CHAT_PATH, chat(turn1))
+    b = req.parse(req.CHAT_PATH, chat(turn2))
+    assert b.prompt.startswith(a.prompt)
+    # The cacheable prefix stops before the newest user turn.
+    assert a.prompt[: a.cacheable_end].endswith(b"You are terse.")
+    assert b.prompt[: b.cacheable_end] == a.prompt + b"\x1eassistant\x1fHello"
+    assert a.model == "m" and not a.has_router_fields and not a.stream
+
+
+def test_multipart_tools_tool_calls_and_results_are_all_in_the_prompt():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in "},
+                {"type": "image_url", "image_url": {"url": "https://x/cat.png"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\":\"Oslo\"}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    p = req.parse(req.CHAT_PATH, chat(messages, tools=tools))
+    for piece in (b"get_weather", b"What is in ", b"cat.png", b'{"city":"Oslo"}', b"c1", b"sunny"):
+        assert piece in p.prompt
+    assert p.prompt.startswith(b"\x1dtools")
+    # Different tool definitions give a different prompt from the very start.
+    other = req.parse(req.CHAT_PATH, chat(messages, tools=[{"type": "function"}]))
+    assert other.prompt[:30] != p.prompt[:30]
+
+
+def test_roles_and_content_are_not_confusable():
+    a = req.parse(req.CHAT_PATH, chat([{"role": "user", "content": "ab"}]))
+    b = req.parse(req.CHAT_PATH, chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]))
+    c = req.parse(req.CHAT_PATH, chat([{"role": "system", "content": "ab"}]))
+    assert len({a.prompt, b.prompt, c.prompt}) == 3
+
+
+def test_router_fields_are_detected_even_when_null():
+    assert req.parse(req.CHAT_PATH, chat([{"role": "user", "content": "x"}], cache_salt=None)).has_router_fields
+    assert req.parse(req.CHAT_PATH, chat([{"role": "user", "content": "x"}], cache_prefix_id="y")).has_router_fields
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("hello", b"hello"),
+        (["a", "b"], b"a\x1eb"),
+        ([1, 2], b"\x01\x00\x00\x00\x02\x00\x00\x00"),
+        ([[1], [2]], b"\x01\x00\x00\x00\x1e\x02\x00\x00\x00"),
+    ],
+)
+def test_completion_prompt_forms(prompt, expected):
+    p = req.parse(req.COMPLETIONS_PATH, msgspec.json.encode({"model": "m", "prompt": prompt}))
+    assert p.prompt == expected
+    assert p.cacheable_end is None  # decided by whole blocks
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "reason"),
+    [
+        (req.CHAT_PATH, b"{not json", "bad_json"),
+        (req.CHAT_PATH, b"[1, 2]", "not_object"),
+        (req.CHAT_PATH, b'"text"', "not_object"),
+        (req.CHAT_PATH, b"", "empty_body"),
+        (req.CHAT_PATH, b"   ", "empty_body"),
+        (req.CHAT_PATH, b'{"model": "m"}', "empty_prompt"),
+        (req.CHAT_PATH, b'{"model": "m", "messages": []}', "empty_prompt"),
+        (req.CHAT_PATH, b'{"messages": "hi"}', "invalid_body"),
+        (req.CHAT_PATH, b'{"messages": [{"role": "user", "content": 5}]}', "invalid_body"),
+        (req.CHAT_PATH, b'{"messages": [{"content": "no role"}]}', "invalid_body"),
+        (req.CHAT_PATH, b'{"model": 7, "messages": [{"role": "user", "content": "x"}]}', "invalid_body"),
+        (req.CHAT_PATH, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "not_utf8"),
+        (req.COMPLETIONS_PATH, b'{"model": "m"}', "empty_prompt"),
+        (req.COMPLETIONS_PATH, b'{"prompt": ""}', "empty_prompt"),
+        (req.COMPLETIONS_PATH, b'{"prompt": [1, "a"]}', "invalid_body"),
+        (req.COMPLETIONS_PATH, b'{"prompt": [99999999999]}', "invalid_body"),
+        (req.COMPLETIONS_PATH, b'{"prompt": {"a": 1}}', "invalid_body"),
+    ],
+)
+def test_bad_bodies_name_a_reason(path, body, reason):
+    with pytest.raises(req.RequestError) as err:
+        req.parse(path, body)
+    assert err.value.reason == reason
+    assert str(err.value)
