@@ -50,6 +50,7 @@ PROCESSING_MODES: dict[str, dict[str, str]] = {
         **_SKIP_RESPONSE,
     },
     # One stream for the body, no buffer limit; Envoy requires trailers SEND with it.
+    # Not fail-open once a body chunk has gone out (Envoy keeps no copy): see envoy/README.md.
     "full_duplex": {
         "request_header_mode": "SEND",
         "request_body_mode": "FULL_DUPLEX_STREAMED",
@@ -67,24 +68,35 @@ ACCESS_LOG_FORMAT = (
     "id=%REQ(X-REQUEST-ID)%\n"
 )
 
-_HTTP2_OPTIONS = {
-    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-        "explicit_http_config": {"http2_protocol_options": {}},
-    }
-}
-# Envoy's default circuit breakers allow 1024 concurrent requests per cluster. LLM
-# streams are long-lived and the default cluster holds a whole destination, so raise them.
-_CIRCUIT_BREAKERS = {
-    "thresholds": [
-        {
-            "priority": "DEFAULT",
-            "max_connections": 100_000,
-            "max_pending_requests": 100_000,
-            "max_requests": 100_000,
+
+# The helpers below build fresh dicts on each call: callers may mutate what render returns
+# (json_format.ParseDict does), and a shared dict would leak that into the next render.
+
+
+def _http2_options() -> dict[str, Any]:
+    # gRPC needs HTTP/2 to the ext_proc server.
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}},
         }
-    ]
-}
+    }
+
+
+def _circuit_breakers() -> dict[str, Any]:
+    # Envoy's defaults allow 1024 concurrent requests per cluster. LLM streams are
+    # long-lived and the default cluster holds a whole destination, so raise them.
+    limit = 100_000
+    return {
+        "thresholds": [
+            {
+                "priority": "DEFAULT",
+                "max_connections": limit,
+                "max_pending_requests": limit,
+                "max_requests": limit,
+            }
+        ]
+    }
 
 
 # ---------------------------------------------------------------- addresses
@@ -173,13 +185,13 @@ def _pod_clusters(fleet: cfg.Fleet) -> list[dict[str, Any]]:
                 dest.cluster,
                 [(p.host, p.port, w) for p, w in zip(dest.pods, weights, strict=True)],
                 lb_policy="LEAST_REQUEST",
-                circuit_breakers=_CIRCUIT_BREAKERS,
+                circuit_breakers=_circuit_breakers(),
             )
         )
         for pod in dest.pods:
             clusters.append(
                 _cluster(
-                    pod.cluster, [(pod.host, pod.port, None)], circuit_breakers=_CIRCUIT_BREAKERS
+                    pod.cluster, [(pod.host, pod.port, None)], circuit_breakers=_circuit_breakers()
                 )
             )
     return clusters
@@ -191,7 +203,7 @@ def _ext_proc_cluster(settings: cfg.Settings, uds: str | None) -> dict[str, Any]
             "name": EXT_PROC_CLUSTER,
             "type": "STATIC",
             "connect_timeout": CONNECT_TIMEOUT,
-            "typed_extension_protocol_options": _HTTP2_OPTIONS,
+            "typed_extension_protocol_options": _http2_options(),
             "load_assignment": {
                 "cluster_name": EXT_PROC_CLUSTER,
                 "endpoints": [
@@ -203,7 +215,7 @@ def _ext_proc_cluster(settings: cfg.Settings, uds: str | None) -> dict[str, Any]
     # The server may bind a wildcard; Envoy must dial a concrete loopback address.
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
     return _cluster(
-        EXT_PROC_CLUSTER, [(host, port, None)], typed_extension_protocol_options=_HTTP2_OPTIONS
+        EXT_PROC_CLUSTER, [(host, port, None)], typed_extension_protocol_options=_http2_options()
     )
 
 
@@ -214,10 +226,12 @@ def _ext_proc_filter(processing_mode: str, message_timeout_s: float) -> dict[str
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "@type": "type.googleapis.com/"
+            "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
             "stat_prefix": "ace",
-            # Fail-open: if ace-extproc is down or slow, the request goes on unpinned.
+            # Fail-open: if ace-extproc is down or slow, the request goes on unpinned
+            # (fully so in buffered mode only; see envoy/README.md).
             "failure_mode_allow": True,
             "processing_mode": dict(PROCESSING_MODES[processing_mode]),
             "message_timeout": _duration(message_timeout_s, "message_timeout"),
@@ -324,7 +338,8 @@ def _http_connection_manager(
                 {
                     "name": "envoy.filters.http.router",
                     "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                        "@type": "type.googleapis.com/"
+                        "envoy.extensions.filters.http.router.v3.Router"
                     },
                 },
             ],
@@ -409,9 +424,21 @@ def render_yaml(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fleet", help="fleet YAML (default: the built-in 4-pod simulated fleet)")
-    parser.add_argument("--listen", default="127.0.0.1:8080", help="Envoy's HTTP listener")
-    parser.add_argument("--admin", default="127.0.0.1:9901", help="Envoy's admin listener")
+    parser.add_argument(
+        "--fleet", metavar="FILE", help="fleet YAML (default: the built-in 4-pod simulated fleet)"
+    )
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:8080",
+        metavar="IP:PORT",
+        help="Envoy's HTTP listener (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--admin",
+        default="127.0.0.1:9901",
+        metavar="IP:PORT",
+        help="Envoy's admin listener (default: %(default)s)",
+    )
     parser.add_argument(
         "--processing-mode",
         choices=tuple(PROCESSING_MODES),
@@ -423,7 +450,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         metavar="SECONDS",
-        help="ext_proc per-message timeout; on expiry the request fails open (default: 1)",
+        help="ext_proc per-message timeout, buffered mode; on expiry the request fails open "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--ext-proc-uds",
@@ -443,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
             message_timeout_s=args.message_timeout,
             ext_proc_uds=args.ext_proc_uds,
         )
-    except cfg.ConfigError as exc:
+    except ValueError as exc:  # ConfigError, and the ValueError of an unknown ttft_model
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.output:

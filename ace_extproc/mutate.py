@@ -6,19 +6,15 @@ metadata from which Envoy adds ``x-ace-served-by`` and
 
 from __future__ import annotations
 
-from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
-    BodyMutation,
     BodyResponse,
     CommonResponse,
     HeaderMutation,
     HeadersResponse,
-    ImmediateResponse,
     ProcessingResponse,
-    StreamedBodyResponse,
 )
-from envoy.type.v3.http_status_pb2 import HttpStatus
 
 from ace_extproc.processor import UPSTREAM_HEADER, Outcome
 
@@ -33,33 +29,32 @@ HEADERS_CONTINUE = ProcessingResponse(request_headers=HeadersResponse())
 BODY_CONTINUE = ProcessingResponse(request_body=BodyResponse())
 
 
-def _header(key: str, value: bytes) -> HeaderValueOption:
-    # Envoy reads mutations from raw_value only; a mutation in `value` is ignored.
-    return HeaderValueOption(header=HeaderValue(key=key, raw_value=value), append_action=_OVERWRITE)
+def _set(mutation: HeaderMutation, key: str, value: bytes) -> None:
+    option = mutation.set_headers.add()
+    option.header.key = key
+    option.header.raw_value = value  # Envoy ignores a mutation given only in `value`
+    option.append_action = _OVERWRITE
 
 
-def _common(outcome: Outcome, client_upstream: bool, with_body: bool) -> CommonResponse | None:
-    """Header (and, in buffered mode, body) mutations, or None when there are none."""
+def _fill(common: CommonResponse, outcome: Outcome, client_upstream: bool, with_body: bool) -> None:
+    """Header (and, in buffered mode, body) mutations for the outcome.
+
+    Built in place: upb copies a sub-message passed to a constructor, which for a
+    16 KB body measured ~5x slower than filling the fields of one response.
+    """
     if outcome.pod is not None:
-        sets = [_header(UPSTREAM_HEADER, outcome.pod.cluster.encode())]
-        body = None
+        mutation = common.header_mutation
+        _set(mutation, UPSTREAM_HEADER, outcome.pod.cluster.encode())
         if outcome.body is not None:
             # A changed body needs its new length, or Envoy fails the request with 500.
-            sets.append(_header("content-length", str(len(outcome.body)).encode()))
+            _set(mutation, "content-length", str(len(outcome.body)).encode())
             if with_body:
-                body = BodyMutation(body=outcome.body)
-        return CommonResponse(
-            header_mutation=HeaderMutation(set_headers=sets),
-            body_mutation=body,
-            clear_route_cache=True,  # re-run routing on x-ace-upstream
-        )
-    if client_upstream:
+                common.body_mutation.body = outcome.body
+        common.clear_route_cache = True  # re-run routing on x-ace-upstream
+    elif client_upstream:
         # Defence in depth: Envoy's early header mutation should already have removed it.
-        return CommonResponse(
-            header_mutation=HeaderMutation(remove_headers=[UPSTREAM_HEADER]),
-            clear_route_cache=True,
-        )
-    return None
+        common.header_mutation.remove_headers.append(UPSTREAM_HEADER)
+        common.clear_route_cache = True
 
 
 def _with_metadata(resp: ProcessingResponse, outcome: Outcome) -> ProcessingResponse:
@@ -76,14 +71,12 @@ def _with_metadata(resp: ProcessingResponse, outcome: Outcome) -> ProcessingResp
 
 
 def immediate(outcome: Outcome) -> ProcessingResponse:
-    resp = ProcessingResponse(
-        immediate_response=ImmediateResponse(
-            status=HttpStatus(code=outcome.reject_status),
-            headers=HeaderMutation(set_headers=[_header("content-type", b"application/json")]),
-            body=outcome.reject_body,
-            details=outcome.action,
-        )
-    )
+    resp = ProcessingResponse()
+    answer = resp.immediate_response
+    answer.status.code = outcome.reject_status
+    _set(answer.headers, "content-type", b"application/json")
+    answer.body = outcome.reject_body
+    answer.details = outcome.action
     return _with_metadata(resp, outcome)
 
 
@@ -91,10 +84,9 @@ def headers_decided(outcome: Outcome, client_upstream: bool) -> ProcessingRespon
     """Buffered mode: the headers alone decided (a bypass); Envoy need not send the body."""
     if outcome.reject_status:
         return immediate(outcome)
-    resp = ProcessingResponse(
-        request_headers=HeadersResponse(response=_common(outcome, client_upstream, False)),
-        mode_override=ProcessingMode(request_body_mode=ProcessingMode.NONE),
-    )
+    resp = ProcessingResponse()
+    _fill(resp.request_headers.response, outcome, client_upstream, False)
+    resp.mode_override.request_body_mode = ProcessingMode.NONE
     return _with_metadata(resp, outcome)
 
 
@@ -102,9 +94,8 @@ def body_decided(outcome: Outcome, client_upstream: bool) -> ProcessingResponse:
     """Buffered mode: the answer to the buffered body."""
     if outcome.reject_status:
         return immediate(outcome)
-    resp = ProcessingResponse(
-        request_body=BodyResponse(response=_common(outcome, client_upstream, True))
-    )
+    resp = ProcessingResponse()
+    _fill(resp.request_body.response, outcome, client_upstream, True)
     return _with_metadata(resp, outcome)
 
 
@@ -115,20 +106,15 @@ def duplex_decided(
     in chunks (Envoy forwards only what the processor returns)."""
     if outcome.reject_status:
         return [immediate(outcome)]
-    headers = ProcessingResponse(
-        request_headers=HeadersResponse(response=_common(outcome, client_upstream, False))
-    )
+    headers = ProcessingResponse()
+    _fill(headers.request_headers.response, outcome, client_upstream, False)
     out = [_with_metadata(headers, outcome)]
     data = outcome.body if outcome.body is not None else body
+    view = memoryview(data)
     for start in range(0, max(len(data), 1), STREAM_CHUNK):
-        chunk = data[start : start + STREAM_CHUNK]
-        last = start + STREAM_CHUNK >= len(data)
-        mutation = BodyMutation(
-            streamed_response=StreamedBodyResponse(body=chunk, end_of_stream=last)
-        )
-        out.append(
-            ProcessingResponse(
-                request_body=BodyResponse(response=CommonResponse(body_mutation=mutation))
-            )
-        )
+        chunk = ProcessingResponse()
+        streamed = chunk.request_body.response.body_mutation.streamed_response
+        streamed.body = bytes(view[start : start + STREAM_CHUNK])
+        streamed.end_of_stream = start + STREAM_CHUNK >= len(data)
+        out.append(chunk)
     return out

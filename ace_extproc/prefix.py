@@ -48,12 +48,11 @@ def scope_seed(tenant: str, model: str) -> int:
 
 def chain(data: bytes, block_bytes: int, seed: int) -> list[int]:
     """Chained hashes of every full block of ``data``."""
-    view = memoryview(data)
-    out = []
+    out: list[int] = []
     h = seed
+    # Plain bytes slices measured faster here than memoryview slices for 512 B blocks.
     for start in range(0, len(data) - block_bytes + 1, block_bytes):
-        h = _xxh3(view[start : start + block_bytes], h)
-        out.append(h)
+        out.append(h := _xxh3(data[start : start + block_bytes], h))
     return out
 
 

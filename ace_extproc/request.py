@@ -12,6 +12,7 @@ conversations agree. Decoding is one typed ``msgspec`` pass (measured faster tha
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,50 +118,45 @@ def _parse_chat(path: str, req: ChatBody) -> ParsedRequest:
     if not req.messages:
         raise RequestError("empty_prompt", "`messages` is missing or empty")
     parts: list[bytes] = []
+    add = parts.append
     if req.tools:
-        parts.append(_GROUP + b"tools" + _FIELD)
-        parts.append(_FIELD.join(bytes(t) for t in req.tools))
-    offset = sum(map(len, parts))
-    cacheable_end = -1
+        add(_GROUP + b"tools" + _FIELD)
+        add(_FIELD.join(bytes(t) for t in req.tools))
+    newest_user = -1  # index in parts where the newest user turn starts
     for msg in req.messages:
         if msg.role == "user":
-            cacheable_end = offset  # the newest user turn starts here
-        chunk = _message_bytes(msg)
-        parts.append(chunk)
-        offset += len(chunk)
-    prompt = b"".join(parts)
-    # No user turn at all (e.g. a lone system prompt): the whole prompt is the prefix.
-    return ParsedRequest(
-        path,
-        req.model,
-        prompt,
-        len(prompt) if cacheable_end < 0 else cacheable_end,
-        req.has_router_fields,
-        req.stream,
-    )
+            newest_user = len(parts)
+        _add_message(add, msg)
+    if newest_user < 0:  # no user turn (e.g. a lone system prompt): all of it is the prefix
+        newest_user = len(parts)
+    head = b"".join(parts[:newest_user])
+    prompt = head + b"".join(parts[newest_user:])
+    return ParsedRequest(path, req.model, prompt, len(head), req.has_router_fields, req.stream)
 
 
-def _message_bytes(msg: Message) -> bytes:
-    out = [_MSG, msg.role.encode(), _FIELD]
+def _add_message(add: Callable[[bytes], None], msg: Message) -> None:
+    add(_MSG)
+    add(msg.role.encode())
+    add(_FIELD)
     if msg.name:
-        out += [msg.name.encode(), _FIELD]
+        add(msg.name.encode())
+        add(_FIELD)
     content = msg.content
     if isinstance(content, str):
-        out.append(content.encode())
+        add(content.encode())
     elif content:
         for part in content:
             text = part.get("text")
             if isinstance(text, str):
-                out.append(text.encode())
+                add(text.encode())
             else:  # image, audio, file: identified by their JSON (urls, ids, data)
-                out.append(msgspec.json.encode(part, order="sorted"))
-            out.append(_FIELD)
+                add(msgspec.json.encode(part, order="sorted"))
+            add(_FIELD)
     if msg.tool_calls:
         for call in msg.tool_calls:
-            out += [_GROUP, call.function.name.encode(), _FIELD, call.function.arguments.encode()]
+            add(_GROUP + call.function.name.encode() + _FIELD + call.function.arguments.encode())
     if msg.tool_call_id:
-        out += [_GROUP, msg.tool_call_id.encode()]
-    return b"".join(out)
+        add(_GROUP + msg.tool_call_id.encode())
 
 
 def _parse_completion(path: str, req: CompletionBody) -> ParsedRequest:

@@ -50,7 +50,10 @@ class TemplateError(ValueError):
 def encode(text: str) -> list[int]:
     """Token ids of ``text``: one per 4-byte chunk of its UTF-8 encoding."""
     data = text.encode("utf-8")
-    return [_hash(data[i : i + BYTES_PER_TOKEN]) % VOCAB_SIZE for i in range(0, len(data), BYTES_PER_TOKEN)]
+    return [
+        _hash(data[i : i + BYTES_PER_TOKEN]) % VOCAB_SIZE
+        for i in range(0, len(data), BYTES_PER_TOKEN)
+    ]
 
 
 def count(text: str) -> int:
@@ -164,5 +167,7 @@ def _tool_calls(calls: Any, index: int) -> str:
         # is byte-stable; accept an object too.
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
-        rendered.append(f'{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": {arguments}}}')
+        rendered.append(
+            f'{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": {arguments}}}'
+        )
     return "\n".join(rendered)

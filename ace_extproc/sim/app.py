@@ -1,0 +1,697 @@
+"""One simulated vLLM pod: an aiohttp OpenAI-compatible server.
+
+Endpoints (vLLM's shapes unless noted): ``POST /v1/chat/completions``,
+``POST /v1/completions`` (streaming and not), ``GET /health``,
+``GET /v1/models``, ``GET /version``, ``POST /tokenize``,
+``POST /v1/chat/completions/render`` and ``POST /v1/completions/render``,
+``POST /reset_prefix_cache``, ``GET /metrics``; SGLang's ``GET /get_load`` and
+``GET /server_info``; and, sim only, ``GET``/``DELETE /debug/requests``.
+
+Every response carries ``x-sim-pod: <pod id>``, a sim-only debug header
+(no real engine sends it) so tests can see which pod answered.
+
+Performance: the sim is the backend of overhead benchmarks, so the small
+non-streaming path stays short (msgspec JSON, no access log, no middleware
+unless ``--record`` is on).  aiohttp sets TCP_NODELAY on every connection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from aiohttp import web
+
+from ..latency import DEFAULT_MODEL, MODELS, get_model
+from .engine import CapacityError, Engine
+from .kvcache import PrefixCache
+from .metrics import CONTENT_TYPE, Exposition
+from .protocol import (
+    ApiError,
+    GenParams,
+    chat_chunk,
+    chat_response,
+    check_context,
+    check_model,
+    completion_chunk,
+    completion_response,
+    dumps,
+    filler_piece,
+    filler_text,
+    new_id,
+    now,
+    parse_body,
+    parse_gen_params,
+    parse_messages,
+    parse_prompts,
+    usage,
+    usage_chunk,
+)
+from .tokenizer import TemplateError, encode, render_chat
+
+VERSION = "0.33.0+sim"  # the vLLM release whose behaviour the sim follows
+POD_HEADER = "x-sim-pod"
+MAX_BODY = 64 * 1024 * 1024  # aiohttp's default is 1 MiB; vLLM takes long prompts
+# Polled paths that would push the interesting requests out of --record's window.
+_UNRECORDED = frozenset({"/health", "/metrics", "/get_load", "/server_info"})
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    pod_id: str = "pod-0"
+    model: str = "sim-llama"
+    block_size: int = 16
+    num_gpu_blocks: int = 8192
+    ttft_model: str = DEFAULT_MODEL
+    time_scale: float = 1.0
+    tpot_ms: float = 20.0
+    max_tokens_default: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 131072
+    record: int = 0  # keep the last N requests for GET /debug/requests; 0 = off
+
+
+class SimPod:
+    """The state of one pod: its prefix cache, engine and recorded requests."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.cache = PrefixCache(config.block_size, config.num_gpu_blocks)
+        self.engine = Engine(
+            get_model(config.ttft_model),
+            self.cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            time_scale=config.time_scale,
+            tpot_ms=config.tpot_ms,
+        )
+        self.records: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=max(config.record, 1)
+        )
+        self.started = time.time()
+
+
+POD = web.AppKey("sim_pod", SimPod)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(value: Any, status: int = 200) -> web.Response:
+    return web.Response(body=dumps(value), status=status, content_type="application/json")
+
+
+def _error(exc: ApiError) -> web.Response:
+    return web.Response(body=exc.body(), status=exc.status, content_type="application/json")
+
+
+def _api(handler: Handler) -> Handler:
+    """Answer :class:`ApiError` with OpenAI's error envelope."""
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return _error(exc)
+
+    return wrapped
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    return parse_body(await request.read())
+
+
+def _render(body: dict[str, Any], *, generation_prompt: bool = True) -> str:
+    messages, tools = parse_messages(body)
+    add = body.get("add_generation_prompt", generation_prompt)
+    if not isinstance(add, bool):
+        raise ApiError("'add_generation_prompt' must be a boolean", param="add_generation_prompt")
+    try:
+        return render_chat(messages, tools, add_generation_prompt=add)
+    except TemplateError as exc:
+        raise ApiError(str(exc), param="messages") from None
+
+
+# -- generation -------------------------------------------------------------------------
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    pod = request.app[POD]
+    body = await _body(request)
+    check_model(body, pod.config.model)
+    params = parse_gen_params(body)
+    tokens = encode(_render(body))
+    return await _generate(request, pod, "chat", [tokens], params)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    pod = request.app[POD]
+    body = await _body(request)
+    check_model(body, pod.config.model)
+    params = parse_gen_params(body)
+    prompts = [encode(p) if isinstance(p, str) else p for p in parse_prompts(body)]
+    return await _generate(request, pod, "text", prompts, params)
+
+
+async def _generate(
+    request: web.Request, pod: SimPod, kind: str, prompts: list[list[int]], params: GenParams
+) -> web.StreamResponse:
+    engine = pod.engine
+    max_tokens = params.max_tokens or pod.config.max_tokens_default
+    for tokens in prompts:
+        check_context(len(tokens), max_tokens, pod.config.max_model_len)
+        try:
+            engine.check(len(tokens), max_tokens, params.n)
+        except CapacityError as exc:
+            raise ApiError(str(exc)) from None
+    rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
+    created = now()
+    model = pod.config.model
+    prompt_tokens = sum(len(t) for t in prompts)
+    completion_tokens = max_tokens * params.n * len(prompts)
+    if params.stream:
+        return await _stream(request, pod, kind, prompts, params, max_tokens, rid, created)
+
+    async def one(tokens: list[int]) -> int:
+        async with engine.generate(
+            tokens, salt=params.cache_salt, max_tokens=max_tokens, n=params.n
+        ) as req:
+            await engine.decode(req, max_tokens - 1)
+        return req.cached_tokens
+
+    if len(prompts) == 1:
+        cached = await one(prompts[0])
+    else:
+        cached = sum(await asyncio.gather(*(one(t) for t in prompts)))
+    use = usage(prompt_tokens, completion_tokens, cached)
+    text = filler_text(max_tokens)
+    if kind == "chat":
+        return _json(chat_response(rid, model, created, text, params.n, use))
+    return _json(completion_response(rid, model, created, [text] * (params.n * len(prompts)), use))
+
+
+def _sse(value: Any) -> bytes:
+    return b"data: " + dumps(value) + b"\n\n"
+
+
+async def _stream(
+    request: web.Request,
+    pod: SimPod,
+    kind: str,
+    prompts: list[list[int]],
+    params: GenParams,
+    max_tokens: int,
+    rid: str,
+    created: int,
+) -> web.StreamResponse:
+    engine = pod.engine
+    model = pod.config.model
+    n = params.n
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    # Headers go out at once, as from vLLM (Starlette's StreamingResponse).
+    await response.prepare(request)
+    cached: list[int] = []
+
+    def chunk(base: int, i: int) -> bytes:
+        piece = filler_piece(i)
+        finish = "length" if i == max_tokens - 1 else None
+        if kind == "chat":
+            return b"".join(
+                _sse(chat_chunk(rid, model, created, [(base + j, {"content": piece}, finish)]))
+                for j in range(n)
+            )
+        return b"".join(
+            _sse(completion_chunk(rid, model, created, [(base + j, piece, finish)]))
+            for j in range(n)
+        )
+
+    async def one(index: int, tokens: list[int]) -> None:
+        base = index * n  # choice indexes of this prompt, as vLLM numbers a batch
+        async with engine.generate(
+            tokens, salt=params.cache_salt, max_tokens=max_tokens, n=n
+        ) as req:
+            first = chunk(base, 0)
+            if kind == "chat":
+                role = {"role": "assistant", "content": ""}
+                first = (
+                    b"".join(
+                        _sse(chat_chunk(rid, model, created, [(base + j, role, None)]))
+                        for j in range(n)
+                    )
+                    + first
+                )
+            await response.write(first)
+            for i in range(1, max_tokens):
+                await engine.decode(req, 1)
+                await response.write(chunk(base, i))
+        cached.append(req.cached_tokens)
+
+    try:
+        if len(prompts) == 1:
+            await one(0, prompts[0])
+        else:
+            async with asyncio.TaskGroup() as group:
+                for index, tokens in enumerate(prompts):
+                    group.create_task(one(index, tokens))
+        if params.include_usage:
+            use = usage(sum(len(t) for t in prompts), max_tokens * n * len(prompts), sum(cached))
+            obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+            await response.write(_sse(usage_chunk(rid, obj, model, created, use)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except (ConnectionError, ExceptionGroup):
+        pass  # the client went away; engine.generate has aborted the requests
+    return response
+
+
+# -- tokenizer endpoints ----------------------------------------------------------------
+
+
+async def _tokenize(request: web.Request) -> web.StreamResponse:
+    pod = request.app[POD]
+    body = await _body(request)
+    check_model(body, pod.config.model)
+    if "messages" in body:
+        tokens = encode(_render(body))
+    elif isinstance(body.get("prompt"), str):
+        tokens = encode(body["prompt"])
+    else:
+        raise ApiError("'prompt' (a string) or 'messages' is required", param="prompt")
+    return _json(
+        {
+            "count": len(tokens),
+            "max_model_len": pod.config.max_model_len,
+            "tokens": tokens,
+            "token_strs": None,
+        }
+    )
+
+
+async def _render_chat(request: web.Request) -> web.StreamResponse:
+    pod = request.app[POD]
+    body = await _body(request)
+    check_model(body, pod.config.model)
+    tokens = encode(_render(body))
+    return _json({"request_id": new_id("chatcmpl"), "token_ids": tokens, "model": pod.config.model})
+
+
+async def _render_completions(request: web.Request) -> web.StreamResponse:
+    pod = request.app[POD]
+    body = await _body(request)
+    check_model(body, pod.config.model)
+    rid = new_id("cmpl")
+    # vLLM answers with one prepared request per prompt, in a list.
+    return _json(
+        [
+            {
+                "request_id": f"{rid}-{i}",
+                "token_ids": encode(p) if isinstance(p, str) else p,
+                "model": pod.config.model,
+            }
+            for i, p in enumerate(parse_prompts(body))
+        ]
+    )
+
+
+# -- server endpoints -------------------------------------------------------------------
+
+
+async def _health(request: web.Request) -> web.StreamResponse:
+    return web.Response(status=200)
+
+
+async def _version(request: web.Request) -> web.StreamResponse:
+    return _json({"version": VERSION})
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    pod = request.app[POD]
+    name = pod.config.model
+    card = {
+        "id": name,
+        "object": "model",
+        "created": int(pod.started),
+        "owned_by": "vllm",
+        "root": name,
+        "parent": None,
+        "max_model_len": pod.config.max_model_len,
+    }
+    return _json({"object": "list", "data": [card]})
+
+
+async def _get_load(request: web.Request) -> web.StreamResponse:
+    engine = request.app[POD].engine
+    return _json({"load": engine.running + engine.waiting})
+
+
+async def _server_info(request: web.Request) -> web.StreamResponse:
+    pod = request.app[POD]
+    info: dict[str, Any] = asdict(pod.config)
+    info.update(
+        version=VERSION,
+        num_requests_running=pod.engine.running,
+        num_requests_waiting=pod.engine.waiting,
+        kv_cache_usage=pod.cache.usage,
+        cached_blocks=pod.cache.cached_blocks,
+    )
+    return _json(info)
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.StreamResponse:
+    request.app[POD].cache.reset()
+    return web.Response(status=200)
+
+
+async def _metrics(request: web.Request) -> web.StreamResponse:
+    pod = request.app[POD]
+    engine, cache, stats = pod.engine, pod.cache, pod.engine.stats
+    out = Exposition({"model_name": pod.config.model, "engine": "0"})
+    out.gauge(
+        "vllm:num_requests_running",
+        engine.running,
+        "Number of requests in model execution batches.",
+    )
+    out.gauge(
+        "vllm:num_requests_waiting", engine.waiting, "Number of requests waiting to be processed."
+    )
+    out.gauge("vllm:kv_cache_usage_perc", cache.usage, "KV-cache usage. 1 means 100 percent usage.")
+    out.counter(
+        "vllm:prefix_cache_queries_total",
+        cache.queries,
+        "Prefix cache queries, in terms of number of queried tokens.",
+    )
+    out.counter(
+        "vllm:prefix_cache_hits_total",
+        cache.hits,
+        "Prefix cache hits, in terms of number of cached tokens.",
+    )
+    out.counter(
+        "vllm:prompt_tokens_cached_total",
+        stats.cached_prompt_tokens,
+        "Number of cached prompt tokens (local prefix cache hits).",
+    )
+    out.counter(
+        "vllm:prompt_tokens_total", stats.prompt_tokens, "Number of prefill tokens processed."
+    )
+    out.counter(
+        "vllm:generation_tokens_total",
+        stats.generation_tokens,
+        "Number of generation tokens processed.",
+    )
+    out.labelled_counter(
+        "vllm:request_success_total",
+        "finished_reason",
+        {"stop": 0, "length": 0, "abort": 0, **stats.finished},
+        "Count of successfully processed requests.",
+    )
+    out.histogram(
+        "vllm:time_to_first_token_seconds",
+        stats.ttft,
+        "Histogram of time to first token in seconds.",
+    )
+    out.info(
+        "vllm:cache_config_info",
+        {
+            "block_size": str(cache.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": "True",
+            "num_gpu_blocks": str(cache.num_gpu_blocks),
+            "prefix_caching_hash_algo": "xxhash",
+            "engine": "0",
+        },
+        "Information of the LLMEngine CacheConfig",
+    )  # fmt: skip
+    return web.Response(text=out.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+# -- debugging --------------------------------------------------------------------------
+
+
+def _record_middleware(pod: SimPod) -> Any:
+    @web.middleware
+    async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in _UNRECORDED and not request.path.startswith("/debug/"):
+            raw = await request.read()  # aiohttp keeps it for the handler
+            headers: dict[str, str] = {}
+            for name, value in request.headers.items():
+                key = name.lower()
+                headers[key] = f"{headers[key]}, {value}" if key in headers else value
+            pod.records.append(
+                {
+                    "ts": time.time(),
+                    "method": request.method,
+                    "path": request.path,
+                    "query": request.query_string,
+                    "headers": headers,
+                    "body": raw.decode("utf-8", "replace"),
+                }
+            )
+        return await handler(request)
+
+    return record
+
+
+async def _debug_requests(request: web.Request) -> web.StreamResponse:
+    pod = request.app[POD]
+    if pod.config.record <= 0:
+        raise ApiError(
+            "request recording is off; start the sim with --record N",
+            status=404,
+            type="NotFoundError",
+        )
+    if request.method == "DELETE":
+        cleared = len(pod.records)
+        pod.records.clear()
+        return _json({"cleared": cleared})
+    return _json(list(pod.records))
+
+
+# -- wiring -----------------------------------------------------------------------------
+
+
+def build_app(config: SimConfig) -> web.Application:
+    pod = SimPod(config)
+    middlewares = [_record_middleware(pod)] if config.record > 0 else []
+    app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
+    app[POD] = pod
+
+    async def pod_header(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[POD_HEADER] = config.pod_id
+
+    app.on_response_prepare.append(pod_header)
+    routes = [
+        web.post("/v1/chat/completions", _api(_chat_completions)),
+        web.post("/v1/completions", _api(_completions)),
+        web.post("/v1/chat/completions/render", _api(_render_chat)),
+        web.post("/v1/completions/render", _api(_render_completions)),
+        web.post("/tokenize", _api(_tokenize)),
+        web.get("/health", _health),
+        web.get("/version", _version),
+        web.get("/v1/models", _models),
+        web.get("/metrics", _metrics),
+        web.get("/get_load", _get_load),
+        web.get("/server_info", _server_info),
+        web.post("/reset_prefix_cache", _reset_prefix_cache),
+        web.get("/debug/requests", _api(_debug_requests)),
+        web.delete("/debug/requests", _api(_debug_requests)),
+    ]
+    app.add_routes(routes)
+    return app
+
+
+class SimServer:
+    """Run a pod in the current event loop: ``async with SimServer(cfg) as s: s.url``.
+
+    ``port=0`` binds a free port; :attr:`port` is the one bound.
+    """
+
+    def __init__(
+        self, config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
+        self.config = config or SimConfig()
+        self.host = host
+        self.port = port
+        self.app = build_app(self.config)
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
+
+    @property
+    def pod(self) -> SimPod:
+        return self.app[POD]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        try:
+            await site.start()
+        except BaseException:
+            await self._runner.cleanup()
+            raise
+        self.port = int(self._runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def __aenter__(self) -> SimServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+# -- command line -----------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = SimConfig()
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    add("--port", type=int, default=8001, help="port to bind (default: %(default)s)")
+    add(
+        "--pod-id",
+        default=d.pod_id,
+        help="name sent in the x-sim-pod header (default: %(default)s)",
+    )
+    add("--model", default=d.model, help="served model name (default: %(default)s)")
+    add(
+        "--block-size",
+        type=_positive_int,
+        default=d.block_size,
+        help="tokens per KV block (default: %(default)s)",
+    )
+    add(
+        "--num-gpu-blocks",
+        type=_positive_int,
+        default=d.num_gpu_blocks,
+        help="KV blocks on the pod (default: %(default)s)",
+    )
+    add(
+        "--ttft-model",
+        choices=sorted(MODELS),
+        default=d.ttft_model,
+        help="latency model (default: %(default)s)",
+    )
+    add(
+        "--time-scale",
+        type=_non_negative_float,
+        default=d.time_scale,
+        help="multiply every simulated duration; 0 = no sleeping (default: %(default)s)",
+    )
+    add(
+        "--tpot-ms",
+        type=_non_negative_float,
+        default=d.tpot_ms,
+        help="decode time per output token (default: %(default)s)",
+    )
+    add(
+        "--max-tokens-default",
+        type=_positive_int,
+        default=d.max_tokens_default,
+        help="output tokens when a request sets none (default: %(default)s)",
+    )
+    add(
+        "--max-num-seqs",
+        type=_positive_int,
+        default=d.max_num_seqs,
+        help="most running requests, as vLLM's flag (default: %(default)s)",
+    )
+    add(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=d.max_num_batched_tokens,
+        help="uncached tokens per prefill batch (default: %(default)s)",
+    )
+    add(
+        "--max-model-len",
+        type=_positive_int,
+        default=d.max_model_len,
+        help="context length (default: %(default)s)",
+    )
+    add("--record", type=_non_negative_int, default=0, metavar="N", help="keep the last N requests for GET /debug/requests (default: off)")  # fmt: skip
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        pod_id=args.pod_id,
+        model=args.model,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        ttft_model=args.ttft_model,
+        time_scale=args.time_scale,
+        tpot_ms=args.tpot_ms,
+        max_tokens_default=args.max_tokens_default,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        record=args.record,
+    )
+
+
+async def serve(config: SimConfig, host: str, port: int) -> None:
+    """Serve until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with SimServer(config, host, port) as server:
+        print(f"sim {config.pod_id} listening on {server.url}", flush=True)
+        await stop.wait()
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(serve(config, args.host, args.port))
+    except OSError as exc:
+        print(
+            f"sim {config.pod_id}: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr
+        )
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,283 @@
+"""The simulated engine's timing: admission queue, batched prefill, decode.
+
+A request's life, and where it waits:
+
+1. **Admission** (FIFO): it needs one of ``max_num_seqs`` running slots and KV
+   blocks for its prompt and output (see :mod:`.kvcache`).  Until then it
+   counts as *waiting*; afterwards as *running* until it finishes.
+2. **Prefill**: the pod runs one prefill batch at a time.  Requests that
+   arrive while a batch runs wait for it, then go together in the next batch
+   (FIFO, up to ``max_num_batched_tokens`` uncached tokens; a longer prompt
+   runs alone instead of being chunked).  A batch takes
+   ``t0 + max(t_step, sum of the members' prefill work)`` model milliseconds,
+   which for a request alone is exactly ``TTFTModel.ttft_ms(uncached, cached)``.
+   The first output token comes with the end of the batch.
+3. **Decode**: one token every ``tpot_ms``, whatever the batch (decode does
+   not slow prefill down here, nor the reverse).
+
+Every model duration is multiplied by ``time_scale`` before sleeping
+(0 sleeps not at all, but still yields so concurrent requests batch).  The TTFT
+histogram records *simulated* seconds (admission wait divided by
+``time_scale``, plus the model time of the prefill batches waited through), so
+a run at ``time_scale=0.001`` still reports realistic TTFTs.  Nothing blocks
+the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from ..latency import TTFTModel
+from .kvcache import Allocation, PrefixCache
+from .metrics import Histogram
+
+
+class CapacityError(ValueError):
+    """The request can never run on this pod (it needs more KV blocks than exist)."""
+
+
+@dataclass(slots=True, eq=False)
+class EngineRequest:
+    tokens: Sequence[int]
+    salt: str | None
+    max_tokens: int
+    n: int
+    arrival: float  # loop time
+    alloc: Allocation | None = None
+    cached_tokens: int = 0
+    generated: int = 0  # tokens produced per choice so far
+    ttft_s: float = 0.0  # simulated seconds
+    wait_s: float = 0.0  # simulated seconds spent waiting for admission
+    prefill_enqueued_ms: float = 0.0  # prefill clock when it joined the prefill queue
+    done: bool = False
+
+    @property
+    def uncached_tokens(self) -> int:
+        return len(self.tokens) - self.cached_tokens
+
+
+@dataclass(slots=True)
+class EngineStats:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = dataclasses.field(default_factory=dict)
+    ttft: Histogram = dataclasses.field(default_factory=Histogram)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: TTFTModel,
+        cache: PrefixCache,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        time_scale: float = 1.0,
+        tpot_ms: float = 20.0,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if time_scale < 0 or tpot_ms < 0:
+            raise ValueError("time_scale and tpot_ms must not be negative")
+        self.model = model
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.time_scale = time_scale
+        self.tpot_ms = tpot_ms
+        self.stats = EngineStats()
+        self.running = 0
+        self.waiting = 0
+        # The model with no step floor gives a request's share of a batch's work.
+        self._work = dataclasses.replace(model, t_step_ms=0.0)
+        self._admit_queue: deque[tuple[EngineRequest, asyncio.Future[None]]] = deque()
+        self._prefill_queue: deque[tuple[EngineRequest, asyncio.Future[None]]] = deque()
+        self._prefill_task: asyncio.Task[None] | None = None
+        self._prefill_clock_ms = 0.0  # model time spent in prefill batches so far
+        self._batch_started = 0.0  # loop time the running batch began
+        self._batch_ms = 0.0  # model duration of the running batch (0 when idle)
+
+    # -- public API -----------------------------------------------------------------
+    def check(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
+        """Raise :class:`CapacityError` if such a request could never be admitted."""
+        need = self.cache.blocks_for(prompt_tokens + self._reserve(max_tokens, n))
+        if need > self.cache.num_gpu_blocks:
+            raise CapacityError(
+                f"the request needs {need} KV blocks but the pod has "
+                f"{self.cache.num_gpu_blocks} ({self.cache.block_size} tokens each)"
+            )
+
+    async def start(
+        self, tokens: Sequence[int], *, salt: str | None = None, max_tokens: int = 16, n: int = 1
+    ) -> EngineRequest:
+        """Admit and prefill a request; returns at its first token.
+
+        The caller must pass the result to :meth:`finish` (see :meth:`generate`).
+        """
+        self.check(len(tokens), max_tokens, n)
+        loop = asyncio.get_running_loop()
+        req = EngineRequest(tokens, salt, max_tokens, n, loop.time())
+        await self._admit(req)
+        try:
+            await self._prefill(req)
+        except BaseException:
+            self.finish(req, "abort")
+            raise
+        return req
+
+    async def decode(self, req: EngineRequest, tokens: int) -> None:
+        """Produce ``tokens`` more tokens per choice, ``tpot_ms`` each."""
+        tokens = min(tokens, req.max_tokens - req.generated)
+        if tokens <= 0:
+            return
+        await self._sleep_ms(tokens * self.tpot_ms, yield_always=False)
+        req.generated += tokens
+        self.stats.generation_tokens += tokens * req.n
+
+    def finish(self, req: EngineRequest, reason: str = "length") -> None:
+        """Release the request's slot and blocks (idempotent)."""
+        if req.done:
+            return
+        req.done = True
+        if req.alloc is not None:
+            self.cache.release(req.alloc)
+            self.running -= 1
+            self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+            self._wake()
+
+    @contextlib.asynccontextmanager
+    async def generate(
+        self, tokens: Sequence[int], *, salt: str | None = None, max_tokens: int = 16, n: int = 1
+    ) -> AsyncIterator[EngineRequest]:
+        """``start`` ... ``finish``: finished as "length", or "abort" on an exception."""
+        req = await self.start(tokens, salt=salt, max_tokens=max_tokens, n=n)
+        try:
+            yield req
+        except BaseException:
+            self.finish(req, "abort")
+            raise
+        self.finish(req, "length")
+
+    # -- admission ------------------------------------------------------------------
+    def _reserve(self, max_tokens: int, n: int) -> int:
+        return max_tokens * n
+
+    def _try_admit(self, req: EngineRequest) -> bool:
+        if self.running >= self.max_num_seqs:
+            return False
+        alloc = self.cache.allocate(
+            req.tokens, req.salt, extra_tokens=self._reserve(req.max_tokens, req.n)
+        )
+        if alloc is None:
+            return False
+        req.alloc = alloc
+        req.cached_tokens = alloc.cached_tokens
+        self.running += 1
+        return True
+
+    async def _admit(self, req: EngineRequest) -> None:
+        if not self._admit_queue and self._try_admit(req):
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._admit_queue.append((req, fut))
+        self.waiting += 1
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.finish(req, "abort")  # admitted just as it was cancelled
+            raise
+        finally:
+            self.waiting -= 1
+        if self.time_scale > 0:
+            req.wait_s = (loop.time() - req.arrival) / self.time_scale
+
+    def _wake(self) -> None:
+        """Admit waiting requests in order while they fit (head-of-line blocking)."""
+        queue = self._admit_queue
+        while queue:
+            req, fut = queue[0]
+            if fut.done():  # cancelled while waiting
+                queue.popleft()
+                continue
+            if not self._try_admit(req):
+                break
+            queue.popleft()
+            fut.set_result(None)
+
+    # -- prefill --------------------------------------------------------------------
+    def _prefill_now_ms(self) -> float:
+        """The prefill clock, including the elapsed part of the running batch."""
+        if self._batch_ms == 0.0 or self.time_scale == 0:
+            return self._prefill_clock_ms
+        elapsed = (asyncio.get_running_loop().time() - self._batch_started) * 1000
+        return self._prefill_clock_ms + min(self._batch_ms, elapsed / self.time_scale)
+
+    async def _prefill(self, req: EngineRequest) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        req.prefill_enqueued_ms = self._prefill_now_ms()
+        self._prefill_queue.append((req, fut))
+        if self._prefill_task is None:
+            self._prefill_task = asyncio.create_task(self._prefill_loop())
+        await fut
+        assert req.alloc is not None
+        self.cache.commit(req.alloc)
+        req.generated = 1  # the first token comes out of the prefill step
+        req.ttft_s = req.wait_s + (self._prefill_clock_ms - req.prefill_enqueued_ms) / 1000
+        stats = self.stats
+        stats.prompt_tokens += len(req.tokens)
+        stats.cached_prompt_tokens += req.cached_tokens
+        stats.generation_tokens += req.n
+        stats.ttft.observe(req.ttft_s)
+
+    def _next_batch(self) -> list[tuple[EngineRequest, asyncio.Future[None]]]:
+        batch: list[tuple[EngineRequest, asyncio.Future[None]]] = []
+        budget = 0
+        queue = self._prefill_queue
+        while queue:
+            req, fut = queue[0]
+            if fut.done():  # its client went away
+                queue.popleft()
+                continue
+            if batch and budget + req.uncached_tokens > self.max_num_batched_tokens:
+                break
+            budget += req.uncached_tokens
+            batch.append(queue.popleft())
+        return batch
+
+    def batch_ms(self, members: Sequence[tuple[int, int]]) -> float:
+        """Model time of one prefill batch of (uncached, cached) token counts."""
+        work = sum(self._work.prefill_ms(n, c) for n, c in members)
+        return self.model.t0_ms + max(self.model.t_step_ms, work)
+
+    async def _prefill_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            # Let the requests that arrived in the same loop iteration join the first batch.
+            await asyncio.sleep(0)
+            while batch := self._next_batch():
+                ms = self.batch_ms([(r.uncached_tokens, r.cached_tokens) for r, _ in batch])
+                self._batch_started, self._batch_ms = loop.time(), ms
+                await self._sleep_ms(ms, yield_always=True)
+                self._prefill_clock_ms += ms
+                self._batch_ms = 0.0
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_result(None)
+        finally:
+            self._batch_ms = 0.0
+            self._prefill_task = None
+
+    async def _sleep_ms(self, ms: float, *, yield_always: bool) -> None:
+        delay = ms * self.time_scale / 1000
+        if delay > 0:
+            await asyncio.sleep(delay)
+        elif yield_always:
+            await asyncio.sleep(0)

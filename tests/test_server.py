@@ -1,0 +1,204 @@
+"""The ext_proc server over real gRPC, driven as Envoy drives it."""
+
+import asyncio
+import dataclasses
+
+import grpc
+import msgspec
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ace_extproc import server
+from ace_extproc.config import Config, Settings, sim_fleet
+from ace_extproc.processor import Processor
+
+
+def config(listen: str, **kw) -> Config:
+    fleet = sim_fleet([f"127.0.0.1:{9001 + i}" for i in range(3)])
+    return Config(fleet, Settings(listen=listen, salt_secret=b"s", **kw))
+
+
+def headers_msg(path="/v1/chat/completions", method="POST", eos=False, duplex=False):
+    hs = [(":path", path), (":method", method), ("content-type", "application/json")]
+    msg = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in hs]),
+            end_of_stream=eos,
+        )
+    )
+    mode = ProcessingMode.FULL_DUPLEX_STREAMED if duplex else ProcessingMode.BUFFERED
+    msg.protocol_config.request_body_mode = mode
+    return msg
+
+
+def body_msg(data: bytes, eos=True):
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=eos))
+
+
+CHAT = msgspec.json.encode(
+    {"model": "m", "messages": [{"role": "system", "content": "s" * 3000}, {"role": "user", "content": "q"}]}
+)
+
+
+async def exchange(target: str, messages, expect: int):
+    """Send ``messages`` on one stream, one at a time like Envoy; collect ``expect`` answers."""
+    big = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(target, options=big) as channel:
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        out = []
+        for m in messages:
+            await call.write(m)
+        while len(out) < expect:
+            out.append(await asyncio.wait_for(call.read(), 5))
+        await call.done_writing()
+        return out
+
+
+def with_server(cfg: Config, coro_fn, processor=None):
+    async def main():
+        srv, _health = await server.start(cfg, processor)
+        try:
+            return await coro_fn()
+        finally:
+            await srv.stop(0)
+
+    return asyncio.run(main())
+
+
+def header_map(mutation):
+    return {h.header.key: h.header.raw_value for h in mutation.set_headers}
+
+
+def test_buffered_two_exchanges_route_and_rewrite(port):
+    target = f"127.0.0.1:{port}"
+    out = with_server(config(target), lambda: exchange(target, [headers_msg(), body_msg(CHAT)], 2))
+    assert out[0].WhichOneof("response") == "request_headers"
+    assert not out[0].request_headers.response.HasField("header_mutation")
+    common = out[1].request_body.response
+    sets = header_map(common.header_mutation)
+    assert sets["x-ace-upstream"].startswith(b"ace_pod.sim.pod-")
+    assert int(sets["content-length"]) == len(common.body_mutation.body)
+    assert common.clear_route_cache
+    assert msgspec.json.decode(common.body_mutation.body)["cache_salt"]
+    ace = out[1].dynamic_metadata.fields["ace"].struct_value.fields
+    assert ace["trace"].string_value.startswith("mode=prod,action=miss,prefix_key=")
+    assert ace["served_by"].string_value == "sim/" + sets["x-ace-upstream"].decode().split(".")[-1]
+
+
+def test_bypass_on_headers_skips_the_body(port):
+    target = f"127.0.0.1:{port}"
+    msgs = [headers_msg(path="/v1/models", method="GET", eos=True)]
+    (out,) = with_server(config(target), lambda: exchange(target, msgs, 1))
+    assert out.mode_override.request_body_mode == ProcessingMode.NONE
+    trace = out.dynamic_metadata.fields["ace"].struct_value.fields["trace"].string_value
+    assert "action=bypass_unknown_path" in trace
+
+
+def test_full_duplex_one_round_trip(port):
+    target = f"127.0.0.1:{port}"
+    half = len(CHAT) // 2
+    msgs = [headers_msg(duplex=True), body_msg(CHAT[:half], eos=False), body_msg(CHAT[half:])]
+
+    async def go():
+        return await exchange(target, msgs, 2)
+
+    out = with_server(config(target), go)
+    assert out[0].WhichOneof("response") == "request_headers"
+    common = out[0].request_headers.response
+    assert common.clear_route_cache
+    sets = header_map(common.header_mutation)
+    streamed = out[1].request_body.response.body_mutation.streamed_response
+    assert streamed.end_of_stream
+    assert int(sets["content-length"]) == len(streamed.body)
+    assert msgspec.json.decode(streamed.body)["messages"][1]["content"] == "q"
+
+
+def test_full_duplex_streams_big_bodies_back_in_chunks(port):
+    target = f"127.0.0.1:{port}"
+    big = msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": "x" * 200_000}]})
+    msgs = [headers_msg(duplex=True), body_msg(big)]
+    out = with_server(config(target), lambda: exchange(target, msgs, 5))
+    chunks = [m.request_body.response.body_mutation.streamed_response for m in out[1:]]
+    assert all(len(c.body) <= 64 * 1024 for c in chunks)
+    assert [c.end_of_stream for c in chunks] == [False, False, False, True]
+    assert len(msgspec.json.decode(b"".join(c.body for c in chunks))["messages"][0]["content"]) == 200_000
+
+
+def test_bodies_over_4_mib_are_accepted(port):
+    target = f"127.0.0.1:{port}"
+    big = msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": "y" * (6 << 20)}]})
+    out = with_server(config(target), lambda: exchange(target, [headers_msg(), body_msg(big)], 2))
+    assert len(out[1].request_body.response.body_mutation.body) > 6 << 20
+
+
+def test_unknown_key_is_an_immediate_401(port):
+    import hashlib
+
+    from ace_extproc.config import TenantConfig
+
+    target = f"127.0.0.1:{port}"
+    tenants = TenantConfig(key_digests={hashlib.sha256(b"good").digest(): "t"})
+    msg = headers_msg()
+    msg.request_headers.headers.headers.append(HeaderValue(key="authorization", raw_value=b"Bearer bad"))
+    (out,) = with_server(config(target, tenants=tenants), lambda: exchange(target, [msg], 1))
+    assert out.immediate_response.status.code == 401
+    assert b"bad" not in out.immediate_response.body
+
+
+class Exploding(Processor):
+    def on_body(self, ctx, body):
+        raise RuntimeError("bug")
+
+
+def test_a_bug_costs_the_decision_not_the_request(port):
+    target = f"127.0.0.1:{port}"
+    cfg = config(target)
+    out = with_server(cfg, lambda: exchange(target, [headers_msg(), body_msg(CHAT)], 2), Exploding(cfg))
+    common = out[1].request_body.response
+    assert not common.HasField("body_mutation") and not common.HasField("header_mutation")
+    trace = out[1].dynamic_metadata.fields["ace"].struct_value.fields["trace"].string_value
+    assert "action=bypass_internal_error" in trace
+
+
+def test_health_and_unix_socket(port, tmp_path):
+    uds = str(tmp_path / "ace.sock")
+    cfg = config(f"127.0.0.1:{port}", uds=uds)
+
+    async def go():
+        async with grpc.aio.insecure_channel(f"unix:{uds}") as ch:
+            resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+        return resp.status, await exchange(f"unix:{uds}", [headers_msg(), body_msg(CHAT)], 2)
+
+    status, out = with_server(cfg, go)
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    assert out[1].request_body.response.clear_route_cache
+
+
+def test_graceful_stop_finishes_streams_in_flight(port):
+    target = f"127.0.0.1:{port}"
+
+    async def main():
+        srv, health = await server.start(config(target))
+        async with grpc.aio.insecure_channel(target) as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(headers_msg())
+            await call.read()
+            await health.enter_graceful_shutdown()
+            stopping = asyncio.create_task(srv.stop(5))
+            await asyncio.sleep(0.1)
+            await call.write(body_msg(CHAT))  # the stream in flight still gets its answer
+            answer = await asyncio.wait_for(call.read(), 5)
+            await call.done_writing()
+            await stopping
+            return answer
+
+    answer = asyncio.run(main())
+    assert answer.request_body.response.clear_route_cache
+
+
+def test_server_settings_reach_grpc_options():
+    opts = dict(server.grpc_options(dataclasses.replace(Settings()).grpc_max_message_bytes))
+    assert opts["grpc.max_receive_message_length"] >= 64 << 20
