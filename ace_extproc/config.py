@@ -289,8 +289,9 @@ _SETTING_TYPES: dict[str, type] = {
 
 def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
-    raw = dict(raw or {})
-    if not isinstance(raw, dict):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
         raise ConfigError("router: expected a mapping")
     values: dict[str, Any] = {}
     for name, value in raw.items():
@@ -313,7 +314,10 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("router.block_bytes: expected 16..65536")
     if settings.max_body_bytes <= 0 or settings.index_blocks_per_pod <= 0:
         raise ConfigError("router: max_body_bytes and index_blocks_per_pod must be positive")
-    get_model(settings.ttft_model)
+    try:
+        get_model(settings.ttft_model)
+    except ValueError as exc:
+        raise ConfigError(f"router.ttft_model: {exc}") from None
     return settings
 
 
@@ -359,3 +363,20 @@ def sim_fleet(addresses: Sequence[str], destination: str = "sim") -> Fleet:
         pods.append(Pod(destination, f"pod-{i}", host, port))
     dest = Destination(destination, "vllm", pods[0].base_url, 1.0, tuple(pods))
     return Fleet((dest,))
+
+
+def fleet_to_dict(fleet: Fleet) -> dict[str, Any]:
+    """The fleet in ``fleet.yaml`` form (``parse_fleet`` reads it back unchanged)."""
+    return {
+        "destinations": [
+            {
+                "id": d.id,
+                "provider": d.provider,
+                "base_url": d.base_url,
+                "weight": d.weight,
+                **({"models": list(d.models)} if d.models else {}),
+                "pods": [{"id": p.id, "base_url": p.base_url, "weight": p.weight} for p in d.pods],
+            }
+            for d in fleet.destinations
+        ]
+    }

