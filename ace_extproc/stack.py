@@ -21,7 +21,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -32,6 +32,7 @@ from ace_extproc import envoy_config
 from ace_extproc.config import Config, ConfigError
 
 _PR_SET_PDEATHSIG = 1
+SERVED_BY = "x-ace-served-by"
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
@@ -100,7 +101,9 @@ class Stack:
                 await self._start_pods(fleet)
             else:
                 fleet_path = Path(o.fleet_path)
-            self.config = config_mod.load(fleet_path)
+            cfg = config_mod.load(fleet_path)
+            # Envoy must dial the ext_proc where this stack starts it.
+            self.config = replace(cfg, settings=replace(cfg.settings, listen=o.ext_proc))
             await self._start_ext_proc(fleet_path)
             await self._start_envoy(self.config)
             await self._wait_flowing()
@@ -176,12 +179,18 @@ class Stack:
             if self.options.fleet_path is None:
                 body = {"model": "sim-llama", "messages": [{"role": "user", "content": "ping"}]}
                 url = f"{self.url}/v1/chat/completions"
-                await self._wait_http(http, url, "the request path", json=body)
+                # x-ace-served-by proves the request went through ace-extproc, not fail-open.
+                await self._wait_http(http, url, "the request path", json=body, header=SERVED_BY)
             else:
                 await self._wait_http(http, f"{self.url}/v1/models", "the request path")
 
     async def _wait_http(
-        self, http: aiohttp.ClientSession, url: str, what: str, json: object = None
+        self,
+        http: aiohttp.ClientSession,
+        url: str,
+        what: str,
+        json: object = None,
+        header: str | None = None,
     ) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s
         last = "no answer"
@@ -192,9 +201,9 @@ class Stack:
                 timeout = aiohttp.ClientTimeout(total=5)
                 async with http.request(method, url, json=json, timeout=timeout) as resp:
                     await resp.read()
-                    if resp.status == 200:
+                    if resp.status == 200 and (header is None or header in resp.headers):
                         return
-                    last = f"HTTP {resp.status}"
+                    last = f"HTTP {resp.status}" + (f" without {header}" if header else "")
             except (TimeoutError, aiohttp.ClientError) as exc:
                 last = type(exc).__name__
             await asyncio.sleep(0.1)

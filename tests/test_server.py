@@ -92,6 +92,8 @@ def test_bypass_on_headers_skips_the_body(port):
     target = f"127.0.0.1:{port}"
     msgs = [headers_msg(path="/v1/models", method="GET", eos=True)]
     (out,) = with_server(config(target), lambda: exchange(target, msgs, 1))
+    assert out.WhichOneof("response") == "request_headers"
+    assert out.request_headers.HasField("response")
     assert out.mode_override.request_body_mode == ProcessingMode.NONE
     trace = out.dynamic_metadata.fields["ace"].struct_value.fields["trace"].string_value
     assert "action=bypass_unknown_path" in trace
@@ -157,6 +159,7 @@ def test_a_bug_costs_the_decision_not_the_request(port):
     target = f"127.0.0.1:{port}"
     cfg = config(target)
     out = with_server(cfg, lambda: exchange(target, [headers_msg(), body_msg(CHAT)], 2), Exploding(cfg))
+    assert out[1].WhichOneof("response") == "request_body"
     common = out[1].request_body.response
     assert not common.HasField("body_mutation") and not common.HasField("header_mutation")
     trace = out[1].dynamic_metadata.fields["ace"].struct_value.fields["trace"].string_value
