@@ -10,6 +10,14 @@ Endpoints (vLLM's shapes unless noted): ``POST /v1/chat/completions``,
 Every response carries ``x-sim-pod: <pod id>``, a sim-only debug header
 (no real engine sends it) so tests can see which pod answered.
 
+``--record N`` keeps the last N requests received (except the polled
+``/health``, ``/metrics``, ``/get_load``, ``/server_info`` and ``/debug/*``)
+and ``GET /debug/requests`` returns them oldest first as a JSON list of
+``{"ts", "method", "path", "query", "headers", "body"}``: header names
+lower-cased (repeats joined with ", "), the raw body as UTF-8 text.
+``DELETE /debug/requests`` clears them.  Without ``--record`` both answer 404
+and bodies are never kept or logged.
+
 Performance: the sim is the backend of overhead benchmarks, so the small
 non-streaming path stays short (msgspec JSON, no access log, no middleware
 unless ``--record`` is on).  aiohttp sets TCP_NODELAY on every connection.
@@ -53,6 +61,7 @@ from .protocol import (
     parse_prompts,
     usage,
     usage_chunk,
+    validate_cache_salt,
 )
 from .tokenizer import TemplateError, encode, render_chat
 
@@ -268,8 +277,8 @@ async def _stream(
             await response.write(_sse(usage_chunk(rid, obj, model, created, use)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-    except (ConnectionError, ExceptionGroup):
-        pass  # the client went away; engine.generate has aborted the requests
+    except* ConnectionError:
+        pass  # the client went away; engine.generate has aborted its requests
     return response
 
 
@@ -300,26 +309,32 @@ async def _render_chat(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     body = await _body(request)
     check_model(body, pod.config.model)
+    salt = validate_cache_salt(body.get("cache_salt"))
     tokens = encode(_render(body))
-    return _json({"request_id": new_id("chatcmpl"), "token_ids": tokens, "model": pod.config.model})
+    return _json(_prepared(new_id("chatcmpl"), tokens, pod.config.model, salt))
 
 
 async def _render_completions(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     body = await _body(request)
     check_model(body, pod.config.model)
+    salt = validate_cache_salt(body.get("cache_salt"))
     rid = new_id("cmpl")
     # vLLM answers with one prepared request per prompt, in a list.
     return _json(
         [
-            {
-                "request_id": f"{rid}-{i}",
-                "token_ids": encode(p) if isinstance(p, str) else p,
-                "model": pod.config.model,
-            }
+            _prepared(f"{rid}-{i}", encode(p) if isinstance(p, str) else p, pod.config.model, salt)
             for i, p in enumerate(parse_prompts(body))
         ]
     )
+
+
+def _prepared(rid: str, tokens: list[int], model: str, salt: str | None) -> dict[str, Any]:
+    """The part of vLLM's prepared ``GenerateRequest`` that routers read."""
+    out: dict[str, Any] = {"request_id": rid, "token_ids": tokens, "model": model}
+    if salt is not None:
+        out["cache_salt"] = salt
+    return out
 
 
 # -- server endpoints -------------------------------------------------------------------
@@ -429,7 +444,7 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
             "engine": "0",
         },
         "Information of the LLMEngine CacheConfig",
-    )  # fmt: skip
+    )
     return web.Response(text=out.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -642,7 +657,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.max_model_len,
         help="context length (default: %(default)s)",
     )
-    add("--record", type=_non_negative_int, default=0, metavar="N", help="keep the last N requests for GET /debug/requests (default: off)")  # fmt: skip
+    add(
+        "--record",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="keep the last N requests for GET /debug/requests (default: off)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:

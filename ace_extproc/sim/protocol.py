@@ -211,9 +211,10 @@ def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> No
 # Three-letter words: with the leading space each output token is 4 bytes, one
 # token of the sim's tokenizer, so the reply re-tokenizes to about max_tokens.
 _WORDS = (
-    "the and for are but not you all any can had her was one our out day get has him his how "
-    "man new now old see two way who boy did its let put say she too use"
-).split()
+    "the", "and", "for", "are", "but", "not", "you", "all", "any", "can", "had", "her", "was",
+    "one", "our", "out", "day", "get", "has", "him", "his", "how", "man", "new", "now", "old",
+    "see", "two", "way", "who", "boy", "did", "its", "let", "put", "say", "she", "too", "use",
+)  # fmt: skip
 
 
 def filler_piece(i: int) -> str:
