@@ -68,6 +68,7 @@ class StackOptions:
     mode: str | None = None  # override the configured default mode
     time_scale: float = 1.0  # simulated pods' clock: 0.01 runs them 100x faster
     sim_args: list[str] = field(default_factory=list)
+    router: dict[str, object] = field(default_factory=dict)  # `router:` settings for sim fleets
     env: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None
     startup_timeout_s: float = 60.0
@@ -97,7 +98,8 @@ class Stack:
             if o.fleet_path is None:
                 fleet = config_mod.default_fleet(o.pods, o.first_pod_port)
                 fleet_path = self.workdir / "fleet.yaml"
-                fleet_path.write_text(yaml.safe_dump(config_mod.fleet_to_dict(fleet)))
+                doc = {**config_mod.fleet_to_dict(fleet), "router": o.router}
+                fleet_path.write_text(yaml.safe_dump(doc))
                 await self._start_pods(fleet)
             else:
                 fleet_path = Path(o.fleet_path)

@@ -58,7 +58,9 @@ def chat_body(rng: random.Random, tokens: int) -> bytes:
     turns: list[dict[str, Any]] = [{"role": "system", "content": system}]
     per_turn = (total - len(system)) // 6
     for i in range(6):
-        turns.append({"role": "user" if i % 2 == 0 else "assistant", "content": words(rng, per_turn)})
+        turns.append(
+            {"role": "user" if i % 2 == 0 else "assistant", "content": words(rng, per_turn)}
+        )
     turns.append({"role": "user", "content": "and now?"})
     return msgspec.json.encode({"model": "sim-llama", "messages": turns, "max_tokens": 64})
 
@@ -129,7 +131,9 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
         "total": step(total),
     }
     json_cmp = {
-        "msgspec_typed": statistics.median(measure(lambda: req.parse(req.CHAT_PATH, bodies[0]), 300)),
+        "msgspec_typed": statistics.median(
+            measure(lambda: req.parse(req.CHAT_PATH, bodies[0]), 300)
+        ),
         "orjson_dict": statistics.median(measure(lambda: orjson.loads(bodies[0]), 300)),
     }
     return {
@@ -153,19 +157,32 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [bench_size(t, args.iterations, args.pods) for t in SIZES]
     names = ["parse", "hash", "pick", "rewrite", "total"]
-    print(f"decision cost in microseconds, p50 / p99 ({args.iterations} iterations, {args.pods} pods)")
-    print(f"{'tokens':>7} {'blocks':>6} " + " ".join(f"{n:>15}" for n in names) + "   target(total p50)")
+    print(
+        f"decision cost in microseconds, p50 / p99 ({args.iterations} iterations, {args.pods} pods)"
+    )
+    print(
+        f"{'tokens':>7} {'blocks':>6} "
+        + " ".join(f"{n:>15}" for n in names)
+        + "   target(total p50)"
+    )
     for r in rows:
-        cells = " ".join(f"{r['steps_us'][n]['p50']:>7.1f}/{r['steps_us'][n]['p99']:<7.1f}" for n in names)
+        cells = " ".join(
+            f"{r['steps_us'][n]['p50']:>7.1f}/{r['steps_us'][n]['p99']:<7.1f}" for n in names
+        )
         target = TARGETS_US.get(r["tokens"])
         verdict = ""
         if target is not None:
             ok = r["steps_us"]["total"]["p50"] <= target
             verdict = f"   <= {target:.0f} us: {'met' if ok else 'MISSED'}"
         print(f"{r['tokens']:>7} {r['blocks']:>6} {cells}{verdict}")
-    print("json decode p50 us (msgspec typed vs orjson to dict):",
-          ", ".join(f"{r['tokens']}: {r['json_decode_p50_us']['msgspec_typed']:.1f} vs "
-                    f"{r['json_decode_p50_us']['orjson_dict']:.1f}" for r in rows))
+    print(
+        "json decode p50 us (msgspec typed vs orjson to dict):",
+        ", ".join(
+            f"{r['tokens']}: {r['json_decode_p50_us']['msgspec_typed']:.1f} vs "
+            f"{r['json_decode_p50_us']['orjson_dict']:.1f}"
+            for r in rows
+        ),
+    )
     result = {
         "command": "python -m bench.decision",
         "python": platform.python_version(),

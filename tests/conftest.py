@@ -1,3 +1,4 @@
+import random
 import socket
 
 import pytest
@@ -12,3 +13,24 @@ def free_port() -> int:
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` consecutive free ports below Linux's ephemeral range (32768+), so that no
+    outgoing connection can take one between this check and the server binding it."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - n)
+        if all(_is_free(base + i) for i in range(n)):
+            return list(range(base, base + n))
+    raise RuntimeError("no free ports")

@@ -44,10 +44,18 @@ def test_prod_pins_rewrites_and_reports():
     salt = sent["cache_salt"]
     assert len(salt) == 64 and all(c in "0123456789abcdef" for c in salt)
     assert sent["messages"] == msgspec.json.decode(b)["messages"]
-    second = run(p, headers(), body([
-        {"role": "system", "content": LONG}, {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"},
-    ]))
+    second = run(
+        p,
+        headers(),
+        body(
+            [
+                {"role": "system", "content": LONG},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "more"},
+            ]
+        ),
+    )
     assert second.action == "hit" and second.pod == first.pod
     assert second.saved_tokens > 600 and second.speedup > 1.5
     assert second.trace == (
@@ -76,7 +84,11 @@ def test_override_header_switches_mode_per_request():
 
 @pytest.mark.parametrize(
     ("value", "reason"),
-    [("garbage", "bad_override"), ("=prod", "bad_override"), ("prefix_kv_cache=fast", "unknown_mode")],
+    [
+        ("garbage", "bad_override"),
+        ("=prod", "bad_override"),
+        ("prefix_kv_cache=fast", "unknown_mode"),
+    ],
 )
 def test_bad_override_passes_through(value, reason):
     out = run(make(), headers(x_ace_skill_override=value), body([{"role": "user", "content": "x"}]))
@@ -101,11 +113,17 @@ def test_headers_alone_decide_bypasses(h, eos, reason):
 
 def test_body_over_limit_and_unknown_model_bypass():
     p = make(max_body_bytes=1000)
-    assert run(p, headers(), body([{"role": "user", "content": "x" * 2000}])).action == "bypass_too_large"
+    assert (
+        run(p, headers(), body([{"role": "user", "content": "x" * 2000}])).action
+        == "bypass_too_large"
+    )
     fleet = sim_fleet(["127.0.0.1:8001"])
     dest = dataclasses.replace(fleet.destinations[0], models=("only-this",))
     p2 = Processor(Config(dataclasses.replace(fleet, destinations=(dest,)), Settings()))
-    assert run(p2, headers(), body([{"role": "user", "content": "x"}])).action == "bypass_unknown_model"
+    assert (
+        run(p2, headers(), body([{"role": "user", "content": "x"}])).action
+        == "bypass_unknown_model"
+    )
 
 
 def test_query_string_does_not_hide_the_path():
@@ -114,7 +132,10 @@ def test_query_string_does_not_hide_the_path():
 
 
 def keyed(**kw):
-    digests = {hashlib.sha256(b"key-a").digest(): "acme", hashlib.sha256(b"key-b").digest(): "globex"}
+    digests = {
+        hashlib.sha256(b"key-a").digest(): "acme",
+        hashlib.sha256(b"key-b").digest(): "globex",
+    }
     return make(tenants=TenantConfig(key_digests=digests, **kw))
 
 
@@ -132,17 +153,31 @@ def test_tenants_from_api_keys_get_their_own_prefix_space_and_salt():
 
 
 def test_unknown_key_gets_401_and_the_key_is_never_echoed():
-    out = run(keyed(), headers(authorization="Bearer sk-secret-123"), body([{"role": "user", "content": "x"}]))
+    out = run(
+        keyed(),
+        headers(authorization="Bearer sk-secret-123"),
+        body([{"role": "user", "content": "x"}]),
+    )
     assert out.reject_status == 401
     err = msgspec.json.decode(out.reject_body)
     assert err["error"]["type"] == "authentication_error"
     assert b"sk-secret" not in out.reject_body and "sk-secret" not in out.trace
     # Missing key: anonymous unless required.
     assert run(keyed(), headers(), body([{"role": "user", "content": "x"}])).action == "miss"
-    assert run(keyed(require_key=True), headers(), body([{"role": "user", "content": "x"}])).reject_status == 401
+    assert (
+        run(
+            keyed(require_key=True), headers(), body([{"role": "user", "content": "x"}])
+        ).reject_status
+        == 401
+    )
     # In shadow nothing is rejected: the router only reports.
     shadow = make(Mode.SHADOW, tenants=keyed().tenants._config)
-    assert run(shadow, headers(authorization="Bearer nope"), body([{"role": "user", "content": "x"}])).action == "bypass_unknown_key"
+    assert (
+        run(
+            shadow, headers(authorization="Bearer nope"), body([{"role": "user", "content": "x"}])
+        ).action
+        == "bypass_unknown_key"
+    )
 
 
 def test_trusted_tenant_header():
@@ -167,7 +202,9 @@ def test_client_cache_fields_are_replaced_not_shadowed():
     [b'{"a":1}', b'  {  "a" : [1, {"b": 2}] }  ', b"{}", b'{"cache_salt": null, "z": 1}'],
 )
 def test_rewrite_body_is_valid_json_with_the_fields(original):
-    out = rewrite_body(original, '"cache_prefix_id":"p","cache_salt":"s"', b"cache_salt" in original)
+    out = rewrite_body(
+        original, '"cache_prefix_id":"p","cache_salt":"s"', b"cache_salt" in original
+    )
     obj = msgspec.json.decode(out)
     assert obj["cache_prefix_id"] == "p" and obj["cache_salt"] == "s"
     assert {k: v for k, v in obj.items() if k not in ("cache_prefix_id", "cache_salt")} == {

@@ -37,8 +37,11 @@ def test_multipart_tools_tool_calls_and_results_are_all_in_the_prompt():
             "role": "assistant",
             "content": None,
             "tool_calls": [
-                {"id": "c1", "type": "function",
-                 "function": {"name": "get_weather", "arguments": "{\"city\":\"Oslo\"}"}}
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'},
+                }
             ],
         },
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
@@ -54,14 +57,20 @@ def test_multipart_tools_tool_calls_and_results_are_all_in_the_prompt():
 
 def test_roles_and_content_are_not_confusable():
     a = req.parse(req.CHAT_PATH, chat([{"role": "user", "content": "ab"}]))
-    b = req.parse(req.CHAT_PATH, chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]))
+    b = req.parse(
+        req.CHAT_PATH, chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    )
     c = req.parse(req.CHAT_PATH, chat([{"role": "system", "content": "ab"}]))
     assert len({a.prompt, b.prompt, c.prompt}) == 3
 
 
 def test_router_fields_are_detected_even_when_null():
-    assert req.parse(req.CHAT_PATH, chat([{"role": "user", "content": "x"}], cache_salt=None)).has_router_fields
-    assert req.parse(req.CHAT_PATH, chat([{"role": "user", "content": "x"}], cache_prefix_id="y")).has_router_fields
+    assert req.parse(
+        req.CHAT_PATH, chat([{"role": "user", "content": "x"}], cache_salt=None)
+    ).has_router_fields
+    assert req.parse(
+        req.CHAT_PATH, chat([{"role": "user", "content": "x"}], cache_prefix_id="y")
+    ).has_router_fields
 
 
 @pytest.mark.parametrize(
@@ -92,7 +101,11 @@ def test_completion_prompt_forms(prompt, expected):
         (req.CHAT_PATH, b'{"messages": "hi"}', "invalid_body"),
         (req.CHAT_PATH, b'{"messages": [{"role": "user", "content": 5}]}', "invalid_body"),
         (req.CHAT_PATH, b'{"messages": [{"content": "no role"}]}', "invalid_body"),
-        (req.CHAT_PATH, b'{"model": 7, "messages": [{"role": "user", "content": "x"}]}', "invalid_body"),
+        (
+            req.CHAT_PATH,
+            b'{"model": 7, "messages": [{"role": "user", "content": "x"}]}',
+            "invalid_body",
+        ),
         (req.CHAT_PATH, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "not_utf8"),
         (req.COMPLETIONS_PATH, b'{"model": "m"}', "empty_prompt"),
         (req.COMPLETIONS_PATH, b'{"prompt": ""}', "empty_prompt"),

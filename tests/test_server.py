@@ -39,13 +39,19 @@ def body_msg(data: bytes, eos=True):
 
 
 CHAT = msgspec.json.encode(
-    {"model": "m", "messages": [{"role": "system", "content": "s" * 3000}, {"role": "user", "content": "q"}]}
+    {
+        "model": "m",
+        "messages": [{"role": "system", "content": "s" * 3000}, {"role": "user", "content": "q"}],
+    }
 )
 
 
 async def exchange(target: str, messages, expect: int):
     """Send ``messages`` on one stream, one at a time like Envoy; collect ``expect`` answers."""
-    big = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    big = [
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+    ]
     async with grpc.aio.insecure_channel(target, options=big) as channel:
         call = pb_grpc.ExternalProcessorStub(channel).Process()
         out = []
@@ -120,18 +126,25 @@ def test_full_duplex_one_round_trip(port):
 
 def test_full_duplex_streams_big_bodies_back_in_chunks(port):
     target = f"127.0.0.1:{port}"
-    big = msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": "x" * 200_000}]})
+    big = msgspec.json.encode(
+        {"model": "m", "messages": [{"role": "user", "content": "x" * 200_000}]}
+    )
     msgs = [headers_msg(duplex=True), body_msg(big)]
     out = with_server(config(target), lambda: exchange(target, msgs, 5))
     chunks = [m.request_body.response.body_mutation.streamed_response for m in out[1:]]
     assert all(len(c.body) <= 64 * 1024 for c in chunks)
     assert [c.end_of_stream for c in chunks] == [False, False, False, True]
-    assert len(msgspec.json.decode(b"".join(c.body for c in chunks))["messages"][0]["content"]) == 200_000
+    assert (
+        len(msgspec.json.decode(b"".join(c.body for c in chunks))["messages"][0]["content"])
+        == 200_000
+    )
 
 
 def test_bodies_over_4_mib_are_accepted(port):
     target = f"127.0.0.1:{port}"
-    big = msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": "y" * (6 << 20)}]})
+    big = msgspec.json.encode(
+        {"model": "m", "messages": [{"role": "user", "content": "y" * (6 << 20)}]}
+    )
     out = with_server(config(target), lambda: exchange(target, [headers_msg(), body_msg(big)], 2))
     assert len(out[1].request_body.response.body_mutation.body) > 6 << 20
 
@@ -144,7 +157,9 @@ def test_unknown_key_is_an_immediate_401(port):
     target = f"127.0.0.1:{port}"
     tenants = TenantConfig(key_digests={hashlib.sha256(b"good").digest(): "t"})
     msg = headers_msg()
-    msg.request_headers.headers.headers.append(HeaderValue(key="authorization", raw_value=b"Bearer bad"))
+    msg.request_headers.headers.headers.append(
+        HeaderValue(key="authorization", raw_value=b"Bearer bad")
+    )
     (out,) = with_server(config(target, tenants=tenants), lambda: exchange(target, [msg], 1))
     assert out.immediate_response.status.code == 401
     assert b"bad" not in out.immediate_response.body
@@ -158,7 +173,9 @@ class Exploding(Processor):
 def test_a_bug_costs_the_decision_not_the_request(port):
     target = f"127.0.0.1:{port}"
     cfg = config(target)
-    out = with_server(cfg, lambda: exchange(target, [headers_msg(), body_msg(CHAT)], 2), Exploding(cfg))
+    out = with_server(
+        cfg, lambda: exchange(target, [headers_msg(), body_msg(CHAT)], 2), Exploding(cfg)
+    )
     assert out[1].WhichOneof("response") == "request_body"
     common = out[1].request_body.response
     assert not common.HasField("body_mutation") and not common.HasField("header_mutation")
@@ -172,7 +189,9 @@ def test_health_and_unix_socket(port, tmp_path):
 
     async def go():
         async with grpc.aio.insecure_channel(f"unix:{uds}") as ch:
-            resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+            resp = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="")
+            )
         return resp.status, await exchange(f"unix:{uds}", [headers_msg(), body_msg(CHAT)], 2)
 
     status, out = with_server(cfg, go)
