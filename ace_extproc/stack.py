@@ -269,6 +269,12 @@ class Stack:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet", help="use the pods of this fleet.yaml instead of simulated ones")
     parser.add_argument("--pods", type=int, default=4, help="simulated pods (default 4)")
+    parser.add_argument(
+        "--first-pod-port",
+        type=int,
+        default=int(os.environ.get("ACE_STACK_FIRST_POD_PORT", "8001")),
+        help="simulated pods listen on consecutive ports from here (default 8001)",
+    )
     parser.add_argument("--listen", default="127.0.0.1:8080", help="Envoy's listener")
     parser.add_argument("--admin", default="127.0.0.1:9901", help="Envoy's admin address")
     parser.add_argument("--ext-proc", default="127.0.0.1:50051", help="ace-extproc's gRPC address")
@@ -283,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
     options = StackOptions(
         fleet_path=args.fleet,
         pods=args.pods,
+        first_pod_port=args.first_pod_port,
         listen=args.listen,
         admin=args.admin,
         ext_proc=args.ext_proc,

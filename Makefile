@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine:
+#   make up     start the local stack (Envoy + ace-extproc + 4 simulated pods) on 127.0.0.1:8080
+#   make test   run the test suite (the same command CI runs, via .ci/run)
+# Both create .venv and install the package with what it needs on first use.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: up test test-all lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+up: $(STAMP)
+	$(BIN)/ace-extproc up
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+# Soak and load runs too (minutes).
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -m ''
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy ace_extproc bench
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.decision
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

