@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -172,8 +173,16 @@ async def start(
     return server, health_servicer
 
 
+def tune_gc() -> None:
+    """Move everything alive at start-up out of the collector's way, so a collection
+    scans only per-request garbage: shorter pauses, a lower p99."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve(config: Config) -> None:
     server, health_servicer = await start(config)
+    tune_gc()
     s = config.settings
     where = " and ".join(x for x in (s.listen, s.uds and f"unix:{s.uds}") if x)
     print(f"ace-extproc serving ext_proc on {where} (mode={s.mode.value})", flush=True)

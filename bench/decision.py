@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import orjson
 
-from ace_extproc import mutate
+from ace_extproc import mutate, server
 from ace_extproc import request as req
 from ace_extproc.config import Config, Settings, sim_fleet
 from ace_extproc.prefix import hash_prompt, scope_seed
@@ -98,6 +98,7 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
     hashes = [hash_prompt(p.prompt, p.cacheable_end, s.block_bytes, seed) for p in parsed]
     ctx = proc.on_headers(HEADERS, False)
     outcome = proc.on_body(ctx, bodies[0])
+    server.tune_gc()  # as the server does once started
     fields = '"cache_prefix_id":"ace-kv-anon-0123456789abcdef","cache_salt":"' + "a" * 64 + '"'
     i = 0
 
@@ -130,9 +131,10 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
         "rewrite": step(rewrite),
         "total": step(total),
     }
+    typed = msgspec.json.Decoder(req.ChatBody)
     json_cmp = {
         "msgspec_typed": statistics.median(
-            measure(lambda: req.parse(req.CHAT_PATH, bodies[0]), 300)
+            measure(lambda: typed.decode(bodies[0]), 300)
         ),
         "orjson_dict": statistics.median(measure(lambda: orjson.loads(bodies[0]), 300)),
     }
@@ -148,6 +150,21 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
     }
 
 
+def block_size_costs(iterations: int) -> dict[int, dict[str, float]]:
+    """The hash step of a 32K-token prompt at other block sizes: why 512 bytes."""
+    parsed = req.parse(req.CHAT_PATH, chat_body(random.Random(7), 32768))
+    out = {}
+    for block in (64, 128, 256, 512, 1024):
+        times = measure(
+            lambda b=block: hash_prompt(parsed.prompt, parsed.cacheable_end, b, 1), iterations
+        )
+        out[block] = {
+            "p50_us": round(statistics.median(times), 1),
+            "blocks": len(parsed.prompt) // block,
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--iterations", type=int, default=2000)
@@ -156,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     rows = [bench_size(t, args.iterations, args.pods) for t in SIZES]
+    blocks = block_size_costs(args.iterations // 4)
     names = ["parse", "hash", "pick", "rewrite", "total"]
     print(
         f"decision cost in microseconds, p50 / p99 ({args.iterations} iterations, {args.pods} pods)"
@@ -183,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows
         ),
     )
+    print(
+        "hash step at 32K tokens by block size (us p50, blocks):",
+        ", ".join(f"{b} B: {v['p50_us']:.1f} ({v['blocks']})" for b, v in blocks.items()),
+    )
     result = {
         "command": "python -m bench.decision",
         "python": platform.python_version(),
@@ -191,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "pods": args.pods,
         "targets_total_p50_us": {str(k): v for k, v in TARGETS_US.items()},
         "sizes": rows,
+        "hash_32k_by_block_bytes": blocks,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,9 @@ class PrefixAffinityPicker:
         if not candidates:
             return None
         depth, holders = self.index.longest_match(hashes.blocks, candidates)
-        slot = rendezvous.best(hashes.route_key, self.fleet.seeds, holders or candidates)
+        if holders and not holders & (holders - 1):  # exactly one pod holds it: no tie
+            slot = holders.bit_length() - 1
+        else:
+            slot = rendezvous.best(hashes.route_key, self.fleet.seeds, holders or candidates)
         self.index.record(slot, hashes.blocks)
         return Pick(self.fleet.pods[slot], slot, depth, "hit" if depth else "miss")
