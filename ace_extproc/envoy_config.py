@@ -301,8 +301,15 @@ def _route_config(config: cfg.Config) -> dict[str, Any]:
 
 
 def _http_connection_manager(
-    config: cfg.Config, processing_mode: str, message_timeout_s: float
+    config: cfg.Config, processing_mode: str, message_timeout_s: float, ext_proc: bool
 ) -> dict[str, Any]:
+    router = {
+        "name": "envoy.filters.http.router",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+        },
+    }
+    filters = [_ext_proc_filter(processing_mode, message_timeout_s)] if ext_proc else []
     return {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
@@ -333,16 +340,7 @@ def _http_connection_manager(
                 }
             ],
             "route_config": _route_config(config),
-            "http_filters": [
-                _ext_proc_filter(processing_mode, message_timeout_s),
-                {
-                    "name": "envoy.filters.http.router",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/"
-                        "envoy.extensions.filters.http.router.v3.Router"
-                    },
-                },
-            ],
+            "http_filters": [*filters, router],
         },
     }
 
@@ -365,14 +363,20 @@ def render(
     processing_mode: str = "buffered",
     message_timeout_s: float = 1.0,
     ext_proc_uds: str | None = None,
+    ext_proc: bool = True,
 ) -> dict[str, Any]:
     """The Envoy bootstrap for ``config`` as a dict. ``ext_proc_uds`` (else
     ``settings.uds``) makes Envoy reach ace-extproc over a unix socket instead of
-    ``settings.listen``. Raises ConfigError on a bad address, mode or timeout."""
+    ``settings.listen``. ``ext_proc=False`` leaves out the ext_proc filter and its
+    cluster: plain Envoy, the baseline that gateway-overhead benchmarks subtract.
+    Raises ConfigError on a bad address, mode or timeout."""
     if processing_mode not in PROCESSING_MODES:
         raise cfg.ConfigError(
             f"processing mode {processing_mode!r}: expected one of {', '.join(PROCESSING_MODES)}"
         )
+    clusters = _pod_clusters(config.fleet)
+    if ext_proc:
+        clusters.insert(0, _ext_proc_cluster(config.settings, ext_proc_uds or config.settings.uds))
     return {
         "admin": {"address": _bind_address(admin, "admin")},
         "static_resources": {
@@ -383,16 +387,15 @@ def render(
                     "filter_chains": [
                         {
                             "filters": [
-                                _http_connection_manager(config, processing_mode, message_timeout_s)
+                                _http_connection_manager(
+                                    config, processing_mode, message_timeout_s, ext_proc
+                                )
                             ]
                         }
                     ],
                 }
             ],
-            "clusters": [
-                _ext_proc_cluster(config.settings, ext_proc_uds or config.settings.uds),
-                *_pod_clusters(config.fleet),
-            ],
+            "clusters": clusters,
         },
     }
 
@@ -405,6 +408,7 @@ def render_yaml(
     processing_mode: str = "buffered",
     message_timeout_s: float = 1.0,
     ext_proc_uds: str | None = None,
+    ext_proc: bool = True,
 ) -> str:
     """``render`` as YAML, with a header saying where it came from."""
     doc = render(
@@ -414,10 +418,11 @@ def render_yaml(
         processing_mode=processing_mode,
         message_timeout_s=message_timeout_s,
         ext_proc_uds=ext_proc_uds,
+        ext_proc=ext_proc,
     )
+    what = f"processing mode: {processing_mode}" if ext_proc else "no ext_proc"
     header = (
-        f"# Envoy bootstrap rendered by `ace-extproc envoy-config` "
-        f"(processing mode: {processing_mode}).\n"
+        f"# Envoy bootstrap rendered by `ace-extproc envoy-config` ({what}).\n"
         "# Do not edit by hand: re-render it (see envoy/README.md).\n"
     )
     return header + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=100)

@@ -133,9 +133,7 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
     }
     typed = msgspec.json.Decoder(req.ChatBody)
     json_cmp = {
-        "msgspec_typed": statistics.median(
-            measure(lambda: typed.decode(bodies[0]), 300)
-        ),
+        "msgspec_typed": statistics.median(measure(lambda: typed.decode(bodies[0]), 300)),
         "orjson_dict": statistics.median(measure(lambda: orjson.loads(bodies[0]), 300)),
     }
     return {

@@ -402,3 +402,17 @@ def test_envoy_validation_rejects_a_broken_bootstrap(default: cfg.Config, tmp_pa
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(AssertionError, match="unknown cluster"):
         _validate(path)
+
+
+@pytest.mark.envoy
+@needs_envoy
+def test_without_ext_proc_is_plain_envoy(default: cfg.Config, tmp_path: Path) -> None:
+    """``ext_proc=False``: the benchmarks' baseline, the same routes with no ext_proc."""
+    doc = ec.render(default, ext_proc=False)
+    assert [f["name"] for f in _hcm(doc)["http_filters"]] == ["envoy.filters.http.router"]
+    assert "ace_extproc" not in _clusters(doc)
+    assert _vhost(doc)["routes"] == _vhost(ec.render(default))["routes"]
+    path = tmp_path / "envoy.yaml"
+    path.write_text(ec.render_yaml(default, ext_proc=False))
+    assert "(no ext_proc)" in path.read_text().splitlines()[0]
+    _validate(path)
