@@ -7,7 +7,7 @@ its ``Outcome`` into Envoy's mutations.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -16,7 +16,13 @@ from ace_extproc import request as req
 from ace_extproc.config import Config, ConfigError, Mode, Pod
 from ace_extproc.latency import get_model
 from ace_extproc.prefix import cache_prefix_id, hash_prompt, scope_seed
-from ace_extproc.routing import BlockIndex, FleetState, Picker, PrefixAffinityPicker
+from ace_extproc.routing import (
+    BlockIndex,
+    FleetState,
+    Picker,
+    PrefixAffinityPicker,
+    RoutingRequest,
+)
 from ace_extproc.tenants import MissingKey, Tenants, UnknownKey
 
 log = logging.getLogger("ace_extproc")
@@ -57,6 +63,7 @@ class RequestContext:
     mode: Mode
     tenant: str
     client_upstream: bool  # the client sent x-ace-upstream (Envoy should have stripped it)
+    session: str | None = None  # x-session-id or x-user-id
     outcome: Outcome | None = None  # set when the headers alone decide
 
 
@@ -64,12 +71,15 @@ def _bypass(mode: Mode, reason: str) -> Outcome:
     return Outcome(mode, f"bypass_{reason}")
 
 
+PickerFactory = Callable[[FleetState, BlockIndex], Picker]
+
+
 class Processor:
-    def __init__(self, config: Config, picker: Picker | None = None) -> None:
+    def __init__(self, config: Config, picker: PickerFactory = PrefixAffinityPicker) -> None:
         self.settings = config.settings
         self.fleet = FleetState(config.fleet)
         self.index = BlockIndex(config.settings.index_blocks_per_pod)
-        self.picker: Picker = picker or PrefixAffinityPicker(self.fleet, self.index)
+        self.picker: Picker = picker(self.fleet, self.index)
         self.tenants = Tenants(config.settings.tenants, config.settings.salt_secret)
         self.ttft = get_model(config.settings.ttft_model)
 
@@ -78,7 +88,13 @@ class Processor:
     def on_headers(self, headers: Mapping[str, str], end_of_stream: bool) -> RequestContext:
         s = self.settings
         path = headers.get(":path", "").partition("?")[0]
-        ctx = RequestContext(path, s.mode, s.tenants.anonymous, UPSTREAM_HEADER in headers)
+        ctx = RequestContext(
+            path,
+            s.mode,
+            s.tenants.anonymous,
+            UPSTREAM_HEADER in headers,
+            headers.get("x-session-id") or headers.get("x-user-id"),
+        )
         if path not in req.ROUTABLE_PATHS:
             ctx.outcome = _bypass(s.mode, "unknown_path")
             return ctx
@@ -132,10 +148,13 @@ class Processor:
         hashes = hash_prompt(
             parsed.prompt, parsed.cacheable_end, s.block_bytes, scope_seed(ctx.tenant, parsed.model)
         )
-        pick = self.picker.pick(hashes, self.fleet.candidates(destination))
+        prompt_tokens = max(1, int(len(parsed.prompt) / s.bytes_per_token))
+        routing = RoutingRequest(
+            hashes, parsed.prompt, prompt_tokens, ctx.tenant, parsed.model, ctx.session
+        )
+        pick = self.picker.pick(routing, self.fleet.candidates(destination))
         if pick is None:
             return _bypass(mode, "no_pod")
-        prompt_tokens = max(1, int(len(parsed.prompt) / s.bytes_per_token))
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
         outcome = Outcome(
             mode,

@@ -29,6 +29,7 @@ from ace_extproc import request as req
 from ace_extproc.config import Config, Settings, sim_fleet
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.processor import Processor, rewrite_body
+from ace_extproc.routing import RoutingRequest
 
 SIZES = (1024, 4096, 16384, 32768)  # prompt tokens
 TARGETS_US = {4096: 30.0, 32768: 200.0}  # total p50 targets from the issue
@@ -91,11 +92,20 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
         proc.on_body(proc.on_headers(HEADERS, False), b)
     for i in range(2000):
         filler = hash_prompt(rng.randbytes(4096), None, s.block_bytes, i)
-        proc.picker.pick(filler, proc.fleet.available)
+        proc.picker.pick(RoutingRequest(filler, b"", 1024, "anon", "m"), proc.fleet.available)
 
     parsed = [req.parse(req.CHAT_PATH, b) for b in bodies]
     seed = scope_seed("anon", "sim-llama")
-    hashes = [hash_prompt(p.prompt, p.cacheable_end, s.block_bytes, seed) for p in parsed]
+    hashes = [
+        RoutingRequest(
+            hash_prompt(p.prompt, p.cacheable_end, s.block_bytes, seed),
+            p.prompt,
+            len(p.prompt) // 4,
+            "anon",
+            p.model,
+        )
+        for p in parsed
+    ]
     ctx = proc.on_headers(HEADERS, False)
     outcome = proc.on_body(ctx, bodies[0])
     server.tune_gc()  # as the server does once started
@@ -139,7 +149,7 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
     return {
         "tokens": tokens,
         "body_bytes": statistics.mean(len(b) for b in bodies),
-        "blocks": len(hashes[0].blocks),
+        "blocks": len(hashes[0].hashes.blocks),
         "steps_us": {
             name: {"p50": round(percentile(v, 0.5), 2), "p99": round(percentile(v, 0.99), 2)}
             for name, v in steps.items()

@@ -2,7 +2,13 @@ from collections import Counter
 
 from ace_extproc.config import sim_fleet
 from ace_extproc.prefix import PrefixHashes
-from ace_extproc.routing import BlockIndex, FleetState, PrefixAffinityPicker, rendezvous
+from ace_extproc.routing import (
+    BlockIndex,
+    FleetState,
+    PrefixAffinityPicker,
+    RoutingRequest,
+    rendezvous,
+)
 
 
 def test_longest_match_and_holders():
@@ -69,7 +75,8 @@ def test_rendezvous_respects_weights_and_allowed_mask():
 
 
 def hashes(blocks, key=None):
-    return PrefixHashes(list(blocks), f"{key if key is not None else blocks[0]:016x}", 0)
+    h = PrefixHashes(list(blocks), f"{key if key is not None else blocks[0]:016x}", 0)
+    return RoutingRequest(h, b"", len(blocks) * 128, "t", "m")
 
 
 def test_affinity_picker_sticks_a_conversation_and_spreads_new_ones():

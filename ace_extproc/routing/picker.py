@@ -1,9 +1,10 @@
 """The picker interface, and the first policy: prefix affinity.
 
-A picker is called once per request with the request's block hashes and the
-bitmask of candidate pods; it returns a ``Pick`` and records what the chosen pod
-will hold. Policies are interchangeable behind ``Picker`` so the benchmark can run
-each of them exactly as the server calls them.
+A picker is called once per request with a ``RoutingRequest`` (block hashes, the
+canonical prompt, its size, tenant, model, session) and the bitmask of candidate
+pods; it returns a ``Pick`` and records what the chosen pod will hold. Policies are
+interchangeable behind ``Picker`` so the benchmark runs each of them exactly as
+the server calls them (``bench/baselines`` holds the other routers' policies).
 """
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.index import BlockIndex
 
 
+@dataclass(slots=True)
+class RoutingRequest:
+    hashes: PrefixHashes
+    prompt: bytes  # the canonical prompt (for policies that match on text)
+    prompt_tokens: int  # estimated from its size
+    tenant: str
+    model: str
+    session: str | None = None  # x-session-id / x-user-id, for session-affinity policies
+
+
 @dataclass(slots=True, frozen=True)
 class Pick:
     pod: Pod
@@ -27,7 +38,7 @@ class Pick:
 
 
 class Picker(Protocol):
-    def pick(self, hashes: PrefixHashes, candidates: int) -> Pick | None:
+    def pick(self, request: RoutingRequest, candidates: int) -> Pick | None:
         """The pod for this request among ``candidates`` (a bitmask of slots), or None
         when there is no candidate."""
         ...
@@ -46,9 +57,10 @@ class PrefixAffinityPicker:
         for slot in range(len(fleet.pods)):
             index.add_pod(slot)
 
-    def pick(self, hashes: PrefixHashes, candidates: int) -> Pick | None:
+    def pick(self, request: RoutingRequest, candidates: int) -> Pick | None:
         if not candidates:
             return None
+        hashes = request.hashes
         depth, holders = self.index.longest_match(hashes.blocks, candidates)
         if holders and not holders & (holders - 1):  # exactly one pod holds it: no tie
             slot = holders.bit_length() - 1
