@@ -188,9 +188,15 @@ def rewrite_body(body: bytes, fields: str, strip_client_fields: bool) -> bytes:
             obj.pop(name, None)
         body = msgspec.json.encode(obj)
     start = body.index(b"{") + 1
-    rest = body[start:].lstrip()
-    sep = b"," if rest[:1] != b"}" else b""
-    return b"".join((b"{", fields.encode(), sep, rest))
+    first = start
+    while body[first : first + 1] in _JSON_SPACE:
+        first += 1
+    sep = b"" if body[first : first + 1] == b"}" else b","
+    # One copy of the client's bytes (join reads the memoryview in place).
+    return b"".join((body[:start], fields.encode(), sep, memoryview(body)[start:]))
+
+
+_JSON_SPACE = (b" ", b"\t", b"\r", b"\n")
 
 
 class _BadOverride(Exception):
