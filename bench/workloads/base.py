@@ -1,0 +1,44 @@
+"""What every workload is made of: requests exactly as a client would send them.
+
+A workload drives both the in-process fleet simulation (``bench.fleetsim``), which
+feeds each body to the production ``Processor``, and live runs over HTTP
+(``bench.live``), so the two see byte-identical traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    arrival_s: float  # seconds from the start of the run
+    path: str  # "/v1/chat/completions" or "/v1/completions"
+    body: bytes  # the JSON body, as sent
+    output_tokens: int  # max_tokens in the body; the simulated engine generates exactly this
+    family: str  # e.g. "chat", "docqa", "agent", "fewshot", "mooncake", "azure-code"
+    session: str  # conversation / document / agent run id
+    headers: dict[str, str] = field(default_factory=dict)  # e.g. authorization, x-session-id
+
+
+@dataclass(frozen=True, slots=True)
+class FleetEvent:
+    """A change to the fleet during a run (the stress shapes): pod ``slot`` leaves or joins."""
+
+    at_s: float
+    action: str  # "remove" | "add"
+    slot: int
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    description: str
+    requests: list[Request]  # sorted by arrival_s
+    events: list[FleetEvent] = field(default_factory=list)
+    # Pods that exist in the fleet but take no traffic until an "add" event.
+    initially_absent: tuple[int, ...] = ()
+
+
+class TraceError(ValueError):
+    """A trace that cannot be replayed; the message names the file and line."""
