@@ -132,3 +132,63 @@ def test_reset_drops_only_unreferenced_blocks() -> None:
     assert cache.reset() == 2
     assert cache.match(seq(0, 9)) == 0
     assert cache.match(seq(50, 9)) == 8
+
+
+# -- the key API: blocks keyed on UTF-8 text ----------------------------------------
+
+
+def test_text_keys_give_the_token_api_hits() -> None:
+    from random import Random
+
+    from ace_extproc.sim.kvcache import text_block_keys, text_tokens
+    from ace_extproc.sim.tokenizer import encode
+
+    rng = Random(7)
+    words = ["cache", "block", "prefix", "token", "pod", "a", "the", "router"]
+    base = " ".join(rng.choice(words) for _ in range(200))
+    texts = [base[:n] for n in (0, 1, 63, 64, 65, 200, 511, 512, 700)]
+    texts += [base[:300] + "different ending " * 5, base + "!", "other " * 40]
+    for salt in (None, "tenant-a"):
+        by_tokens = PrefixCache(block_size=16, num_gpu_blocks=4096)
+        by_text = PrefixCache(block_size=16, num_gpu_blocks=4096)
+        for text in texts:
+            tokens, data = encode(text), text.encode()
+            assert text_tokens(data) == len(tokens)
+            keys = text_block_keys(data, 16, salt)
+            want = by_tokens.match(tokens, salt)
+            assert by_text.match_keys(keys, len(tokens)) == want, text
+            if tokens:
+                assert run(by_tokens, tokens, salt).cached_tokens == want
+                got = by_text.allocate_keys(keys, len(tokens))
+                assert got is not None and got.cached_tokens == want
+                by_text.commit(got)
+                by_text.release(got)
+        assert by_text.hits == by_tokens.hits > 0
+
+
+def test_text_keys_chain_and_salt() -> None:
+    from ace_extproc.sim.kvcache import prompt_keys, text_block_keys
+
+    data = b"x" * 64 * 3 + b"tail"  # 3 full blocks and 1 more token
+    keys = text_block_keys(data, 16)
+    assert len(keys) == 3 and len(set(keys)) == 3  # same bytes, different place
+    assert text_block_keys(data[:128], 16) == keys[:2]
+    assert not set(text_block_keys(data, 16, "s")) & set(keys)
+    assert text_block_keys(b"y" + data[1:], 16)[1] != keys[1]  # chained from block 0
+    assert prompt_keys(data, 16) == (49, keys)  # 196 bytes
+    assert prompt_keys([1, 2, 3], 2) == (3, block_hashes([1, 2, 3], 2))
+
+
+def test_commit_in_chunks_indexes_blocks_as_they_are_computed() -> None:
+    cache = PrefixCache(block_size=4, num_gpu_blocks=16)
+    prompt = seq(0, 13)  # 3 full blocks
+    alloc = cache.allocate(prompt)
+    assert alloc is not None
+    cache.commit(alloc, 1)
+    assert cache.match(prompt) == 4
+    cache.commit(alloc, 1)  # nothing new
+    assert cache.cached_blocks == 1
+    cache.commit(alloc)
+    assert cache.match(prompt) == 12 and cache.cached_blocks == 3
+    cache.release(alloc)
+    assert cache.used_blocks == 0

@@ -38,8 +38,8 @@ from typing import Any
 from aiohttp import web
 
 from ..latency import DEFAULT_MODEL, MODELS, get_model
-from .engine import CapacityError, Engine
-from .kvcache import PrefixCache
+from .engine import CapacityError, Engine, Prompt
+from .kvcache import PrefixCache, text_tokens
 from .metrics import CONTENT_TYPE, Exposition
 from .protocol import (
     ApiError,
@@ -156,8 +156,9 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     check_model(body, pod.config.model)
     params = parse_gen_params(body)
-    tokens = encode(_render(body))
-    return await _generate(request, pod, "chat", [tokens], params)
+    # The engine keys UTF-8 text directly: the same tokens and cache hits as encode()
+    # without hashing every token (a 220 KB prompt: ~0.4 ms instead of ~10 ms).
+    return await _generate(request, pod, "chat", [_render(body).encode()], params)
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -165,32 +166,36 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     check_model(body, pod.config.model)
     params = parse_gen_params(body)
-    prompts = [encode(p) if isinstance(p, str) else p for p in parse_prompts(body)]
+    prompts: list[Prompt] = [p.encode() if isinstance(p, str) else p for p in parse_prompts(body)]
     return await _generate(request, pod, "text", prompts, params)
 
 
+def _num_tokens(prompt: Prompt) -> int:
+    return text_tokens(prompt) if isinstance(prompt, bytes) else len(prompt)
+
+
 async def _generate(
-    request: web.Request, pod: SimPod, kind: str, prompts: list[list[int]], params: GenParams
+    request: web.Request, pod: SimPod, kind: str, prompts: list[Prompt], params: GenParams
 ) -> web.StreamResponse:
     engine = pod.engine
     max_tokens = params.max_tokens or pod.config.max_tokens_default
-    for tokens in prompts:
-        check_context(len(tokens), max_tokens, pod.config.max_model_len)
+    for prompt in prompts:
+        check_context(_num_tokens(prompt), max_tokens, pod.config.max_model_len)
         try:
-            engine.check(len(tokens), max_tokens, params.n)
+            engine.check(_num_tokens(prompt), max_tokens, params.n)
         except CapacityError as exc:
             raise ApiError(str(exc)) from None
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
     created = now()
     model = pod.config.model
-    prompt_tokens = sum(len(t) for t in prompts)
+    prompt_tokens = sum(_num_tokens(p) for p in prompts)
     completion_tokens = max_tokens * params.n * len(prompts)
     if params.stream:
         return await _stream(request, pod, kind, prompts, params, max_tokens, rid, created)
 
-    async def one(tokens: list[int]) -> int:
+    async def one(prompt: Prompt) -> int:
         async with engine.generate(
-            tokens, salt=params.cache_salt, max_tokens=max_tokens, n=params.n
+            prompt, salt=params.cache_salt, max_tokens=max_tokens, n=params.n
         ) as req:
             await engine.decode(req, max_tokens - 1)
         return req.cached_tokens
@@ -214,7 +219,7 @@ async def _stream(
     request: web.Request,
     pod: SimPod,
     kind: str,
-    prompts: list[list[int]],
+    prompts: list[Prompt],
     params: GenParams,
     max_tokens: int,
     rid: str,
@@ -243,10 +248,10 @@ async def _stream(
             for j in range(n)
         )
 
-    async def one(index: int, tokens: list[int]) -> None:
+    async def one(index: int, prompt: Prompt) -> None:
         base = index * n  # choice indexes of this prompt, as vLLM numbers a batch
         async with engine.generate(
-            tokens, salt=params.cache_salt, max_tokens=max_tokens, n=n
+            prompt, salt=params.cache_salt, max_tokens=max_tokens, n=n
         ) as req:
             first = chunk(base, 0)
             if kind == "chat":
@@ -269,10 +274,12 @@ async def _stream(
             await one(0, prompts[0])
         else:
             async with asyncio.TaskGroup() as group:
-                for index, tokens in enumerate(prompts):
-                    group.create_task(one(index, tokens))
+                for index, prompt in enumerate(prompts):
+                    group.create_task(one(index, prompt))
         if params.include_usage:
-            use = usage(sum(len(t) for t in prompts), max_tokens * n * len(prompts), sum(cached))
+            use = usage(
+                sum(_num_tokens(p) for p in prompts), max_tokens * n * len(prompts), sum(cached)
+            )
             obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
             await response.write(_sse(usage_chunk(rid, obj, model, created, use)))
         await response.write(b"data: [DONE]\n\n")

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from ..latency import TTFTModel
-from .kvcache import Allocation, PrefixCache
+from .kvcache import Allocation, PrefixCache, prompt_keys
 from .metrics import Histogram
 
 
@@ -41,9 +41,13 @@ class CapacityError(ValueError):
     """The request can never run on this pod (it needs more KV blocks than exist)."""
 
 
+Prompt = Sequence[int] | bytes  # token ids, or UTF-8 text (keyed without tokenizing)
+
+
 @dataclass(slots=True, eq=False)
 class EngineRequest:
-    tokens: Sequence[int]
+    num_tokens: int  # prompt tokens
+    keys: list[int]  # the prompt's block keys (see kvcache.prompt_keys)
     salt: str | None
     max_tokens: int
     n: int
@@ -58,7 +62,7 @@ class EngineRequest:
 
     @property
     def uncached_tokens(self) -> int:
-        return len(self.tokens) - self.cached_tokens
+        return self.num_tokens - self.cached_tokens
 
 
 @dataclass(slots=True)
@@ -114,15 +118,18 @@ class Engine:
             )
 
     async def start(
-        self, tokens: Sequence[int], *, salt: str | None = None, max_tokens: int = 16, n: int = 1
+        self, prompt: Prompt, *, salt: str | None = None, max_tokens: int = 16, n: int = 1
     ) -> EngineRequest:
         """Admit and prefill a request; returns at its first token.
 
-        The caller must pass the result to :meth:`finish` (see :meth:`generate`).
+        ``prompt`` is token ids or the UTF-8 prompt text (the fast path: the same
+        token count and cache behaviour without tokenizing).  The caller must pass
+        the result to :meth:`finish` (see :meth:`generate`).
         """
-        self.check(len(tokens), max_tokens, n)
+        num_tokens, keys = prompt_keys(prompt, self.cache.block_size, salt)
+        self.check(num_tokens, max_tokens, n)
         loop = asyncio.get_running_loop()
-        req = EngineRequest(tokens, salt, max_tokens, n, loop.time())
+        req = EngineRequest(num_tokens, keys, salt, max_tokens, n, loop.time())
         await self._admit(req)
         try:
             await self._prefill(req)
@@ -153,10 +160,10 @@ class Engine:
 
     @contextlib.asynccontextmanager
     async def generate(
-        self, tokens: Sequence[int], *, salt: str | None = None, max_tokens: int = 16, n: int = 1
+        self, prompt: Prompt, *, salt: str | None = None, max_tokens: int = 16, n: int = 1
     ) -> AsyncIterator[EngineRequest]:
         """``start`` ... ``finish``: finished as "length", or "abort" on an exception."""
-        req = await self.start(tokens, salt=salt, max_tokens=max_tokens, n=n)
+        req = await self.start(prompt, salt=salt, max_tokens=max_tokens, n=n)
         try:
             yield req
         except BaseException:
@@ -171,8 +178,8 @@ class Engine:
     def _try_admit(self, req: EngineRequest) -> bool:
         if self.running >= self.max_num_seqs:
             return False
-        alloc = self.cache.allocate(
-            req.tokens, req.salt, extra_tokens=self._reserve(req.max_tokens, req.n)
+        alloc = self.cache.allocate_keys(
+            req.keys, req.num_tokens, extra_tokens=self._reserve(req.max_tokens, req.n)
         )
         if alloc is None:
             return False
@@ -232,7 +239,7 @@ class Engine:
         req.generated = 1  # the first token comes out of the prefill step
         req.ttft_s = req.wait_s + (self._prefill_clock_ms - req.prefill_enqueued_ms) / 1000
         stats = self.stats
-        stats.prompt_tokens += len(req.tokens)
+        stats.prompt_tokens += req.num_tokens
         stats.cached_prompt_tokens += req.cached_tokens
         stats.generation_tokens += req.n
         stats.ttft.observe(req.ttft_s)

@@ -1,0 +1,96 @@
+"""In-process discrete-event simulation of a fleet of engine pods behind ace-extproc.
+
+    from bench.fleetsim import SimSettings, simulate, summarize
+    result = simulate(workload, PrefixAffinityPicker, pods=8)
+    print(summarize(result))
+
+Everything runs in simulated time; thousands of requests take seconds.
+
+**Routing** is the production code, called as the ext_proc server calls it: a real
+``Processor(Config(sim_fleet, Settings(mode, salt_secret, tenants)), picker)``, then
+``on_headers({":path", ":method": "POST", "content-type", "content-length",
+**request.headers}, False)`` and ``on_body(ctx, body)``.  The pod is
+``outcome.pod``.  When there is none (a bypass, or modes ``shadow``/``off``) the
+request takes Envoy's default route, LEAST_REQUEST: the available pod with the
+fewest requests in flight (all pods compared, ties round-robin, so runs are
+deterministic); these are counted in ``RunResult.bypassed``.  A 401 is counted in
+``rejected``.  Tenants: one per distinct bearer token in the workload (a key map,
+as an operator configures ``router.tenants.api_keys``); no token is anonymous.
+``replicas=N`` builds N independent Processors and sends request ``i`` to
+replica ``i % N``; each replica's index learns only from what it routed.
+
+**The engine** (per pod, like vLLM v1 with prefix caching and chunked prefill):
+
+* It parses the body it receives (``outcome.body`` with the router's
+  ``cache_salt``, else the client's) and renders the prompt: chat through the
+  sim's template (``sim.tokenizer.render_chat``), completions as the prompt
+  string.  A token is 4 bytes of UTF-8, so the KV block keys are computed from
+  64-byte slices (``sim.kvcache.text_block_keys``), equivalent to hashing each
+  16-token block's ids, the salt mixed into block 0.
+* Cache: ``sim.kvcache.PrefixCache``, ``num_gpu_blocks`` blocks of
+  ``block_size`` tokens, LRU over unreferenced blocks (a finished request's leaf
+  blocks go first).  Blocks for the prompt and all its output are taken at
+  **admission**; the prefix matched then is the request's ``cached_tokens``
+  (what ``usage.prompt_tokens_details.cached_tokens`` reports; at most
+  ``prompt - 1`` tokens, whole blocks).  Blocks are indexed as each prefill chunk
+  completes, and released at finish.  A request that cannot get its blocks
+  waits at the head of the queue and blocks those behind it (FCFS, vLLM's
+  default) until running requests finish; one that could never fit is rejected
+  (vLLM answers 400).
+* Steps (continuous batching): each step has a budget of
+  ``max_num_batched_tokens``.  Every decoding request takes 1 token; the rest goes
+  to prefill chunks, first of admitted requests still prefilling, then of newly
+  admitted ones from the waiting queue (FIFO, up to ``max_num_seqs`` admitted).
+  A chunk of ``k`` tokens after ``ctx`` computed ones costs ``a*k + b*k*(ctx +
+  k/2)`` model ms (the chunks of one prefill sum to exactly the model's
+  ``a*n + b*n*(c + n/2)``); a decode token costs ``a + b*prompt_tokens`` (or
+  nothing if ``tpot_ms`` is set).  A step lasts ``max(floor, prefill work + decode work)``,
+  the floor being ``t_step`` (``tpot_ms``, if set, for steps that decode).  So a
+  step grows with the tokens in it, and requests sharing a step all wait for it.
+  A request's last prefill chunk gives its first token; then one token per step.
+  A prefill remainder under ``t_step / a`` tokens (~275) is folded into the
+  current step rather than left to cost a floor-bound step of its own: with that,
+  a request alone on an idle pod gets exactly ``model.ttft_ms(uncached, cached)``.
+* ``t0`` (the model's fixed part, 10 ms by default) is the API server's share: a
+  request reaches the pod's queue ``t0`` after it is routed.  TTFT = first token
+  - arrival; ``queue_s`` = first prefill step - reaching the pod.
+* A run of decode-only steps with nothing to admit is planned as one stretch up
+  to the next finish and cut at the current step's end if a request arrives, so
+  the event count grows with requests, not with tokens.
+
+**The router's view of load** (``processor.fleet.load``): every
+``scrape_interval_s`` of simulated time each pod's ``running``, ``waiting`` and
+``kv_usage`` (blocks referenced / capacity) are copied in, as a ``/metrics``
+scrape would.  ``inflight`` (requests this replica routed and not yet finished)
+and ``queued_prefill_tokens`` (their prompt tokens not yet prefilled: at routing
+the engine's exact uncached count on that pod at that moment, corrected at
+admission, reduced chunk by chunk) are updated at every event.  A proxy router
+in the data path sees in-flight counts exactly; ace-extproc in production only
+sees requests start, so it will approximate them.
+
+**Fleet events** (``workload.events``, ``workload.initially_absent``): ``remove``
+marks the pod unavailable and drops it from the index; its requests not yet
+admitted are routed again (as a client or Envoy retry would), keeping their
+arrival time; admitted ones finish there (a graceful drain).  A request still on
+its way to a removed pod is routed again on arrival.  ``add`` makes an absent
+pod available with an empty cache (and an empty index entry).  Re-routed requests
+are counted in ``rerouted``; their TTFT still counts from the first arrival.
+
+**Bounds**: ``pooled_cache`` gives all pods one shared cache of ``pods x
+capacity`` (the whole fleet's memory as one cache; still N pods of compute);
+``unbounded_cache`` never evicts and never refuses admission.
+"""
+
+from bench.fleetsim.metrics import BUCKETS, RequestRecord, RunResult, summarize
+from bench.fleetsim.run import simulate, tenant_config
+from bench.fleetsim.settings import SimSettings
+
+__all__ = [
+    "BUCKETS",
+    "RequestRecord",
+    "RunResult",
+    "SimSettings",
+    "simulate",
+    "summarize",
+    "tenant_config",
+]

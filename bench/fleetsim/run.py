@@ -1,0 +1,400 @@
+"""The event loop: route each request with the production ``Processor``, hand it
+to its pod, keep the router's view of the pods up to date, apply fleet events."""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ace_extproc.config import Config, Mode, Settings, TenantConfig, default_fleet
+from ace_extproc.latency import get_model
+from ace_extproc.processor import PickerFactory, Processor
+from ace_extproc.sim.kvcache import PrefixCache
+from bench.fleetsim.metrics import RequestRecord, RunResult
+from bench.fleetsim.pod import Job, SimPod
+from bench.fleetsim.prompt import EnginePrompt, PromptError, engine_prompt
+from bench.fleetsim.settings import SimSettings
+from bench.workloads.base import FleetEvent, Request, Workload
+
+# Event kinds, in the order they run when simultaneous: steps end (freeing blocks)
+# before the fleet changes, before new requests arrive, before routed ones land,
+# before an idle pod starts (so all requests landing at one instant share a step).
+_STEP_END, _FLEET, _ARRIVAL, _ENTER, _WAKE = 0, 1, 2, 3, 4
+_UNBOUNDED_BLOCKS = 1 << 60
+
+
+def simulate(
+    workload: Workload,
+    picker: PickerFactory,
+    *,
+    pods: int,
+    settings: SimSettings = SimSettings(),  # noqa: B008 (frozen, shared safely)
+    mode: str = "prod",
+    progress: bool = True,
+    salt_secret: bytes = b"bench",
+    replicas: int = 1,
+) -> RunResult:
+    """Run ``workload`` over ``pods`` simulated pods routed by ``picker``."""
+    if pods < 1 or replicas < 1:
+        raise ValueError("pods and replicas must be at least 1")
+    begin = time.perf_counter()
+    sim = _Run(workload, picker, pods, settings, Mode.parse(mode), salt_secret, replicas)
+    with _progress(len(workload.requests), workload.name, progress) as tick:
+        sim.tick = tick
+        sim.run()
+    return RunResult(
+        workload=workload.name,
+        pods=pods,
+        records=sim.records,
+        busy_s=[p.busy_s for p in sim.pods],
+        evictions=[p.evictions for p in sim.pods],
+        duration_s=sim.now,
+        wall_s=time.perf_counter() - begin,
+        bypassed=sim.bypassed,
+        rejected=sim.rejected,
+        rerouted=sim.rerouted,
+        replicas=replicas,
+        extra={"scrapes": sim.scrapes},
+    )
+
+
+def tenant_config(workload: Workload) -> TenantConfig:
+    """A key map with one tenant per distinct bearer token in the workload, as an
+    operator would configure ``router.tenants.api_keys`` for its clients; requests
+    without a token are the anonymous tenant."""
+    digests: dict[bytes, str] = {}
+    for r in workload.requests:
+        auth = r.headers.get("authorization", "")
+        scheme, _, token = auth.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() == "bearer" and token:
+            digest = hashlib.sha256(token.encode()).digest()
+            digests.setdefault(digest, f"key-{digest.hex()[:16]}")
+    return TenantConfig(key_digests=digests)
+
+
+class _Run:
+    def __init__(
+        self,
+        workload: Workload,
+        picker: PickerFactory,
+        n_pods: int,
+        settings: SimSettings,
+        mode: Mode,
+        salt_secret: bytes,
+        replicas: int,
+    ) -> None:
+        self.workload = workload
+        self.settings = settings
+        self.model = get_model(settings.ttft_model)
+        self.t0_s = self.model.t0_ms / 1000
+        config = Config(
+            default_fleet(n_pods),
+            Settings(
+                mode=mode,
+                salt_secret=salt_secret,
+                tenants=tenant_config(workload),
+                ttft_model=settings.ttft_model,
+            ),
+        )
+        self.procs = [Processor(config, picker) for _ in range(replicas)]
+        self.slot_of = {p.key: i for i, p in enumerate(self.procs[0].fleet.pods)}
+        shared = self._new_cache(n_pods) if settings.pooled_cache else None
+        self.pods = [
+            SimPod(
+                slot,
+                shared if shared is not None else self._new_cache(1),
+                self.model,
+                self,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                max_num_seqs=settings.max_num_seqs,
+                tpot_ms=settings.tpot_ms,
+            )
+            for slot in range(n_pods)
+        ]
+        # kv_usage is over the nominal capacity (the pooled cache over all of it).
+        self.usage_blocks = settings.num_gpu_blocks * (n_pods if settings.pooled_cache else 1)
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.next_scrape = 0.0
+        self.scrapes = 0
+        self.records: list[RequestRecord] = []
+        self.actions: dict[int, tuple[str, int]] = {}  # request index -> (action, would_pick)
+        self.bypassed = self.rejected = self.rerouted = 0
+        self.fallback_rr = 0
+        self.tick: Callable[[], None] = lambda: None
+
+    def _new_cache(self, pods: int) -> PrefixCache:
+        s = self.settings
+        blocks = _UNBOUNDED_BLOCKS if s.unbounded_cache else s.num_gpu_blocks * pods
+        return PrefixCache(s.block_size, blocks)
+
+    # -- the loop ---------------------------------------------------------------------
+    def push(self, at: float, kind: int, payload: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (at, kind, self.seq, payload))
+
+    def run(self) -> None:
+        for slot in self.workload.initially_absent:
+            self._remove(slot)
+        for event in self.workload.events:
+            self.push(event.at_s, _FLEET, event)
+        for i, r in enumerate(self.workload.requests):
+            self.push(r.arrival_s, _ARRIVAL, i)
+        heap = self.heap
+        interval = self.settings.scrape_interval_s
+        while heap:
+            at, kind, _, payload = heapq.heappop(heap)
+            if at >= self.next_scrape:
+                # Pods change only at events, so their state now is their state at
+                # the scrape instant(s) since the last event.
+                self._scrape()
+                self.next_scrape = (int(at / interval) + 1) * interval
+            self.now = at
+            if kind == _STEP_END:
+                slot, epoch = payload
+                self._schedule(slot, self.pods[slot].end_step(at, epoch))
+            elif kind == _ENTER:
+                self._enter(payload)
+            elif kind == _WAKE:
+                pod = self.pods[payload]
+                pod.wake_pending = False
+                self._schedule(payload, pod.poke(at))
+            elif kind == _ARRIVAL:
+                self._route_new(payload)
+            else:
+                self._fleet_event(payload)
+
+    def _schedule(self, slot: int, end: float | None) -> None:
+        if end is not None:
+            self.push(end, _STEP_END, (slot, self.pods[slot].epoch))
+
+    def _scrape(self) -> None:
+        self.scrapes += 1
+        for pod in self.pods:
+            kv = min(1.0, pod.cache.used_blocks / self.usage_blocks)
+            for proc in self.procs:
+                load = proc.fleet.load[pod.slot]
+                load.running, load.waiting, load.kv_usage = pod.running, len(pod.waiting), kv
+
+    # -- routing ----------------------------------------------------------------------
+    def _route_new(self, index: int) -> None:
+        r = self.workload.requests[index]
+        self._route(index, r, index % len(self.procs), None)
+
+    def _route(self, index: int, r: Request, replica: int, job: Job | None) -> None:
+        """Route a request exactly as the ext_proc server does, and send it on."""
+        proc = self.procs[replica]
+        headers = {
+            ":path": r.path,
+            ":method": "POST",
+            "content-type": "application/json",
+            "content-length": str(len(r.body)),
+            **r.headers,
+        }
+        ctx = proc.on_headers(headers, False)
+        outcome = proc.on_body(ctx, r.body)
+        if outcome.reject_status:
+            self._reject()
+            return
+        would = outcome.would_pick
+        self.actions[index] = (outcome.action, self.slot_of[would.key] if would else -1)
+        if outcome.pod is not None:
+            slot = self.slot_of[outcome.pod.key]
+        else:
+            self.bypassed += 1
+            fallback = self._fallback(proc)
+            if fallback is None:
+                self._reject()
+                return
+            slot = fallback
+        if job is None:
+            # The engine parses the body it receives: the router's rewrite, if any.
+            try:
+                prompt = engine_prompt(r.path, outcome.body or r.body, self.settings.block_size)
+            except PromptError:
+                self._reject()
+                return
+            if self.pods[slot].cache.blocks_for(prompt.tokens + r.output_tokens) > (
+                self.pods[slot].cache.num_gpu_blocks
+            ):
+                self._reject()  # vLLM refuses what can never fit
+                return
+            job = _job(index, r, prompt, replica)
+        pod = self.pods[slot]
+        job.slot = slot
+        # The router's own counters, exact here: requests it sent and has not seen
+        # finish, and their prompt tokens not yet prefilled (the uncached part).
+        load = proc.fleet.load[slot]
+        load.inflight += 1
+        job.charged = job.tokens - pod.cache.match_keys(job.keys, job.tokens)
+        load.queued_prefill_tokens += job.charged
+        self.push(self.now + self.t0_s, _ENTER, (slot, job))
+
+    def _fallback(self, proc: Processor) -> int | None:
+        """Envoy's default route (LEAST_REQUEST): the available pod with the fewest
+        requests in flight, ties broken round-robin (deterministic: all pods are
+        compared, not two random ones)."""
+        fleet = proc.fleet
+        n = len(fleet.pods)
+        self.fallback_rr += 1
+        best: int | None = None
+        best_load = 0
+        for k in range(n):
+            slot = (self.fallback_rr + k) % n
+            if not (fleet.available >> slot) & 1:
+                continue
+            inflight = sum(p.fleet.load[slot].inflight for p in self.procs)
+            if best is None or inflight < best_load:
+                best, best_load = slot, inflight
+        return best
+
+    def _reject(self) -> None:
+        self.rejected += 1
+        self.tick()
+
+    def _enter(self, payload: tuple[int, Job]) -> None:
+        slot, job = payload
+        pod = self.pods[slot]
+        if not pod.present:  # the pod left while the request was on its way
+            self._unroute(slot, job)
+            self._reroute(job)
+            return
+        self._schedule(slot, pod.enter(job, self.now))
+        if pod.plan is None and not pod.wake_pending:
+            pod.wake_pending = True
+            self.push(self.now, _WAKE, slot)
+
+    def _unroute(self, slot: int, job: Job) -> None:
+        load = self.procs[job.replica].fleet.load[slot]
+        load.inflight -= 1
+        load.queued_prefill_tokens -= job.charged
+        job.charged = 0
+
+    def _reroute(self, job: Job) -> None:
+        self.rerouted += 1
+        self._route(job.index, self.workload.requests[job.index], job.replica, job)
+
+    # -- fleet events -----------------------------------------------------------------
+    def _fleet_event(self, event: FleetEvent) -> None:
+        if event.action == "remove":
+            self._remove(event.slot)
+        elif event.action == "add":
+            self._add(event.slot)
+        else:
+            raise ValueError(f"unknown fleet event action {event.action!r}")
+
+    def _remove(self, slot: int) -> None:
+        """The pod leaves: the router stops choosing it and forgets what it held; its
+        queued requests are routed again (as a retry would); admitted ones drain."""
+        for proc in self.procs:
+            proc.fleet.set_available(slot, False)
+            proc.index.drop_pod(slot)
+        pod = self.pods[slot]
+        pod.present = False
+        for job in pod.take_waiting():
+            self._unroute(slot, job)
+            self._reroute(job)
+
+    def _add(self, slot: int) -> None:
+        """The pod joins (or comes back) with an empty cache."""
+        pod = self.pods[slot]
+        if pod.present:
+            return  # already in the fleet: nothing changes
+        if not self.settings.pooled_cache:
+            pod.cache = self._new_cache(1)  # draining requests release into their own
+        pod.present = True
+        for proc in self.procs:
+            proc.index.add_pod(slot)
+            proc.fleet.set_available(slot, True)
+
+    # -- what pods report (the Listener) -----------------------------------------------
+    def admitted(self, job: Job) -> None:
+        # The estimate made at routing becomes the engine's actual uncached count.
+        load = self.procs[job.replica].fleet.load[job.slot]
+        load.queued_prefill_tokens += job.uncached - job.charged
+        job.charged = job.uncached
+
+    def prefilled(self, job: Job, tokens: int) -> None:
+        self.procs[job.replica].fleet.load[job.slot].queued_prefill_tokens -= tokens
+        job.charged -= tokens
+
+    def finished(self, job: Job, now: float) -> None:
+        slot = job.slot
+        self.procs[job.replica].fleet.load[slot].inflight -= 1
+        r = self.workload.requests[job.index]
+        action, would = self.actions.pop(job.index, ("", -1))
+        self.records.append(
+            RequestRecord(
+                arrival_s=r.arrival_s,
+                pod=slot,
+                family=r.family,
+                session=r.session,
+                prompt_tokens=job.tokens,
+                cached_tokens=job.cached,
+                queue_s=job.first_step_s - job.enter_s,
+                ttft_s=job.first_token_s - r.arrival_s,
+                finish_s=now,
+                output_tokens=job.output_tokens,
+                action=action,
+                would_pick=would,
+            )
+        )
+        self.tick()
+        if self.settings.pooled_cache:
+            # Blocks freed in the shared cache may unblock another pod's queue.
+            for pod in self.pods:
+                if pod.slot != slot and pod.waiting:
+                    self._schedule(pod.slot, pod.poke(now))
+
+
+def _job(index: int, r: Request, prompt: EnginePrompt, replica: int) -> Job:
+    return Job(
+        index=index,
+        arrival_s=r.arrival_s,
+        tokens=prompt.tokens,
+        keys=prompt.keys,
+        output_tokens=max(1, r.output_tokens),
+        replica=replica,
+    )
+
+
+class _progress:
+    """A tqdm bar when tqdm is importable, else a counter on stderr; nothing when off."""
+
+    def __init__(self, total: int, name: str, enabled: bool) -> None:
+        self.total, self.name, self.enabled = total, name, enabled
+        self.bar: Any = None
+        self.done = 0
+        self.last = 0.0
+
+    def __enter__(self) -> Callable[[], None]:
+        if not self.enabled:
+            return lambda: None
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return self._count
+        self.bar = tqdm(total=self.total, desc=self.name, unit="req", mininterval=0.5)
+        return self._update
+
+    def _update(self) -> None:
+        self.bar.update(1)
+
+    def _count(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last >= 1.0 or self.done == self.total:
+            self.last = now
+            print(f"\r{self.name}: {self.done}/{self.total} requests", end="", file=sys.stderr)
+            if self.done == self.total:
+                print(file=sys.stderr)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()

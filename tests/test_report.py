@@ -1,0 +1,39 @@
+"""bench.report end to end on a small slice: the JSON other tools read, and the plots."""
+
+import json
+from pathlib import Path
+
+from bench import report
+
+
+def test_report_json_shape_and_plots(tmp_path: Path, capsys) -> None:
+    code = report.main(
+        [
+            "--suite", "seed800", "--limit", "60", "--pods", "4", "--no-progress",
+            "--policies", "ace,round_robin,bound_pooled,bound_unbounded",
+            "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    data = json.loads((tmp_path / "report-seed800.json").read_text())
+    assert data["workload"] == "seed800" and data["pods"] == 4 and data["requests"] == 60
+    assert set(data["policies"]) == {"ace", "round_robin", "bound_pooled", "bound_unbounded"}
+    for p in data["policies"].values():
+        for key in ("hit_ratio", "prefill_saved_ratio", "ttft_p50_ms", "ttft_p95_ms",
+                    "ttft_p99_ms", "imbalance"):  # fmt: skip
+            assert isinstance(p[key], float)
+        assert 0.0 <= p["prefill_saved_ratio"] <= 1.0
+        assert p["hits"] + p["misses"] == 60
+    # Unbounded caches can only reuse as much as or more than the same policy bounded.
+    pol = data["policies"]
+    assert pol["bound_unbounded"]["cached_tokens"] >= pol["ace"]["cached_tokens"]
+    assert all(Path(p).stat().st_size > 1000 for p in data["plots"])
+    out = capsys.readouterr().out
+    assert "Total prompts:" in out and "Saved prefill tokens:" in out and "TTFT speedup" in out
+
+
+def test_report_rejects_unknown_policy_and_bad_trace(tmp_path: Path) -> None:
+    assert report.main(["--suite", "seed800", "--policies", "nope", "--out", str(tmp_path)]) == 2
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}\n')
+    assert report.main(["--trace", str(bad), "--out", str(tmp_path)]) == 2
