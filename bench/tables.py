@@ -1,0 +1,68 @@
+"""Markdown tables from ``bench/results/report-*.json``, for ``bench/RESULTS.md``.
+
+    python -m bench.tables [bench/results]
+
+The figures in RESULTS.md are pasted from this output, so they are exactly what the
+report commands wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+BUCKETS = ("1K", "4K", "16K", "32K")
+
+
+def table(report: dict[str, Any]) -> str:
+    pol = report["policies"]
+    rr = pol.get("round_robin")
+    pooled = pol.get("bound_pooled")
+    rows = [
+        f"#### `{report['workload']}`: {report['requests']} requests, {report['pods']} pods "
+        f"(`{report['command']}`)",
+        "",
+        "| policy | hit % | warm hit % | prefill saved % | of pooled bound | TTFT p50 ms"
+        " | p95 | p99 | p50 vs RR | imbalance | evictions |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, p in pol.items():
+        of_pooled = (
+            f"{p['prefill_saved_ratio'] / pooled['prefill_saved_ratio']:.0%}"
+            if pooled and pooled["prefill_saved_ratio"]
+            else "-"
+        )
+        vs_rr = f"{rr['ttft_p50_ms'] / p['ttft_p50_ms']:.2f}x" if rr and p["ttft_p50_ms"] else "-"
+        label = f"**{name}**" if name == "ace" else name
+        rows.append(
+            f"| {label} | {p['hit_ratio']:.1%} | {p['warm_hit_ratio']:.1%} "
+            f"| {p['prefill_saved_ratio']:.1%} | {of_pooled} | {p['ttft_p50_ms']:.0f} "
+            f"| {p['ttft_p95_ms']:.0f} | {p['ttft_p99_ms']:.0f} | {vs_rr} | {p['imbalance']:.2f} "
+            f"| {p['evictions']:,} |"
+        )
+    rows += ["", "TTFT p50 ms by context bucket:", ""]
+    rows.append("| policy | " + " | ".join(BUCKETS) + " |")
+    rows.append("| --- |" + " ---: |" * len(BUCKETS))
+    for name, p in pol.items():
+        by = p.get("ttft_by_bucket", {})
+        cells = [
+            f"{by[b]['p50_ms']:.0f} ({by[b]['count']})" if by.get(b, {}).get("count") else "-"
+            for b in BUCKETS
+        ]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    folder = Path(args[0] if args else "bench/results")
+    for path in sorted(folder.glob("report-*.json")):
+        print(table(json.loads(path.read_text())))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
