@@ -35,6 +35,9 @@ RESPONSE_HEADERS = {
 # overall route timeout, only a generous idle timeout (it replaces the HCM's 5 min one).
 ROUTE_IDLE_TIMEOUT = "900s"
 CONNECT_TIMEOUT = "1s"
+# Envoy load-balancing policies the default (fail-open) cluster may use; they need no hash
+# policy on the route. LEAST_REQUEST is the default; ROUND_ROBIN is the benchmarks' baseline.
+LB_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
 
 _SKIP_RESPONSE = {
     "response_header_mode": "SKIP",
@@ -176,7 +179,7 @@ def _lb_weights(pods: tuple[cfg.Pod, ...]) -> list[int | None]:
     return [max(1, round(100 * p.weight / top)) for p in pods]
 
 
-def _pod_clusters(fleet: cfg.Fleet) -> list[dict[str, Any]]:
+def _pod_clusters(fleet: cfg.Fleet, lb_policy: str) -> list[dict[str, Any]]:
     clusters = []
     for dest in fleet.destinations:
         weights = _lb_weights(dest.pods)
@@ -184,7 +187,7 @@ def _pod_clusters(fleet: cfg.Fleet) -> list[dict[str, Any]]:
             _cluster(
                 dest.cluster,
                 [(p.host, p.port, w) for p, w in zip(dest.pods, weights, strict=True)],
-                lb_policy="LEAST_REQUEST",
+                lb_policy=lb_policy,
                 circuit_breakers=_circuit_breakers(),
             )
         )
@@ -364,17 +367,22 @@ def render(
     message_timeout_s: float = 1.0,
     ext_proc_uds: str | None = None,
     ext_proc: bool = True,
+    lb_policy: str = "LEAST_REQUEST",
 ) -> dict[str, Any]:
     """The Envoy bootstrap for ``config`` as a dict. ``ext_proc_uds`` (else
     ``settings.uds``) makes Envoy reach ace-extproc over a unix socket instead of
     ``settings.listen``. ``ext_proc=False`` leaves out the ext_proc filter and its
     cluster: plain Envoy, the baseline that gateway-overhead benchmarks subtract.
-    Raises ConfigError on a bad address, mode or timeout."""
+    ``lb_policy`` (one of ``LB_POLICIES``) balances each destination's default
+    cluster; ``ext_proc=False, lb_policy="ROUND_ROBIN"`` is plain round-robin Envoy.
+    Raises ConfigError on a bad address, mode, policy or timeout."""
     if processing_mode not in PROCESSING_MODES:
         raise cfg.ConfigError(
             f"processing mode {processing_mode!r}: expected one of {', '.join(PROCESSING_MODES)}"
         )
-    clusters = _pod_clusters(config.fleet)
+    if lb_policy not in LB_POLICIES:
+        raise cfg.ConfigError(f"lb_policy {lb_policy!r}: expected one of {', '.join(LB_POLICIES)}")
+    clusters = _pod_clusters(config.fleet, lb_policy)
     if ext_proc:
         clusters.insert(0, _ext_proc_cluster(config.settings, ext_proc_uds or config.settings.uds))
     return {
@@ -409,6 +417,7 @@ def render_yaml(
     message_timeout_s: float = 1.0,
     ext_proc_uds: str | None = None,
     ext_proc: bool = True,
+    lb_policy: str = "LEAST_REQUEST",
 ) -> str:
     """``render`` as YAML, with a header saying where it came from."""
     doc = render(
@@ -419,8 +428,11 @@ def render_yaml(
         message_timeout_s=message_timeout_s,
         ext_proc_uds=ext_proc_uds,
         ext_proc=ext_proc,
+        lb_policy=lb_policy,
     )
     what = f"processing mode: {processing_mode}" if ext_proc else "no ext_proc"
+    if lb_policy != "LEAST_REQUEST":
+        what += f", default cluster {lb_policy}"
     header = (
         f"# Envoy bootstrap rendered by `ace-extproc envoy-config` ({what}).\n"
         "# Do not edit by hand: re-render it (see envoy/README.md).\n"

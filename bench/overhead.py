@@ -1,22 +1,49 @@
 """Gateway overhead: the latency and throughput cost of Envoy + ext_proc, per variant.
 
     python -m bench.overhead [--requests 2000] [--rounds 10] [--duration 3]
-                             [--sizes 16384,225280] [--variants direct,trivial,...]
+                             [--sizes 16384,225280] [--variants direct,trivial,...|all]
+                             [--connections 32] [--connections-by-size 225280=150]
+                             [--rates 16384=200,400,700,1000 --rates 225280=50,100,150,200]
 
-All variants run at once, each its own Envoy (and ext_proc server) on its own ports,
-in front of the same single simulated engine pod (no sleeping, one output token):
+All variants run at once, each on its own ports, in front of the same single simulated
+engine pod (no sleeping, one output token):
   direct           client -> Envoy -> engine, no ext_proc filter: the baseline
   trivial          + bench/trivial_extproc.py: the floor for a Python ext_proc doing
                    the same exchanges (headers SEND, body BUFFERED, body rewritten)
   ace-buffered     + ace-extproc, buffered body (2 exchanges)
   ace-full-duplex  + ace-extproc, FULL_DUPLEX_STREAMED body (1 round trip)
-Latency: sequential keep-alive requests from one aiohttp client, the variants taking
-turns in rounds whose order alternates, so machine noise hits all alike; "added" is
-variant minus direct. ``--requests`` is per variant at 16 KB; larger bodies get
-proportionally fewer (at least 500). Throughput: requests/s at a fixed concurrency,
-with wrk when it is installed (a Python client would saturate a core itself), else
-aiohttp. CPU: utime+stime per request of the ext_proc server, Envoy and the engine,
-from /proc, in both phases. Writes bench/results/overhead.json.
+  sglang           client -> SGLang Model Gateway -> engine (no Envoy), --peer-policy
+  vllm             client -> vLLM Router -> engine (no Envoy); its cache_aware policy
+                   also POSTs every body to the engine's render endpoint first
+The default is the four Envoy variants; ``--variants all`` adds the peers that are
+installed (``bench/peers.py``), a peer named but not installed is skipped with the reason.
+For the peers, the "envoy" CPU column is the peer router's process (the proxy).
+
+Three phases, in each of which the variants take turns (order alternating) so that
+machine noise hits all alike; "added" (+) is variant minus direct in the same phase:
+1. Latency: sequential keep-alive requests from one aiohttp client, in rounds.
+   ``--requests`` is per variant at 16 KB; larger bodies get proportionally fewer (at
+   least 500).
+2. Fixed concurrency: requests/s and latency p50/p99 at ``--connections`` (per body size
+   with ``--connections-by-size``; default 150 for the 220 KB body), with wrk when it is
+   installed (a Python client would saturate a core itself), else aiohttp.
+3. Fixed rates (open loop): for each body size given in ``--rates``, requests dispatched
+   on a fixed schedule for ``--rate-duration`` s by an asyncio client, each its own task,
+   whatever the answers do (Debian's wrk has no -R), so a gateway that falls behind shows
+   as latency (no coordinated omission). Latency counts from the dispatch (timers have
+   1 ms resolution; the worst lag of a dispatch behind schedule is reported). A rate is
+   *sustained* when no request fails, at least 90% of the rate is answered, and p99 stays
+   within ``--p99-bound-ms`` (default 100 ms); a variant that could not keep up with a
+   rate (< 90% answered) is not tried at higher ones. Reported: p50/p99 and added p50/p99
+   per rate, and the highest rate sustained. Each variant's series starts with an
+   unrecorded 0.5 s at the first rate, and each fixed-concurrency run with an unrecorded
+   1 s at the same concurrency (filling connection pools, which a cold start under 150
+   concurrent 220 KB requests otherwise overflows).
+The peers run with ``--disable-circuit-breaker``: with one engine there is nothing to fail
+over to, and an open breaker would fail the following phases too (Envoy's clusters have no
+outlier detection either).
+CPU: utime+stime per request of the ext_proc server, the proxy and the engine, from /proc,
+in phases 1 and 2. Writes bench/results/overhead.json.
 """
 
 from __future__ import annotations
@@ -44,15 +71,29 @@ import yaml
 from ace_extproc import config as config_mod
 from ace_extproc import envoy_config
 from ace_extproc.config import Config
-from ace_extproc.stack import SERVED_BY, Stack, StackError, StackOptions, envoy_binary
+from ace_extproc.stack import SERVED_BY, StackError, StackOptions, envoy_binary
+from bench import peers
 
-# (ext_proc server, processing mode) per variant.
+# (ext_proc server, processing mode) per Envoy variant: the default set.
 VARIANTS: dict[str, tuple[str | None, str]] = {
     "direct": (None, "buffered"),
     "trivial": ("trivial", "buffered"),
     "ace-buffered": ("ace", "buffered"),
     "ace-full-duplex": ("ace", "full_duplex"),
 }
+# Peer routers in front of the same engine, without Envoy: named by ``--variants``.
+ALL_VARIANTS = (*VARIANTS, *peers.PEERS)
+# Defaults of the loaded phases: the 220 KB body at concurrency 150; open-loop rates.
+CONNECTIONS_BY_SIZE = {225280: 150}
+RATES = {16384: [200, 400, 700, 1000], 225280: [50, 100, 150, 200]}
+RATE_CONNECTIONS = 512  # the open-loop client's connection pool
+RATE_WARMUP_S = 0.5  # unrecorded, at a size's first rate, before each variant's series
+LOAD_WARMUP_S = 1  # unrecorded, at the same concurrency, before each fixed-concurrency run
+REQUEST_TIMEOUT_S = 10
+# One engine: a peer's circuit breaker has nothing to fail over to, and once open it fails
+# every request of the following phases fast. Envoy's clusters have no outlier detection
+# and circuit breakers far above these loads, so this keeps the comparison like for like.
+PEER_FLAGS = ("--disable-circuit-breaker",)
 # Two workers, as `ace-extproc up` runs Envoy: one per core of the 2-core bench machine.
 ENVOY_CONCURRENCY = 2
 MODEL = "sim-llama"
@@ -67,8 +108,9 @@ wrk.headers["Content-Type"] = "application/json"
 wrk.body = io.open([[{body}]], "rb"):read("*a")
 done = function(summary, latency, requests)
   local e = summary.errors
-  io.write(string.format("BENCH %d %d %d %d\\n", summary.requests, summary.duration,
-    e.status, e.connect + e.read + e.write + e.timeout))
+  io.write(string.format("BENCH %d %d %d %d %d %d %d\\n", summary.requests, summary.duration,
+    e.status, e.connect + e.read + e.write, e.timeout,
+    latency:percentile(50), latency:percentile(99)))
 end
 """
 
@@ -117,6 +159,22 @@ def free_ports(n: int) -> list[int]:
     raise BenchError("no free ports")
 
 
+def metric_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The Prometheus series ``names`` in ``text``, each summed over its label sets."""
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name not in out:
+            continue
+        rest = line[len(name) :]
+        if rest.startswith("{"):
+            rest = rest[rest.index("}") + 1 :]
+        out[name] += float(rest.split()[0])
+    return out
+
+
 def cpu_s(pid: int) -> float:
     """utime + stime of a process, all its threads, in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
@@ -134,10 +192,11 @@ PROCS = ("ext_proc", "envoy", "engine")
 class Variant:
     name: str
     url: str
-    admin: str
+    admin: str | None  # Envoy's admin address; None for a peer router (no Envoy)
     server_pid: int | None
-    envoy_pid: int
+    envoy_pid: int  # the proxy: Envoy, or the peer router
     engine_pid: int
+    engine_url: str = ""
 
     def cpu(self) -> list[float]:
         """CPU seconds so far of each of PROCS."""
@@ -145,7 +204,10 @@ class Variant:
         return [server, cpu_s(self.envoy_pid), cpu_s(self.engine_pid)]
 
     async def counter(self, http: aiohttp.ClientSession, pattern: str) -> int:
-        """The sum of Envoy's stats whose names match the regex ``pattern``."""
+        """The sum of Envoy's stats whose names match the regex ``pattern`` (0 without
+        Envoy)."""
+        if self.admin is None:
+            return 0
         params = {"format": "json", "filter": pattern}
         async with http.get(f"http://{self.admin}/stats", params=params) as resp:
             stats = (await resp.json())["stats"]
@@ -153,17 +215,34 @@ class Variant:
 
     async def received(self, http: aiohttp.ClientSession) -> int:
         """Requests Envoy has taken in, once those in flight have finished (or been
-        cut by the client): the engine and the ext_proc spent CPU on all of them."""
+        cut by the client): the engine and the ext_proc spent CPU on all of them.
+        Without Envoy (a peer router): requests the engine has finished."""
+        if self.admin is None:
+            return await self._engine_finished(http)
         for _ in range(100):
             if not await self.counter(http, r"^http\.ace_ingress\.downstream_rq_active$"):
                 break
             await asyncio.sleep(0.1)
         return await self.counter(http, r"^http\.ace_ingress\.downstream_rq_total$")
 
+    async def _engine_finished(self, http: aiohttp.ClientSession) -> int:
+        names = (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:request_success_total",
+        )
+        for _ in range(100):
+            async with http.get(f"{self.engine_url}/metrics") as resp:
+                values = metric_sums(await resp.text(), names)
+            if not values[names[0]] + values[names[1]]:
+                break
+            await asyncio.sleep(0.1)
+        return int(values[names[2]])
 
-class Bench(Stack):
-    """Stack's process handling (logs, readiness, stop on exit) for one engine pod and
-    an Envoy, with or without an ext_proc server, per variant."""
+
+class Bench(peers.PeerStack):
+    """Stack's process handling (logs, readiness, stop on exit) for one engine pod and,
+    per variant, an Envoy with or without an ext_proc server, or a peer router."""
 
     async def start_pod(self) -> Config:
         # One pod: trivial pins it, ace-extproc picks it (the only one), direct balances
@@ -174,10 +253,25 @@ class Bench(Stack):
         await self._start_pods(fleet)
         return config_mod.load(path)
 
-    async def start_variant(self, name: str, config: Config, ports: list[int]) -> Variant:
+    async def start_variant(
+        self, name: str, config: Config, ports: list[int], peer_policy: str = "cache_aware"
+    ) -> Variant:
+        pod = config.fleet.pods[0]
+        if name in peers.PEERS:
+            base = await self.start_peer(
+                name, ports[0], ports[1], [pod.base_url], peer_policy, PEER_FLAGS
+            )
+            return Variant(
+                name,
+                f"{base}{PATH}",
+                None,
+                None,
+                self.procs[name].pid,
+                self.procs[pod.id].pid,
+                pod.base_url,
+            )
         server, mode = VARIANTS[name]
         listen, admin, grpc_addr = (f"127.0.0.1:{p}" for p in ports)
-        pod = config.fleet.pods[0]
         if server == "trivial":
             argv = [str(TRIVIAL), "--listen", grpc_addr, "--cluster", pod.cluster]
             await self._spawn(f"{name}-server", sys.executable, *argv, "--served-by", pod.key)
@@ -216,6 +310,7 @@ class Bench(Stack):
             server_proc.pid if server_proc else None,
             self.procs[f"envoy-{name}"].pid,
             self.procs[pod.id].pid,
+            pod.base_url,
         )
 
 
@@ -236,9 +331,21 @@ async def sequential(http: aiohttp.ClientSession, url: str, body: bytes, n: int)
     return out
 
 
-async def load_wrk(url: str, script: Path, connections: int, duration: int) -> tuple[int, float]:
+@dataclass
+class Load:
+    """What one fixed-concurrency run measured."""
+
+    requests: int  # answered 2xx
+    seconds: float
+    errors: int  # non-2xx answers and timeouts
+    p50_ms: float | None
+    p99_ms: float | None
+    timeouts: int = 0  # of the errors: no answer within REQUEST_TIMEOUT_S
+
+
+async def load_wrk(url: str, script: Path, connections: int, duration: int) -> Load:
     proc = await asyncio.create_subprocess_exec(
-        "wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--timeout", "10s",
+        "wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--timeout", f"{REQUEST_TIMEOUT_S}s",
         "-s", str(script), url,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
@@ -246,30 +353,110 @@ async def load_wrk(url: str, script: Path, connections: int, duration: int) -> t
     line = next((x for x in out.splitlines() if x.startswith("BENCH ")), None)
     if proc.returncode != 0 or line is None:
         raise BenchError(f"wrk failed on {url}:\n{out}")
-    requests, duration_us, status_errors, _socket_errors = map(int, line.split()[1:])
-    if status_errors:  # socket errors are expected: wrk cuts connections when time is up
-        raise BenchError(f"{url}: {status_errors} of {requests} answers were not 2xx")
-    return requests, duration_us / 1e6
+    requests, duration_us, status_errors, _socket_errors, timeouts, p50_us, p99_us = map(
+        int, line.split()[1:]
+    )
+    # Socket errors are expected: wrk cuts connections when time is up.
+    return Load(
+        requests - status_errors,
+        duration_us / 1e6,
+        status_errors + timeouts,
+        p50_us / 1e3 if requests else None,
+        p99_us / 1e3 if requests else None,
+        timeouts,
+    )
 
 
-async def load_aiohttp(url: str, body: bytes, connections: int, duration: int) -> tuple[int, float]:
-    done = 0
+async def load_aiohttp(url: str, body: bytes, connections: int, duration: int) -> Load:
+    latencies: list[float] = []
+    errors = 0
     start = time.monotonic()
     deadline = start + duration
     connector = aiohttp.TCPConnector(limit=connections)
-    async with aiohttp.ClientSession(connector=connector) as http:
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
 
         async def worker() -> None:  # stops issuing at the deadline; none is cut
-            nonlocal done
+            nonlocal errors
             while time.monotonic() < deadline:
-                async with http.post(url, data=body, headers=HEADERS) as resp:
-                    await resp.read()
-                if resp.status != 200:
-                    raise BenchError(f"{url}: HTTP {resp.status}")
-                done += 1
+                sent = time.perf_counter()
+                try:
+                    async with http.post(url, data=body, headers=HEADERS) as resp:
+                        await resp.read()
+                    ok = resp.status == 200
+                except (TimeoutError, aiohttp.ClientError):
+                    ok = False
+                if ok:
+                    latencies.append((time.perf_counter() - sent) * 1e3)
+                else:
+                    errors += 1
 
         await asyncio.gather(*(worker() for _ in range(connections)))
-    return done, time.monotonic() - start
+    elapsed = time.monotonic() - start
+    p50 = percentile(latencies, 0.50) if latencies else None
+    p99 = percentile(latencies, 0.99) if latencies else None
+    return Load(len(latencies), elapsed, errors, p50, p99)
+
+
+@dataclass
+class RateRun:
+    """One open-loop run at a fixed rate."""
+
+    rate: float
+    sent: int
+    latencies_ms: list[float]  # of the answered requests, from when each was dispatched
+    errors: int  # non-200 answers, connection errors and timeouts
+    seconds: float  # from the first scheduled send to the last answer
+    client_lag_ms: float  # worst delay of a dispatch behind its schedule (the client's lag)
+
+    def achieved(self) -> float:
+        return len(self.latencies_ms) / self.seconds if self.seconds > 0 else 0.0
+
+    def sustained(self, p99_bound_ms: float) -> bool:
+        return (
+            self.errors == 0
+            and self.achieved() >= 0.9 * self.rate
+            and bool(self.latencies_ms)
+            and percentile(self.latencies_ms, 0.99) <= p99_bound_ms
+        )
+
+
+async def open_loop(
+    http: aiohttp.ClientSession, url: str, body: bytes, rate: float, duration: float
+) -> RateRun:
+    """Send ``rate`` requests a second for ``duration`` seconds on a fixed schedule,
+    whether or not earlier ones have been answered."""
+    clock = time.perf_counter  # uvloop's loop.time() has a 1 ms resolution
+    n = max(1, round(rate * duration))
+    latencies: list[float] = []
+    errors = 0
+    lag = 0.0
+
+    async def one(dispatched: float) -> None:
+        nonlocal errors
+        try:
+            async with http.post(url, data=body, headers=HEADERS) as resp:
+                await resp.read()
+            ok = resp.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            ok = False
+        if ok:
+            latencies.append((clock() - dispatched) * 1e3)
+        else:
+            errors += 1
+
+    start = clock() + 0.01
+    tasks = []
+    for i in range(n):
+        scheduled = start + i / rate
+        delay = scheduled - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        dispatched = clock()
+        lag = max(lag, dispatched - scheduled)
+        tasks.append(asyncio.create_task(one(dispatched)))
+    await asyncio.gather(*tasks)
+    return RateRun(rate, n, latencies, errors, clock() - start, lag * 1e3)
 
 
 # ------------------------------------------------------------------ measuring
@@ -285,6 +472,12 @@ class Cell:
     load_s: float = 0.0
     load_received: int = 0  # taken in by Envoy, incl. those cut at the end (for CPU)
     load_cpu_s: list[float] = field(default_factory=lambda: [0.0] * len(PROCS))
+    load_connections: int = 0
+    load_errors: int = 0
+    load_timeouts: int = 0
+    load_p50_ms: float | None = None
+    load_p99_ms: float | None = None
+    rates: list[RateRun] = field(default_factory=list)  # ascending; stops at the first failure
 
 
 def _add_cpu(total: list[float], before: list[float], after: list[float]) -> None:
@@ -338,18 +531,64 @@ async def load_phase(
             body_path = workdir / f"body-{size}.json"
             body_path.write_bytes(bodies[size])
             script.write_text(WRK_LUA.format(body=body_path))
+            connections = args.connections_by_size.get(size, args.connections)
             for v in variants if i % 2 == 0 else variants[::-1]:
                 cell = cells[v.name, size]
+                if args.load_client == "wrk":  # fills the proxy's upstream connection pool
+                    await load_wrk(v.url, script, connections, LOAD_WARMUP_S)
+                else:
+                    await load_aiohttp(v.url, bodies[size], connections, LOAD_WARMUP_S)
                 before, received = v.cpu(), await v.received(http)
                 if args.load_client == "wrk":
-                    done, elapsed = await load_wrk(v.url, script, args.connections, args.duration)
+                    load = await load_wrk(v.url, script, connections, args.duration)
                 else:
-                    done, elapsed = await load_aiohttp(
-                        v.url, bodies[size], args.connections, args.duration
-                    )
+                    load = await load_aiohttp(v.url, bodies[size], connections, args.duration)
                 cell.load_received = await v.received(http) - received
                 _add_cpu(cell.load_cpu_s, before, v.cpu())
-                cell.load_requests, cell.load_s = done, elapsed
+                cell.load_requests, cell.load_s = load.requests, load.seconds
+                cell.load_connections, cell.load_errors = connections, load.errors
+                cell.load_timeouts = load.timeouts
+                cell.load_p50_ms, cell.load_p99_ms = load.p50_ms, load.p99_ms
+
+
+async def rate_phase(
+    args: argparse.Namespace,
+    variants: list[Variant],
+    bodies: dict[int, bytes],
+    cells: dict[tuple[str, int], Cell],
+) -> None:
+    """Open-loop runs at each rate of ``args.rates`` (ascending), variants interleaved; a
+    variant that could not keep up with a rate (< 90% answered) is not tried higher."""
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    sessions = {
+        v.name: aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=RATE_CONNECTIONS), timeout=timeout
+        )
+        for v in variants
+    }
+    try:
+        for size in args.sizes:
+            rates = sorted(args.rates.get(size, []))
+            for v in variants if rates else []:  # opens the client's connections
+                await open_loop(sessions[v.name], v.url, bodies[size], rates[0], RATE_WARMUP_S)
+            keeping_up = {v.name for v in variants}
+            for j, rate in enumerate(rates):
+                for v in variants if j % 2 == 0 else variants[::-1]:
+                    if v.name not in keeping_up:
+                        continue
+                    run = await open_loop(
+                        sessions[v.name], v.url, bodies[size], rate, args.rate_duration
+                    )
+                    cells[v.name, size].rates.append(run)
+                    if run.achieved() < 0.9 * rate:
+                        keeping_up.discard(v.name)
+    finally:
+        for s in sessions.values():
+            await s.close()
+
+
+async def check_ext_proc_answers(variants: list[Variant]) -> None:
+    async with aiohttp.ClientSession() as http:
         for v in variants:
             # A request passed on without the ext_proc's answer (fail-open on an error or
             # a timeout, a rejected mutation) would make a variant look faster than it is.
@@ -364,13 +603,15 @@ async def measure(args: argparse.Namespace, bench: Bench) -> dict[tuple[str, int
     config = await bench.start_pod()
     ports = free_ports(3 * len(args.variants))
     variants = [
-        await bench.start_variant(name, config, ports[3 * i : 3 * i + 3])
+        await bench.start_variant(name, config, ports[3 * i : 3 * i + 3], args.peer_policy)
         for i, name in enumerate(args.variants)
     ]
     bodies = {size: chat_body(size) for size in args.sizes}
     cells = {(v.name, size): Cell() for v in variants for size in args.sizes}
     await latency_phase(args, variants, bodies, cells)
     await load_phase(args, variants, bodies, cells, bench.workdir)
+    await rate_phase(args, variants, bodies, cells)
+    await check_ext_proc_answers(variants)
     return cells
 
 
@@ -393,7 +634,7 @@ def _per_request_us(cpu: list[float], requests: int, has_server: bool) -> dict[s
 def summarize(args: argparse.Namespace, cells: dict[tuple[str, int], Cell]) -> dict[str, Any]:
     variants: dict[str, Any] = {}
     for name in args.variants:
-        has_server = VARIANTS[name][0] is not None
+        has_server = name in VARIANTS and VARIANTS[name][0] is not None
         per_size: dict[str, Any] = {}
         for size in args.sizes:
             c = cells[name, size]
@@ -413,9 +654,56 @@ def summarize(args: argparse.Namespace, cells: dict[tuple[str, int], Cell]) -> d
                 for q, key in ((0.50, "added_p50_ms"), (0.99, "added_p99_ms")):
                     added = percentile(c.latencies_ms, q) - percentile(base.latencies_ms, q)
                     row[key] = round(added, 3)
+            row.update(_loaded(c, base))
+            row["rates"] = [_rate_row(run, base, args.p99_bound_ms) for run in c.rates]
+            sustained = [run.rate for run in c.rates if run.sustained(args.p99_bound_ms)]
+            row["max_sustained_rps"] = max(sustained) if sustained else None
             per_size[str(size)] = row
         variants[name] = {"body_bytes": per_size}
     return variants
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 3)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _loaded(c: Cell, base: Cell | None) -> dict[str, Any]:
+    """The fixed-concurrency phase's latency, and what it adds to direct's."""
+    return {
+        "load_connections": c.load_connections,
+        "load_errors": c.load_errors,
+        "load_timeouts": c.load_timeouts,
+        "load_p50_ms": _round(c.load_p50_ms),
+        "load_p99_ms": _round(c.load_p99_ms),
+        "load_added_p50_ms": _minus(c.load_p50_ms, base.load_p50_ms) if base else None,
+        "load_added_p99_ms": _minus(c.load_p99_ms, base.load_p99_ms) if base else None,
+    }
+
+
+def _rate_row(run: RateRun, base: Cell | None, p99_bound_ms: float) -> dict[str, Any]:
+    lat = run.latencies_ms
+    p50 = percentile(lat, 0.50) if lat else None
+    p99 = percentile(lat, 0.99) if lat else None
+    direct = next((r for r in base.rates if r.rate == run.rate), None) if base else None
+    d50 = percentile(direct.latencies_ms, 0.50) if direct and direct.latencies_ms else None
+    d99 = percentile(direct.latencies_ms, 0.99) if direct and direct.latencies_ms else None
+    return {
+        "rate": run.rate,
+        "sent": run.sent,
+        "answered": len(lat),
+        "errors": run.errors,
+        "achieved_rps": round(run.achieved(), 1),
+        "p50_ms": _round(p50),
+        "p99_ms": _round(p99),
+        "added_p50_ms": _minus(p50, d50),
+        "added_p99_ms": _minus(p99, d99),
+        "client_lag_ms": round(run.client_lag_ms, 1),
+        "sustained": run.sustained(p99_bound_ms),
+    }
 
 
 def _num(value: float | None, width: int, digits: int = 2) -> str:
@@ -426,8 +714,8 @@ def print_table(args: argparse.Namespace, variants: dict[str, Any]) -> None:
     print(
         f"\nEnvoy --concurrency {ENVOY_CONCURRENCY}. Latency: sequential keep-alive requests "
         f"(aiohttp), {args.rounds} alternating rounds; +: minus direct. Throughput: "
-        f"{args.load_client}, {args.connections} connections, {args.duration} s. "
-        "CPU: us per request."
+        f"{args.load_client}, {args.duration} s at the fixed concurrency of each size "
+        "(below). CPU: us per request; for sglang/vllm the envoy column is the peer router."
     )
     cpu_head = "".join(f"{p:>9}" for p in PROCS)
     for size in args.sizes:
@@ -448,6 +736,54 @@ def print_table(args: argparse.Namespace, variants: dict[str, Any]) -> None:
                 f"{_num(r['added_p50_ms'], 9)}{_num(r['added_p99_ms'], 9)}"
                 f"{_num(r['rps'], 8, 0)}  {cpu[0]}  {cpu[1]}"
             )
+        _print_loaded(args, variants, size)
+        _print_rates(args, variants, size)
+
+
+def _print_loaded(args: argparse.Namespace, variants: dict[str, Any], size: int) -> None:
+    rows = [variants[name]["body_bytes"][str(size)] for name in args.variants]
+    print(
+        f"\nbody {size} bytes, fixed concurrency {rows[0]['load_connections']} "
+        f"({args.load_client}, {args.duration} s)"
+    )
+    print(
+        f"{'variant':<16}{'req/s':>8}{'errors':>8}{'p50 ms':>8}{'p99 ms':>8}"
+        f"{'+p50 ms':>9}{'+p99 ms':>9}"
+    )
+    for name, r in zip(args.variants, rows, strict=True):
+        print(
+            f"{name:<16}{_num(r['rps'], 8, 0)}{r['load_errors']:>8}"
+            f"{_num(r['load_p50_ms'], 8)}{_num(r['load_p99_ms'], 8)}"
+            f"{_num(r['load_added_p50_ms'], 9)}{_num(r['load_added_p99_ms'], 9)}"
+        )
+
+
+def _print_rates(args: argparse.Namespace, variants: dict[str, Any], size: int) -> None:
+    if not args.rates.get(size):
+        return
+    print(
+        f"\nbody {size} bytes, fixed rates (open loop, aiohttp, {args.rate_duration} s each; "
+        f"latency from the dispatch; sustained: no errors, >= 90% answered, "
+        f"p99 <= {args.p99_bound_ms:g} ms)"
+    )
+    print(
+        f"{'variant':<16}{'rate':>6}{'req/s':>8}{'errors':>8}{'p50 ms':>8}{'p99 ms':>9}"
+        f"{'+p50 ms':>9}{'+p99 ms':>9}{'lag ms':>8}  sustained"
+    )
+    for name in args.variants:
+        r = variants[name]["body_bytes"][str(size)]
+        for x in r["rates"]:
+            print(
+                f"{name:<16}{x['rate']:>6g}{_num(x['achieved_rps'], 8, 0)}{x['errors']:>8}"
+                f"{_num(x['p50_ms'], 8)}{_num(x['p99_ms'], 9)}"
+                f"{_num(x['added_p50_ms'], 9)}{_num(x['added_p99_ms'], 9)}"
+                f"{_num(x['client_lag_ms'], 8, 1)}  {'yes' if x['sustained'] else 'NO'}"
+            )
+    best = ", ".join(
+        f"{name} {variants[name]['body_bytes'][str(size)]['max_sustained_rps'] or 'none'}"
+        for name in args.variants
+    )
+    print(f"highest rate sustained (req/s): {best}")
 
 
 def _csv(kind: type, choices: tuple[str, ...] = ()) -> Any:
@@ -461,6 +797,52 @@ def _csv(kind: type, choices: tuple[str, ...] = ()) -> Any:
     return parse
 
 
+def _size_map(kind: type) -> Any:
+    """``SIZE=V,SIZE=V`` -> {size: kind(V)}."""
+
+    def parse(text: str) -> dict[int, Any]:
+        out: dict[int, Any] = {}
+        for item in filter(None, text.split(",")):
+            size, sep, value = item.partition("=")
+            try:
+                out[int(size)] = kind(value)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected SIZE=VALUE, got {item!r}") from None
+            if not sep:
+                raise argparse.ArgumentTypeError(f"expected SIZE=VALUE, got {item!r}")
+        return out
+
+    return parse
+
+
+def _size_rates(text: str) -> dict[int, list[float]]:
+    """``SIZE=R,R,R`` -> {size: [rates]}."""
+    size, sep, rates = text.partition("=")
+    try:
+        parsed = {int(size): [float(r) for r in rates.split(",") if r]}
+    except ValueError:
+        parsed = {}
+    if not sep or not parsed or not all(r > 0 for r in parsed[int(size)]):
+        raise argparse.ArgumentTypeError(f"expected SIZE=RATE,RATE,..., got {text!r}")
+    return parsed
+
+
+def _pick_variants(names: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The variants to run ("all": every Envoy variant and every installed peer) and the
+    peers skipped, with why."""
+    if "all" in names:
+        names = list(ALL_VARIANTS)
+    picked: list[str] = []
+    skipped: dict[str, str] = {}
+    for name in dict.fromkeys(names):
+        reason = peers.unavailable(name) if name in peers.PEERS else None
+        if reason:
+            skipped[name] = reason
+        else:
+            picked.append(name)
+    return picked, skipped
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -468,14 +850,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=10, help="alternating latency rounds")
     ap.add_argument("--duration", type=int, default=3, help="seconds of load per variant")
     ap.add_argument("--connections", type=int, default=32, help="concurrency of the load")
+    ap.add_argument(
+        "--connections-by-size",
+        type=_size_map(int),
+        default=CONNECTIONS_BY_SIZE,
+        metavar="SIZE=N,...",
+        help="concurrency of the load for these body sizes (default: 225280=150)",
+    )
     ap.add_argument("--sizes", type=_csv(int), default=[16384, 225280], help="body bytes")
-    ap.add_argument("--variants", type=_csv(str, tuple(VARIANTS)), default=list(VARIANTS))
+    ap.add_argument(
+        "--variants",
+        type=_csv(str, (*ALL_VARIANTS, "all")),
+        default=list(VARIANTS),
+        help=f"some of {','.join(ALL_VARIANTS)}, or all (default: the Envoy variants)",
+    )
+    ap.add_argument(
+        "--rates",
+        action="append",
+        type=_size_rates,
+        metavar="SIZE=R,R,...",
+        help="open-loop rates (requests/s) for a body size; repeatable "
+        "(default: 16384=200,400,700,1000 and 225280=50,100,150,200)",
+    )
+    ap.add_argument("--no-rates", action="store_true", help="skip the fixed-rate phase")
+    ap.add_argument("--rate-duration", type=float, default=3.0, help="seconds per rate")
+    ap.add_argument("--p99-bound-ms", type=float, default=100.0, help="sustained: p99 within")
+    ap.add_argument("--peer-policy", default="cache_aware", help="the peer routers' --policy")
     ap.add_argument("--no-wrk", action="store_true", help="load with aiohttp even if wrk is here")
     ap.add_argument("--out", default="bench/results/overhead.json")
     args = ap.parse_args(argv)
     if min(args.sizes) < 256 or args.requests < 1 or args.rounds < 1 or args.duration < 1:
         ap.error("sizes must be >= 256 bytes; requests, rounds and duration >= 1")
+    if args.rate_duration <= 0 or args.p99_bound_ms <= 0:
+        ap.error("rate duration and p99 bound must be positive")
     args.load_client = "wrk" if shutil.which("wrk") and not args.no_wrk else "aiohttp"
+    if args.no_rates:
+        args.rates = {}
+    elif args.rates is None:
+        args.rates = RATES
+    else:
+        args.rates = {size: rates for pairs in args.rates for size, rates in pairs.items()}
+    args.variants, skipped = _pick_variants(args.variants)
+    for name, reason in skipped.items():
+        print(f"skipping {name}: {reason}", file=sys.stderr)
+    if not args.variants:
+        ap.error("no variant left to run")
 
     bench = Bench(
         StackOptions(
@@ -508,6 +927,18 @@ def main(argv: list[str] | None = None) -> int:
         "engine": "1 simulated pod: ace-extproc sim --time-scale 0 --max-tokens-default 1",
         "latency_client": f"aiohttp, sequential keep-alive, {args.rounds} alternating rounds",
         "load_client": f"{args.load_client}, {args.connections} connections, {args.duration} s",
+        "load_connections_by_size": {str(k): v for k, v in args.connections_by_size.items()},
+        "rate_client": (
+            f"aiohttp open loop, {args.rate_duration} s per rate, latency from each request's "
+            f"dispatch; sustained: no errors, >= 90% answered, "
+            f"p99 <= {args.p99_bound_ms:g} ms"
+        ),
+        "peers": {
+            name: {"version": peers.version(name), "policy": args.peer_policy}
+            for name in args.variants
+            if name in peers.PEERS
+        },
+        "skipped": skipped,
         "wall_s": round(time.monotonic() - started, 1),
         "variants": variants,
     }

@@ -416,3 +416,28 @@ def test_without_ext_proc_is_plain_envoy(default: cfg.Config, tmp_path: Path) ->
     path.write_text(ec.render_yaml(default, ext_proc=False))
     assert "(no ext_proc)" in path.read_text().splitlines()[0]
     _validate(path)
+
+
+# ---------------------------------------------------------------- load-balancing policy
+
+
+def test_default_cluster_lb_policy_option(default: cfg.Config) -> None:
+    """``lb_policy`` changes only the destination's default cluster; the default is
+    unchanged (LEAST_REQUEST) and a policy needing a hash policy is refused."""
+    assert ec.render(default, lb_policy="LEAST_REQUEST") == ec.render(default)
+    doc = ec.render(default, ext_proc=False, lb_policy="ROUND_ROBIN")
+    clusters = _clusters(doc)
+    assert clusters["ace_default.sim"]["lb_policy"] == "ROUND_ROBIN"
+    assert all("lb_policy" not in clusters[p.cluster] for p in default.fleet.pods)
+    with pytest.raises(cfg.ConfigError, match="lb_policy"):
+        ec.render(default, lb_policy="RING_HASH")
+
+
+@pytest.mark.envoy
+@needs_envoy
+def test_envoy_accepts_round_robin_without_ext_proc(default: cfg.Config, tmp_path: Path) -> None:
+    """Plain round-robin Envoy: the live benchmark's ``envoy_rr`` router."""
+    path = tmp_path / "envoy.yaml"
+    path.write_text(ec.render_yaml(default, ext_proc=False, lb_policy="ROUND_ROBIN"))
+    assert "(no ext_proc, default cluster ROUND_ROBIN)" in path.read_text().splitlines()[0]
+    _validate(path)

