@@ -89,6 +89,9 @@ def _http2_options() -> dict[str, Any]:
 def _circuit_breakers() -> dict[str, Any]:
     # Envoy's defaults allow 1024 concurrent requests per cluster. LLM streams are
     # long-lived and the default cluster holds a whole destination, so raise them.
+    # Retries get a budget (a share of the requests in flight) instead of the default
+    # flat 3, which a burst of connect timeouts to a busy pod used up at once
+    # (bench.overhead, 220 KB bodies at concurrency 150).
     limit = 100_000
     return {
         "thresholds": [
@@ -97,6 +100,7 @@ def _circuit_breakers() -> dict[str, Any]:
                 "max_connections": limit,
                 "max_pending_requests": limit,
                 "max_requests": limit,
+                "retry_budget": {"budget_percent": {"value": 25.0}, "min_retry_concurrency": 16},
             }
         ]
     }

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterable
@@ -207,6 +208,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", help="host:port for ext_proc gRPC (default 127.0.0.1:50051)")
     parser.add_argument("--uds", help="also listen on this Unix domain socket path")
     parser.add_argument("--mode", choices=[m.value for m in Mode], help="default mode")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="server processes sharing the TCP port (SO_REUSEPORT); one Python process "
+        "saturates about one core",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -235,10 +243,46 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.workers > 1:
+        if cfg.settings.uds:
+            print("error: --workers needs TCP; a Unix socket cannot be shared", file=sys.stderr)
+            return 2
+        return _run_workers(cfg, args.workers)
+    _serve_forever(cfg)
+    return 0
+
+
+def _serve_forever(cfg: Config) -> None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - optional speed-up
         asyncio.run(serve(cfg))
     else:
         uvloop.run(serve(cfg))
-    return 0
+
+
+def _run_workers(cfg: Config, workers: int) -> int:
+    """Fork ``workers`` servers on one port; the kernel spreads Envoy's connections.
+
+    The configuration (and so the salt secret, even a generated one) is loaded once,
+    before any gRPC object exists, so every worker salts tenants alike. Each worker
+    keeps its own prefix index; new prefixes still land alike (rendezvous), and
+    Envoy's connection to a worker is long-lived, so a worker sees a stable share.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_serve_forever, args=(cfg,), daemon=True) for _ in range(workers)]
+    for proc in procs:
+        proc.start()
+
+    def forward(signum: int, _frame: object) -> None:
+        for proc in procs:
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for proc in procs:
+        proc.join()
+    return max((p.exitcode or 0) for p in procs)

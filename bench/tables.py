@@ -55,11 +55,58 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def live_table(live: dict[str, Any]) -> str:
+    w = live["workload"]
+    rows = [
+        f"#### `{w['name']}` live: {w['requests']} requests (`{live['command']}`)",
+        "",
+        "| router | ok / requests | hit % | prompt tokens from cache (engine-reported) "
+        "| latency p50 / p99 ms | TTFT p50 / p99 ms | busiest pod share |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in live["routers"].items():
+        if "cached_share" not in r:
+            rows.append(f"| {name} | skipped: {r.get('skipped', 'not run')} | | | | | |")
+            continue
+        lat, ttft = r["latency_ms"], r["ttft_ms"]
+        rows.append(
+            f"| {name} | {r['ok']} / {r['requests']} | {r['hit_ratio']:.1%} "
+            f"| {r['cached_share']:.1%} | {lat['p50']:.0f} / {lat['p99']:.0f} "
+            f"| {ttft['p50']:.0f} / {ttft['p99']:.0f} | {r['busiest_pod_share']:.0%} |"
+        )
+    return "\n".join(rows)
+
+
+def overhead_table(data: dict[str, Any]) -> str:
+    rows = [
+        f"`{data['command']}`",
+        "",
+        "| variant | body | +p50 ms | +p99 ms | req/s at fixed concurrency "
+        "| highest rate sustained |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, v in data["variants"].items():
+        for size, f in v["body_bytes"].items():
+            rows.append(
+                f"| {name} | {int(size) // 1024} KB "
+                f"| {f['added_p50_ms']:.2f} | {f['added_p99_ms']:.2f} "
+                f"| {f['rps']:.0f} (c={f.get('load_connections', '-')}) "
+                f"| {f.get('max_sustained_rps', '-')} |"
+            )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     folder = Path(args[0] if args else "bench/results")
     for path in sorted(folder.glob("report-*.json")):
         print(table(json.loads(path.read_text())))
+        print()
+    for path in sorted(folder.glob("live-*.json")):
+        print(live_table(json.loads(path.read_text())))
+        print()
+    for path in sorted(folder.glob("overhead*.json")):
+        print(overhead_table(json.loads(path.read_text())))
         print()
     return 0
 

@@ -224,3 +224,35 @@ def test_graceful_stop_finishes_streams_in_flight(port):
 def test_server_settings_reach_grpc_options():
     opts = dict(server.grpc_options(dataclasses.replace(Settings()).grpc_max_message_bytes))
     assert opts["grpc.max_receive_message_length"] >= 64 << 20
+
+
+def test_worker_processes_share_one_port_and_stop_together(port):
+    import signal
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "ace_extproc.cli", "serve", "--workers", "2",
+            "--listen", f"127.0.0.1:{port}"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        assert all("serving ext_proc on" in line for line in lines), lines
+
+        async def check() -> list[int]:
+            out = []
+            for _ in range(6):  # fresh channels: SO_REUSEPORT spreads them over workers
+                async with grpc.aio.insecure_channel(
+                    f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]
+                ) as ch:
+                    r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+                    out.append(r.status)
+            return out
+
+        assert asyncio.run(check()) == [health_pb2.HealthCheckResponse.SERVING] * 6
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
