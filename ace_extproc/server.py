@@ -186,7 +186,9 @@ async def serve(config: Config) -> None:
     tune_gc()
     s = config.settings
     where = " and ".join(x for x in (s.listen, s.uds and f"unix:{s.uds}") if x)
-    print(f"ace-extproc serving ext_proc on {where} (mode={s.mode.value})", flush=True)
+    # One write: worker processes share stdout, and a pipe keeps a short write whole.
+    sys.stdout.write(f"ace-extproc serving ext_proc on {where} (mode={s.mode.value})\n")
+    sys.stdout.flush()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

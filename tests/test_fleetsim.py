@@ -296,8 +296,10 @@ def test_replayed_trace_reuse_matches_its_hash_ids() -> None:
     from bench import workloads
     from bench.workloads import mooncake
 
-    workload = workloads.get("mooncake", limit=1500)
     path = workloads.traces_dir() / "mooncake_synthetic_trace.jsonl"
+    if not path.exists():
+        pytest.skip("shared traces not present")
+    workload = workloads.get("mooncake", limit=1500)
     expected = mooncake.best_case_reuse(mooncake.read(path, limit=1500))
     assert expected > 0.2  # enough sharing in the slice for the check to mean something
     result = simulate(

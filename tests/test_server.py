@@ -236,8 +236,11 @@ def test_worker_processes_share_one_port_and_stop_together(port):
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert proc.stdout is not None
-        lines = [proc.stdout.readline(), proc.stdout.readline()]
-        assert all("serving ext_proc on" in line for line in lines), lines
+        seen = ""
+        while seen.count("serving ext_proc on") < 2:
+            line = proc.stdout.readline()
+            assert line, seen  # both workers announce themselves before EOF
+            seen += line
 
         async def check() -> list[int]:
             out = []
