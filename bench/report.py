@@ -30,19 +30,8 @@ from bench.fleetsim import SimSettings, simulate, summarize
 from bench.workloads.base import Workload
 
 RESULTS = Path("bench/results")
-DEFAULT_POLICIES = [
-    "ace",
-    "round_robin",
-    "random",
-    "least_loaded",
-    "session_hash",
-    "sglang_cache_aware",
-    "vllm_cache_aware",
-    "gie_scorers",
-    "dynamo_cost",
-    "bound_pooled",
-    "bound_unbounded",
-]
+# Ours first, then the registry's order (baselines, then the bounds).
+DEFAULT_POLICIES = ["ace", *(name for name in POLICIES if name != "ace")]
 BOUND_SETTINGS: dict[str, dict[str, Any]] = {
     "bound_pooled": {"pooled_cache": True},
     "bound_unbounded": {"unbounded_cache": True},

@@ -42,7 +42,7 @@ import msgspec
 from ace_extproc.request import CHAT_PATH, COMPLETIONS_PATH
 from ace_extproc.sim.tokenizer import render_chat
 
-from .base import Request, TraceError, Workload
+from .base import Request, TraceError, Workload, replay_speed
 from .sessions import MODEL, chat_body, logu, reply, service_s
 from .text import BYTES_PER_TOKEN, Stream, tagged, words
 
@@ -132,19 +132,9 @@ def _positive(text: str, name: str, where: str) -> int:
 
 
 def _scaled(records: list[AzureRecord], speed: float | None, rate: float | None) -> list[float]:
-    if speed is not None and rate is not None:
-        raise ValueError("give speed or rate, not both")
-    if rate is not None:
-        if rate <= 0:
-            raise ValueError(f"rate must be positive, got {rate}")
-        span = records[-1].time_s - records[0].time_s if records else 0.0
-        if span <= 0:
-            raise ValueError("the trace's requests all arrive at once: a rate cannot be set")
-        speed = rate / ((len(records) - 1) / span)
-    speed = 1.0 if speed is None else speed
-    if speed <= 0:
-        raise ValueError(f"speed must be positive, got {speed}")
-    return [round(r.time_s / speed, 6) for r in records]
+    times = [r.time_s for r in records]
+    factor = replay_speed(times, speed, rate)
+    return [round(t / factor, 6) for t in times]
 
 
 def _zipf_weights(n: int) -> list[float]:

@@ -42,3 +42,21 @@ class Workload:
 
 class TraceError(ValueError):
     """A trace that cannot be replayed; the message names the file and line."""
+
+
+def replay_speed(arrivals_s: list[float], speed: float | None, rate: float | None) -> float:
+    """How much faster than recorded a trace replays: ``speed`` given directly, or the
+    speed-up that makes the mean arrival rate ``rate`` requests/s; not both."""
+    if speed is not None and rate is not None:
+        raise ValueError("give speed or rate, not both")
+    if rate is not None:
+        if rate <= 0:
+            raise ValueError(f"rate must be positive, got {rate}")
+        span = arrivals_s[-1] - arrivals_s[0] if arrivals_s else 0.0
+        if span <= 0:
+            raise ValueError("the trace's requests all arrive at once: a rate cannot be set")
+        speed = rate / ((len(arrivals_s) - 1) / span)
+    speed = 1.0 if speed is None else speed
+    if speed <= 0:
+        raise ValueError(f"speed must be positive, got {speed}")
+    return speed

@@ -29,7 +29,7 @@ import msgspec
 
 from ace_extproc.request import COMPLETIONS_PATH
 
-from .base import Request, TraceError, Workload
+from .base import Request, TraceError, Workload, replay_speed
 from .sessions import MODEL
 from .text import MOONCAKE_BLOCK_TOKENS, blocks_prompt
 
@@ -150,21 +150,9 @@ def best_case_reuse(
 
 
 def arrival_scale(records: list[TraceRecord], speed: float | None, rate: float | None) -> float:
-    """Seconds of replay per trace millisecond: ``speed`` speeds the trace up, or
-    ``rate`` (requests/s) sets the mean arrival rate; not both."""
-    if speed is not None and rate is not None:
-        raise ValueError("give speed or rate, not both")
-    if rate is not None:
-        if rate <= 0:
-            raise ValueError(f"rate must be positive, got {rate}")
-        span_ms = records[-1].timestamp_ms - records[0].timestamp_ms if records else 0.0
-        if span_ms <= 0:
-            raise ValueError("the trace's requests all arrive at once: a rate cannot be set")
-        speed = rate / ((len(records) - 1) / (span_ms / 1000))
-    speed = 1.0 if speed is None else speed
-    if speed <= 0:
-        raise ValueError(f"speed must be positive, got {speed}")
-    return 1 / (1000 * speed)
+    """Seconds of replay per trace millisecond (see ``replay_speed``)."""
+    factor = replay_speed([r.timestamp_ms / 1000 for r in records], speed, rate)
+    return 1 / (1000 * factor)
 
 
 def replay(
