@@ -133,12 +133,21 @@ class Settings:
     allow_mode_override: bool = True
     # Prefix blocks are 512 bytes of canonical prompt (~128 tokens at ~4 bytes a token):
     # fine enough to tell conversations apart, coarse enough that a 32K-token prompt
-    # hashes in ~80 us (see README "Block size").
+    # hashes in ~40 us (see README "Block size").
     block_bytes: int = 512
     bytes_per_token: float = 4.0
     max_body_bytes: int = 8 * 1024 * 1024
+    # Router blocks remembered per pod until its real KV capacity is known (scraped from
+    # vllm:cache_config_info, or a destination's kv_capacity_tokens).
     index_blocks_per_pod: int = 200_000
     ttft_model: str = DEFAULT_MODEL
+    policy: str = "cost"  # the picking policy (routing.policies)
+    upstream_mode: str = "cluster"  # "cluster": per-pod Envoy clusters; "endpoint": ip:port
+    scrape_interval_s: float = 0.1  # pods' /metrics
+    probe_interval_s: float = 1.0  # pods' /health
+    probe_timeout_s: float = 0.5
+    unhealthy_after: int = 2  # consecutive failures that take a pod out
+    healthy_after: int = 2  # consecutive successes that bring it back
     salt_secret: bytes = b""
     tenants: TenantConfig = field(default_factory=TenantConfig)
     listen: str = "127.0.0.1:50051"
@@ -279,6 +288,13 @@ _SETTING_TYPES: dict[str, type] = {
     "max_body_bytes": int,
     "index_blocks_per_pod": int,
     "ttft_model": str,
+    "policy": str,
+    "upstream_mode": str,
+    "scrape_interval_s": float,
+    "probe_interval_s": float,
+    "probe_timeout_s": float,
+    "unhealthy_after": int,
+    "healthy_after": int,
     "listen": str,
     "uds": str,
     "admin_listen": str,
@@ -314,6 +330,8 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("router.block_bytes: expected 16..65536")
     if settings.max_body_bytes <= 0 or settings.index_blocks_per_pod <= 0:
         raise ConfigError("router: max_body_bytes and index_blocks_per_pod must be positive")
+    if settings.upstream_mode not in ("cluster", "endpoint"):
+        raise ConfigError("router.upstream_mode: expected cluster or endpoint")
     try:
         get_model(settings.ttft_model)
     except ValueError as exc:

@@ -34,7 +34,8 @@ class Pick:
     pod: Pod
     slot: int
     matched_blocks: int  # leading blocks the router believes the pod holds warm
-    action: str  # "hit": went to a warm pod; "miss": placed fresh
+    action: str  # "hit": went to a warm pod; "miss": placed fresh; "spill": hot prefix moved on
+    fallbacks: tuple[int, ...] = ()  # next-best slots, for Envoy's retries (endpoint mode)
 
 
 class Picker(Protocol):
