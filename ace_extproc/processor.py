@@ -7,7 +7,7 @@ its ``Outcome`` into Envoy's mutations.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -16,13 +16,8 @@ from ace_extproc import request as req
 from ace_extproc.config import Config, ConfigError, Mode, Pod
 from ace_extproc.latency import get_model
 from ace_extproc.prefix import cache_prefix_id, hash_prompt, scope_seed
-from ace_extproc.routing import (
-    BlockIndex,
-    FleetState,
-    Picker,
-    PrefixAffinityPicker,
-    RoutingRequest,
-)
+from ace_extproc.routing import BlockIndex, FleetState, Picker, RoutingRequest, policies
+from ace_extproc.routing.policies import PickerFactory
 from ace_extproc.tenants import MissingKey, Tenants, UnknownKey
 
 log = logging.getLogger("ace_extproc")
@@ -71,15 +66,14 @@ def _bypass(mode: Mode, reason: str) -> Outcome:
     return Outcome(mode, f"bypass_{reason}")
 
 
-PickerFactory = Callable[[FleetState, BlockIndex], Picker]
-
-
 class Processor:
-    def __init__(self, config: Config, picker: PickerFactory = PrefixAffinityPicker) -> None:
+    def __init__(self, config: Config, picker: PickerFactory | None = None) -> None:
+        """``picker`` overrides the policy the settings name (the benchmark's baselines)."""
         self.settings = config.settings
         self.fleet = FleetState(config.fleet)
         self.index = BlockIndex(config.settings.index_blocks_per_pod)
-        self.picker: Picker = picker(self.fleet, self.index)
+        factory = picker or policies.build(config.settings)
+        self.picker: Picker = factory(self.fleet, self.index)
         self.tenants = Tenants(config.settings.tenants, config.settings.salt_secret)
         self.ttft = get_model(config.settings.ttft_model)
 

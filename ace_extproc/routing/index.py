@@ -48,6 +48,26 @@ class BlockIndex:
             depth += 1
         return depth, (pods if depth else 0)
 
+    def match_depths(self, blocks: Sequence[int], candidates: int) -> dict[int, int]:
+        """How many leading blocks each candidate holds, for those holding any.
+
+        One dict probe per block for all pods at once: a pod drops out at the first
+        block it lacks, and its depth is where it dropped."""
+        owners = self._owners
+        alive = candidates
+        depths: dict[int, int] = {}
+        depth = 0
+        for h in blocks:
+            held = owners.get(h, 0) & alive
+            if depth:
+                _assign(depths, alive & ~held, depth)
+            alive = held
+            if not alive:
+                return depths
+            depth += 1
+        _assign(depths, alive, depth)
+        return depths
+
     def record(self, slot: int, blocks: Sequence[int]) -> None:
         """The pod now holds these blocks (it is about to prefill them)."""
         lru = self._lru.get(slot)
@@ -79,3 +99,10 @@ class BlockIndex:
 
     def __len__(self) -> int:
         return len(self._owners)
+
+
+def _assign(depths: dict[int, int], mask: int, depth: int) -> None:
+    while mask:
+        low = mask & -mask
+        depths[low.bit_length() - 1] = depth
+        mask ^= low

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ace_extproc.routing import BlockIndex, FleetState, Picker, PrefixAffinityPicker
+from ace_extproc.config import Settings
+from ace_extproc.routing import BlockIndex, FleetState, Picker, PrefixAffinityPicker, policies
 from bench.baselines.bounds import SIMULATION_SETTINGS, bound_pooled, bound_unbounded
 from bench.baselines.dynamo_cost import DynamoCostPicker
 from bench.baselines.gie_scorers import GIEScorerPicker
@@ -39,7 +40,10 @@ POLICIES: dict[str, PickerFactory] = {
     "vllm_cache_aware": VLLMCacheAwarePicker,
     "gie_scorers": GIEScorerPicker,
     "dynamo_cost": DynamoCostPicker,
-    "ace": PrefixAffinityPicker,
+    # Ours as the server runs it by default (router.policy: cost), and the first
+    # version (router.policy: affinity) to measure what load-aware pricing changes.
+    "ace": policies.cost_policy(Settings()),
+    "ace_affinity": PrefixAffinityPicker,
     "bound_pooled": bound_pooled,
     "bound_unbounded": bound_unbounded,
 }

@@ -1,0 +1,134 @@
+"""A picking pipeline in the spirit of the Gateway API Inference Extension: filters
+narrow the candidates, a scorer prices each one, a chooser picks.
+
+Unlike GIE's weighted sum of unrelated scores, the default scorer prices every pod
+in one unit, the milliseconds until this request's first token there: the prefill
+already queued on the pod, plus this request's own prefill of the tokens the pod
+does not hold warm, both from the calibrated TTFT model. A warm pod wins while its
+queue costs less than the prefill it saves; when it saturates, the request spills
+to the cheapest other pod, which warms up too (the hot prefix is replicated).
+
+Among pods priced within a small slack of the cheapest, the deepest match wins, then
+the prefix's rendezvous order, so replicas still agree on where new prefixes go and
+a conversation does not flap between two nearly equal pods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ace_extproc.latency import TTFTModel
+from ace_extproc.routing import rendezvous
+from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.index import BlockIndex
+from ace_extproc.routing.picker import Pick, RoutingRequest
+
+
+class Filter(Protocol):
+    def __call__(self, request: RoutingRequest, candidates: int, fleet: FleetState) -> int:
+        """The candidates (a bitmask) this filter keeps; an empty result is ignored."""
+        ...
+
+
+class Scorer(Protocol):
+    def __call__(self, request: RoutingRequest, slot: int, depth: int, fleet: FleetState) -> float:
+        """The price of sending the request to ``slot``, which holds ``depth`` leading
+        blocks of it warm; lower is better."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class NotSaturated:
+    """Drop pods whose KV cache is nearly full: they would queue or preempt."""
+
+    max_kv_usage: float = 0.97
+
+    def __call__(self, request: RoutingRequest, candidates: int, fleet: FleetState) -> int:
+        kept = candidates
+        for slot, load in enumerate(fleet.load):
+            if load.kv_usage >= self.max_kv_usage:
+                kept &= ~(1 << slot)
+        return kept
+
+
+@dataclass(frozen=True, slots=True)
+class EstimatedTTFT:
+    """Milliseconds until the first token: queued prefill ahead, then this prefill.
+
+    The queue is ``PodLoad.queued_prefill_tokens``: exact in the fleet simulation;
+    in production it must be kept by the load accounting (requests sent since the
+    last scrape, corrected by each scrape), which the pipeline only reads."""
+
+    model: TTFTModel
+    tokens_per_block: float  # router block bytes / bytes per token
+
+    def cached(self, request: RoutingRequest, depth: int) -> int:
+        return min(int(depth * self.tokens_per_block), request.prompt_tokens - 1)
+
+    def __call__(self, request: RoutingRequest, slot: int, depth: int, fleet: FleetState) -> float:
+        cached = self.cached(request, depth) if depth else 0
+        queued = fleet.load[slot].queued_prefill_tokens
+        queue_ms = self.model.a_ms * queued if queued > 0 else 0.0
+        return queue_ms + self.model.prefill_ms(request.prompt_tokens - cached, cached)
+
+
+class Pipeline:
+    """A ``Picker``: filters, then the cheapest pod by ``scorer``, affinity on near-ties."""
+
+    def __init__(
+        self,
+        fleet: FleetState,
+        index: BlockIndex,
+        filters: Sequence[Filter],
+        scorer: EstimatedTTFT,
+        *,
+        slack_ratio: float = 0.10,
+        slack_ms: float = 5.0,
+        fallbacks: int = 2,
+    ) -> None:
+        self.fleet = fleet
+        self.index = index
+        self.filters = tuple(filters)
+        self.scorer = scorer
+        self.slack_ratio = slack_ratio
+        self.slack_ms = slack_ms
+        self.fallbacks = fallbacks
+        for slot in range(len(fleet.pods)):
+            index.add_pod(slot)
+
+    def pick(self, request: RoutingRequest, candidates: int) -> Pick | None:
+        if not candidates:
+            return None
+        fleet = self.fleet
+        for keep in self.filters:
+            candidates = keep(request, candidates, fleet) or candidates
+        blocks = request.hashes.blocks
+        depths = self.index.match_depths(blocks, candidates)
+        priced = []
+        mask = candidates
+        while mask:
+            low = mask & -mask
+            slot = low.bit_length() - 1
+            priced.append((self.scorer(request, slot, depths.get(slot, 0), fleet), slot))
+            mask ^= low
+        priced.sort()
+        limit = priced[0][0] * (1 + self.slack_ratio) + self.slack_ms
+        near = [slot for cost, slot in priced if cost <= limit]
+        deepest = max(depths.get(slot, 0) for slot in near)
+        near_mask = 0
+        for slot in near:
+            if depths.get(slot, 0) == deepest:
+                near_mask |= 1 << slot
+        chosen = (
+            near_mask.bit_length() - 1
+            if not near_mask & (near_mask - 1)
+            else rendezvous.best(request.hashes.route_key, fleet.seeds, near_mask)
+        )
+        depth = depths.get(chosen, 0)
+        self.index.record(chosen, blocks)
+        best_depth = max(depths.values(), default=0)
+        action = "miss" if not best_depth else ("hit" if depth == best_depth else "spill")
+        backups = tuple(slot for _, slot in priced if slot != chosen)[: self.fallbacks]
+        return Pick(fleet.pods[chosen], chosen, depth, action, backups)

@@ -1,0 +1,49 @@
+"""The policies a fleet can name in ``router.policy``.
+
+- ``cost`` (default): the pipeline of ``pipeline.py``, pricing each pod by its
+  estimated time to first token (queued prefill + uncached prefill).
+- ``affinity``: the first version, longest warm prefix else rendezvous, no load
+  awareness (kept as a reference point for the benchmark).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ace_extproc.config import ConfigError, Settings
+from ace_extproc.latency import get_model
+from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.index import BlockIndex
+from ace_extproc.routing.picker import Picker, PrefixAffinityPicker
+from ace_extproc.routing.pipeline import EstimatedTTFT, NotSaturated, Pipeline
+
+PickerFactory = Callable[[FleetState, BlockIndex], Picker]
+
+
+def cost_policy(settings: Settings) -> PickerFactory:
+    scorer = EstimatedTTFT(
+        get_model(settings.ttft_model), settings.block_bytes / settings.bytes_per_token
+    )
+
+    def build(fleet: FleetState, index: BlockIndex) -> Picker:
+        return Pipeline(fleet, index, [NotSaturated()], scorer)
+
+    return build
+
+
+def affinity_policy(settings: Settings) -> PickerFactory:
+    return PrefixAffinityPicker
+
+
+POLICIES: dict[str, Callable[[Settings], PickerFactory]] = {
+    "cost": cost_policy,
+    "affinity": affinity_policy,
+}
+
+
+def build(settings: Settings) -> PickerFactory:
+    policy = POLICIES.get(settings.policy)
+    if policy is None:
+        known = ", ".join(POLICIES)
+        raise ConfigError(f"router.policy: unknown policy {settings.policy!r}; known: {known}")
+    return policy(settings)
