@@ -10,6 +10,7 @@ from ace_extproc.config import Config, Settings, sim_fleet
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.processor import Processor
 from ace_extproc.routing import BlockIndex, FleetState, PrefixAffinityPicker, RoutingRequest
+from ace_extproc.routing.pipeline import Pipeline
 from bench.baselines import POLICIES, SIMULATION_SETTINGS
 from bench.baselines._text_tree import TextTree, common_prefix
 from bench.baselines.dynamo_cost import DynamoCostPicker
@@ -78,10 +79,14 @@ def test_registry_names_and_special_settings():
         "gie_scorers",
         "dynamo_cost",
         "ace",
+        "ace_affinity",
         "bound_pooled",
         "bound_unbounded",
     }
-    assert POLICIES["ace"] is PrefixAffinityPicker
+    assert POLICIES["ace_affinity"] is PrefixAffinityPicker
+    assert isinstance(
+        POLICIES["ace"](FleetState(sim_fleet(["127.0.0.1:1"])), BlockIndex(8)), Pipeline
+    )
     assert POLICIES["bound_unbounded"] is PrefixAffinityPicker
     assert POLICIES["bound_pooled"] is LeastLoadedPicker
     assert set(SIMULATION_SETTINGS) == {"bound_pooled", "bound_unbounded"}
