@@ -1,0 +1,96 @@
+"""The default policy: pods priced by estimated time to first token."""
+
+from ace_extproc.config import Settings, sim_fleet
+from ace_extproc.latency import get_model
+from ace_extproc.prefix import hash_prompt
+from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, policies, rendezvous
+from ace_extproc.routing.pipeline import EstimatedTTFT
+
+PROMPT = bytes(range(256)) * 64  # 16 KB: 32 blocks, ~4K tokens
+
+
+def setup(pods: int = 4):
+    fleet = FleetState(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(pods)]))
+    index = BlockIndex(10_000)
+    return fleet, index, policies.build(Settings())(fleet, index)
+
+
+def request(data: bytes = PROMPT, seed: int = 1) -> RoutingRequest:
+    h = hash_prompt(data, None, 512, seed)
+    return RoutingRequest(h, data, len(data) // 4, "t", "m")
+
+
+def test_a_warm_pod_wins_while_its_queue_is_cheaper_than_the_prefill_it_saves() -> None:
+    fleet, _, picker = setup()
+    first = picker.pick(request(), fleet.available)
+    assert first is not None and first.action == "miss"
+    # Some queue on the warm pod, but less than re-computing ~4K tokens elsewhere.
+    fleet.load[first.slot].queued_prefill_tokens = 1000
+    again = picker.pick(request(), fleet.available)
+    assert again is not None and again.slot == first.slot and again.action == "hit"
+    assert again.matched_blocks == 32
+
+
+def test_a_saturated_warm_pod_spills_and_the_prefix_is_replicated() -> None:
+    fleet, index, picker = setup()
+    first = picker.pick(request(), fleet.available)
+    assert first is not None
+    fleet.load[first.slot].queued_prefill_tokens = 50_000  # ~2 s of prefill queued
+    spilled = picker.pick(request(), fleet.available)
+    assert spilled is not None and spilled.slot != first.slot and spilled.action == "spill"
+    # The spill went to the prefix's next pod in rendezvous order ...
+    others = fleet.available & ~(1 << first.slot)
+    assert spilled.slot == rendezvous.best(request().hashes.route_key, fleet.seeds, others)
+    # ... and now both pods hold it warm.
+    depths = index.match_depths(request().hashes.blocks, fleet.available)
+    assert depths == {first.slot: 32, spilled.slot: 32}
+
+
+def test_new_prefixes_follow_rendezvous_when_loads_are_equal() -> None:
+    fleet, _, picker = setup()
+    for seed in range(20):
+        r = request(PROMPT[:600] + bytes([seed]) * 600, seed=seed)
+        pick = picker.pick(r, fleet.available)
+        assert pick is not None and pick.slot == rendezvous.best(r.hashes.route_key, fleet.seeds)
+
+
+def test_near_ties_keep_affinity_instead_of_flapping() -> None:
+    fleet, _, picker = setup(2)
+    short = PROMPT[:1100]  # 2 blocks: saves little, so the slack decides
+    first = picker.pick(request(short), fleet.available)
+    assert first is not None
+    fleet.load[first.slot].queued_prefill_tokens = 60  # ~2 ms more: within the slack
+    again = picker.pick(request(short), fleet.available)
+    assert again is not None and again.slot == first.slot
+
+
+def test_saturated_kv_caches_are_avoided_unless_all_are() -> None:
+    fleet, _, picker = setup(3)
+    first = picker.pick(request(), fleet.available)
+    assert first is not None
+    fleet.load[first.slot].kv_usage = 0.99
+    moved = picker.pick(request(), fleet.available)
+    assert moved is not None and moved.slot != first.slot
+    for load in fleet.load:
+        load.kv_usage = 0.99
+    assert picker.pick(request(), fleet.available) is not None
+
+
+def test_fallbacks_are_the_next_cheapest_and_candidates_are_respected() -> None:
+    fleet, _, picker = setup(4)
+    pick = picker.pick(request(), 0b0110)
+    assert pick is not None and pick.slot in (1, 2)
+    assert pick.fallbacks == (({1, 2} - {pick.slot}).pop(),)
+    assert picker.pick(request(), 0) is None
+    full = picker.pick(request(b"x" * 4096), fleet.available)
+    assert full is not None and len(full.fallbacks) == 2 and full.slot not in full.fallbacks
+
+
+def test_the_price_is_queue_plus_uncached_prefill() -> None:
+    fleet, _, _ = setup(1)
+    model = get_model(Settings().ttft_model)
+    score = EstimatedTTFT(model, 128)
+    r = request()
+    fleet.load[0].queued_prefill_tokens = 2000
+    assert score(r, 0, 0, fleet) == model.a_ms * 2000 + model.prefill_ms(4096, 0)
+    assert score(r, 0, 10, fleet) == model.a_ms * 2000 + model.prefill_ms(4096 - 1280, 1280)
