@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -19,6 +20,9 @@ from ace_extproc.prefix import cache_prefix_id, hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, Picker, RoutingRequest, policies
 from ace_extproc.routing.policies import PickerFactory
 from ace_extproc.tenants import MissingKey, Tenants, UnknownKey
+
+if TYPE_CHECKING:
+    from ace_extproc.routing.monitor import FleetMonitor
 
 log = logging.getLogger("ace_extproc")
 
@@ -41,6 +45,8 @@ class Outcome:
     body: bytes | None = None  # the rewritten body (prod)
     reject_status: int = 0  # answer the client directly with this status
     reject_body: bytes = b""
+    fallbacks: tuple[Pod, ...] = ()  # next-best pods for Envoy's retries (endpoint mode)
+    endpoint: bool = False  # name pods by ip:port (router.upstream_mode: endpoint)
 
     @property
     def trace(self) -> str:
@@ -76,6 +82,8 @@ class Processor:
         self.picker: Picker = factory(self.fleet, self.index)
         self.tenants = Tenants(config.settings.tenants, config.settings.salt_secret)
         self.ttft = get_model(config.settings.ttft_model)
+        # Set by server.start: keeps fleet.load and fleet.available fresh.
+        self.monitor: FleetMonitor | None = None
 
     # ------------------------------------------------------------ header phase
 
@@ -149,6 +157,8 @@ class Processor:
         pick = self.picker.pick(routing, self.fleet.candidates(destination))
         if pick is None:
             return _bypass(mode, "no_pod")
+        if self.monitor is not None:  # only a monitor's scrape resets the count
+            self.fleet.load[pick.slot].inflight += 1
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
         outcome = Outcome(
             mode,
@@ -160,6 +170,9 @@ class Processor:
         )
         if mode is Mode.PROD:
             outcome.pod = pick.pod
+            outcome.endpoint = self.settings.upstream_mode == "endpoint"
+            if pick.fallbacks:
+                outcome.fallbacks = tuple(self.fleet.pods[slot] for slot in pick.fallbacks)
             fields = (
                 f'"cache_prefix_id":"{cache_prefix_id(ctx.tenant, hashes.prefix_key)}",'
                 f'"cache_salt":"{self.tenants.salt(ctx.tenant)}"'

@@ -36,6 +36,7 @@ from ace_extproc import config as config_mod
 from ace_extproc import mutate
 from ace_extproc.config import Config, ConfigError, Mode
 from ace_extproc.processor import Outcome, Processor, RequestContext
+from ace_extproc.routing.monitor import FleetMonitor
 
 log = logging.getLogger("ace_extproc")
 
@@ -157,11 +158,12 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 async def start(
     config: Config, processor: Processor | None = None
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """Serve ``processor`` (a new one when None) and, unless ``probe_interval_s <= 0``,
+    watch its pods: the monitor is ``processor.monitor``, for the caller to stop."""
     s = config.settings
+    processor = processor or Processor(config)
     server = grpc.aio.server(options=grpc_options(s.grpc_max_message_bytes))
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-        ExternalProcessor(processor or Processor(config)), server
-    )
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(processor), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if s.listen and server.add_insecure_port(s.listen) == 0:
@@ -169,6 +171,9 @@ async def start(
     if s.uds:
         server.add_insecure_port(f"unix:{s.uds}")
     await server.start()
+    if s.probe_interval_s > 0 and processor.monitor is None:
+        processor.monitor = FleetMonitor(processor.fleet, processor.index, s)
+        await processor.monitor.start()
     for name in ("", _SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer
@@ -182,7 +187,8 @@ def tune_gc() -> None:
 
 
 async def serve(config: Config) -> None:
-    server, health_servicer = await start(config)
+    processor = Processor(config)
+    server, health_servicer = await start(config, processor)
     tune_gc()
     s = config.settings
     where = " and ".join(x for x in (s.listen, s.uds and f"unix:{s.uds}") if x)
@@ -196,6 +202,8 @@ async def serve(config: Config) -> None:
     await stop.wait()
     # Graceful: report NOT_SERVING, stop taking streams, let those in flight finish.
     await health_servicer.enter_graceful_shutdown()
+    if processor.monitor is not None:
+        await processor.monitor.stop()
     await server.stop(s.shutdown_grace_s)
     log.info("ace-extproc stopped")
 

@@ -18,6 +18,8 @@ from ace_extproc.processor import Processor
 
 def config(listen: str, **kw) -> Config:
     fleet = sim_fleet([f"127.0.0.1:{9001 + i}" for i in range(3)])
+    # No pods answer here: a monitor would mark them all down (bypass_no_pod).
+    kw.setdefault("probe_interval_s", 0.0)
     return Config(fleet, Settings(listen=listen, salt_secret=b"s", **kw))
 
 

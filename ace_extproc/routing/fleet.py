@@ -31,6 +31,8 @@ class FleetState:
         ]
         self.available = (1 << len(self.pods)) - 1  # not draining, not down
         self.load: list[PodLoad] = [PodLoad() for _ in self.pods]
+        # Each pod's KV cache in tokens, once its /metrics has told (None: not yet).
+        self.capacity_tokens: list[int | None] = [None] * len(self.pods)
         self._dest_masks: dict[str, int] = {}
         for slot, pod in enumerate(self.pods):
             self._dest_masks[pod.destination] = self._dest_masks.get(pod.destination, 0) | (

@@ -13,12 +13,26 @@ from collections.abc import Sequence
 
 class BlockIndex:
     def __init__(self, capacity_per_pod: int) -> None:
-        self.capacity = capacity_per_pod
+        self.capacity = capacity_per_pod  # until a pod's own is known (set_capacity)
+        self._capacity: dict[int, int] = {}  # slot -> blocks, from the engine's KV size
         self._owners: dict[int, int] = {}  # block hash -> bitmask of pod slots
         self._lru: dict[int, OrderedDict[int, None]] = {}  # slot -> blocks, oldest first
 
     def add_pod(self, slot: int) -> None:
         self._lru.setdefault(slot, OrderedDict())
+
+    def set_capacity(self, slot: int, blocks: int) -> None:
+        """Bound one pod's LRU by its engine's real KV capacity (in router blocks),
+        evicting its oldest blocks if that is smaller than what it holds. The bound
+        outlives ``drop_pod``: a restarted engine keeps its size."""
+        blocks = max(1, blocks)
+        self._capacity[slot] = blocks
+        lru = self._lru.get(slot)
+        if lru is not None and len(lru) > blocks:
+            self._evict(slot, lru, len(lru) - blocks)
+
+    def capacity_of(self, slot: int) -> int:
+        return self._capacity.get(slot, self.capacity)
 
     def drop_pod(self, slot: int) -> None:
         """Forget everything a pod held (it left, or its engine restarted)."""
@@ -83,9 +97,15 @@ class BlockIndex:
             else:
                 lru[h] = None
                 owners[h] = owners.get(h, 0) | bit
-        excess = len(lru) - self.capacity
-        clear = ~bit
-        for _ in range(max(excess, 0)):
+        excess = len(lru) - self._capacity.get(slot, self.capacity)
+        if excess > 0:
+            self._evict(slot, lru, excess)
+
+    def _evict(self, slot: int, lru: OrderedDict[int, None], count: int) -> None:
+        """Forget a pod's ``count`` least recently used blocks."""
+        owners = self._owners
+        clear = ~(1 << slot)
+        for _ in range(count):
             h, _none = lru.popitem(last=False)
             mask = owners[h] & clear
             if mask:

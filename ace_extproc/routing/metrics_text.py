@@ -1,0 +1,196 @@
+"""The few series the router needs from an engine's Prometheus ``/metrics`` text.
+
+vLLM and SGLang names are read in one pass (a pod is whichever it says it is).
+A series exposed under several label sets (several models, or data-parallel
+engines in one pod) is summed; fractions (KV use, hit rate) are averaged. The
+text is scanned as bytes with one regex that only stops on wanted lines: a vLLM
+exposition is mostly histogram buckets, and this runs on the event loop that
+serves Envoy, every scrape interval, for every pod.
+
+Nothing here raises on bad input: unknown, malformed or non-finite samples are
+skipped and counted in ``EngineStats.reason``; fields not found stay None.
+
+SGLang's KV capacity is ``sglang:max_total_num_tokens`` ("Maximum total number of
+tokens in the KV cache pool", a gauge in sgl-project/sglang
+``python/sglang/srt/metrics/collector.py``). SGLang emits scheduler metrics from
+attention-TP rank 0 only unless ``--enable-metrics-for-all-schedulers``, so a sum
+over label sets is a sum over DP ranks; with that flag it over-counts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# name -> field it feeds. Counters (``*_total``) detect engine restarts.
+_VLLM = {
+    b"vllm:num_requests_running": "running",
+    b"vllm:num_requests_waiting": "waiting",
+    b"vllm:kv_cache_usage_perc": "kv_usage",
+    b"vllm:prefix_cache_queries_total": "cache_queries",
+    b"vllm:prefix_cache_hits_total": "cache_hits",
+    b"vllm:prompt_tokens_total": "prompt_tokens",
+    b"vllm:cache_config_info": "cache_config",
+}
+_SGLANG = {
+    b"sglang:num_running_reqs": "running",
+    b"sglang:num_queue_reqs": "waiting",
+    b"sglang:token_usage": "kv_usage",
+    b"sglang:cache_hit_rate": "hit_rate",
+    b"sglang:prompt_tokens_total": "prompt_tokens",
+    b"sglang:cached_tokens_total": "cache_hits",
+    b"sglang:max_total_num_tokens": "capacity",
+}
+# prometheus-client's process collector: a new value means a new process.
+_PROCESS = {b"process_start_time_seconds": "start_time"}
+_FIELD = {**_VLLM, **_SGLANG, **_PROCESS}
+
+
+def _trie(names: list[bytes]) -> bytes:
+    """One regex alternation of ``names``, factored into a trie: most lines are other
+    ``vllm:`` series, and a factored pattern rejects each after a few characters."""
+    tree: dict[int, Any] = {}
+    for name in names:
+        node = tree
+        for c in name:
+            node = node.setdefault(c, {})
+        node[-1] = {}  # the end of a name
+
+    def render(node: dict[int, Any]) -> bytes:
+        alts = [b"" if c < 0 else re.escape(bytes([c])) + render(sub) for c, sub in node.items()]
+        return alts[0] if len(alts) == 1 else b"(?:" + b"|".join(alts) + b")"
+
+    return render(tree)
+
+
+# A wanted name at a line start (the text gets a leading newline, so the pattern
+# starts with a literal and the regex engine jumps from line to line), its labels
+# (greedy to the line's last brace, so braces inside quoted label values are fine),
+# then the value. A timestamp after the value is ignored.
+_SAMPLE = re.compile(rb"\n[ \t]*(" + _trie(list(_FIELD)) + rb")(\{[^\n]*\})?[ \t]+([^ \t\r\n]+)")
+_LABEL = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_MEANS = frozenset({"kv_usage", "hit_rate"})
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """One scrape, summed over label sets; a field is None when the text lacks it."""
+
+    engine: str | None = None  # "vllm" or "sglang": whose names were found
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None  # 0..1
+    capacity_tokens: int | None = None  # the KV cache in tokens
+    hit_rate: float | None = None  # prefix cache hits / queried tokens, 0..1
+    prompt_tokens: float | None = None  # counters: never decrease while the engine lives
+    cache_queries: float | None = None
+    cache_hits: float | None = None
+    start_time: float | None = None  # process_start_time_seconds, where exposed
+    reason: str = ""  # why some of the text was not used ("" when all was)
+
+    @property
+    def usable(self) -> bool:
+        """Whether the scrape says anything about the pod's load."""
+        return self.running is not None or self.waiting is not None or self.kv_usage is not None
+
+    def counters(self) -> dict[str, float]:
+        found = {
+            "prompt_tokens": self.prompt_tokens,
+            "cache_queries": self.cache_queries,
+            "cache_hits": self.cache_hits,
+        }
+        return {k: v for k, v in found.items() if v is not None}
+
+
+def parse(text: bytes | str) -> EngineStats:
+    """The wanted series of one ``/metrics`` body; never raises."""
+    if isinstance(text, str):
+        text = text.encode("utf-8", "replace")
+    text = b"\n" + text
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    capacity_tokens = 0.0
+    engine: str | None = None
+    bad: list[str] = []
+    for m in _SAMPLE.finditer(text):
+        name, labels, raw = m.group(1), m.group(2), m.group(3)
+        field = _FIELD[name]
+        try:
+            value = float(raw)
+        except ValueError:
+            bad.append(f"{name.decode()}: value {raw[:20]!r}")
+            continue
+        if not math.isfinite(value):
+            bad.append(f"{name.decode()}: {raw.decode('ascii', 'replace')}")
+            continue
+        if engine is None and field != "start_time":
+            engine = "vllm" if name in _VLLM else "sglang"
+        if field == "cache_config":  # an info series: the figures are its labels
+            tokens = _cache_config_tokens(labels or b"")
+            if tokens is None:
+                bad.append("vllm:cache_config_info: no block_size/num_gpu_blocks")
+                continue
+            capacity_tokens += tokens
+            continue
+        if field == "capacity":
+            capacity_tokens += value
+            continue
+        sums[field] = sums.get(field, 0.0) + value
+        counts[field] = counts.get(field, 0) + 1
+    if engine is None:
+        bad.insert(0, "no vllm: or sglang: series")
+
+    def total(field: str) -> float | None:
+        if field not in counts:
+            return None
+        if field in _MEANS:
+            return sums[field] / counts[field]
+        return sums[field]
+
+    running, waiting = total("running"), total("waiting")
+    hit_rate = total("hit_rate")
+    queries, hits = total("cache_queries"), total("cache_hits")
+    if hit_rate is None and queries and hits is not None:
+        hit_rate = hits / queries
+    start = total("start_time")
+    if start is not None and counts["start_time"] > 1:
+        start = None  # several processes in one exposition: no single start
+    return EngineStats(
+        engine=engine,
+        running=None if running is None else max(0, round(running)),
+        waiting=None if waiting is None else max(0, round(waiting)),
+        kv_usage=None if (kv := total("kv_usage")) is None else min(max(kv, 0.0), 1.0),
+        capacity_tokens=int(capacity_tokens) if capacity_tokens >= 1 else None,
+        hit_rate=hit_rate,
+        prompt_tokens=total("prompt_tokens"),
+        cache_queries=queries,
+        cache_hits=hits,
+        start_time=start,
+        reason="; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""),
+    )
+
+
+def _cache_config_tokens(labels: bytes) -> int | None:
+    found = {k: v for k, v in _LABEL.findall(labels) if k in (b"block_size", b"num_gpu_blocks")}
+    try:
+        tokens = int(found[b"block_size"]) * int(found[b"num_gpu_blocks"])
+    except (KeyError, ValueError):
+        return None
+    return tokens if tokens > 0 else None
+
+
+def restarted(before: EngineStats, after: EngineStats) -> str | None:
+    """Why ``after`` looks like a new engine process (counters reset), or None."""
+    if (
+        before.start_time is not None
+        and after.start_time is not None
+        and after.start_time != before.start_time
+    ):
+        return "process_start_time_seconds changed"
+    old = before.counters()
+    for name, value in after.counters().items():
+        if name in old and value < old[name]:
+            return f"{name} went back from {old[name]:.0f} to {value:.0f}"
+    return None

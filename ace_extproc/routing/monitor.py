@@ -1,0 +1,295 @@
+"""The pods' load and health, kept fresh off the request path.
+
+Two loops on the server's event loop share one keep-alive ``aiohttp`` session:
+
+* **scrape**: every ``scrape_interval_s``, each pod's ``/metrics`` (vLLM or SGLang
+  names, ``metrics_text``) goes into ``fleet.load[slot]``: running, waiting,
+  kv_usage, and ``inflight`` reset to running + waiting; the processor adds one per
+  pick until the next scrape, so a burst between scrapes is not invisible. The
+  first scrape that carries the KV size (``vllm:cache_config_info`` block_size x
+  num_gpu_blocks, or ``sglang:max_total_num_tokens``) bounds that pod's index.
+  A counter going backwards (or a new process start time) is an engine restart:
+  its cache is empty, so its index is dropped.
+* **probe**: every ``probe_interval_s``, ``GET /health`` within ``probe_timeout_s``.
+  ``unhealthy_after`` consecutive failures take a pod out of ``fleet.available``;
+  ``healthy_after`` consecutive successes bring it back, with its index emptied (a
+  pod that was down may well have restarted).
+
+Failures counted: a failed probe, a scrape that cannot reach the pod (or gets a
+5xx), and ``report_failure``. Successes counted: a good probe and
+``report_success``. A good scrape is no health signal: vLLM's API process still
+serves ``/metrics`` when its engine is dead and ``/health`` says 500. A ``/metrics``
+that answers 4xx or text without the engine's series only loses load figures.
+
+Passive marking (``report_failure`` / ``report_success``, the same thresholds) is a
+hook: ace-extproc skips Envoy's response phase, so it never sees a pod's answer. It
+needs the response-header phase, or Envoy's own outlier detection does that job;
+the shipped configuration relies on the active probes.
+
+Each pod's scrape or probe runs as its own task, and a pod whose previous one is
+still running is skipped that round, so one slow pod never delays the others.
+Pods of ``openai`` destinations (a hosted API: no ``/metrics``, no ``/health``) are
+not watched. The request path only reads ``fleet.load`` and ``fleet.available``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from ace_extproc.config import Settings
+from ace_extproc.routing import metrics_text
+from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.index import BlockIndex
+from ace_extproc.routing.metrics_text import EngineStats
+
+log = logging.getLogger("ace_extproc.monitor")
+
+UNWATCHED_PROVIDERS = frozenset({"openai"})
+# Plain text: prometheus-client would gzip a 100 KB exposition for every scrape,
+# costing the engine and this event loop more than the bytes saved in a cluster.
+_METRICS_HEADERS = {"Accept": "text/plain", "Accept-Encoding": "identity"}
+# Far above a real exposition (~100-300 KB); parsing runs on the serving loop.
+MAX_METRICS_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class _PodState:
+    failures: int = 0  # consecutive
+    successes: int = 0  # consecutive, counted while down
+    down: bool = False
+    last: EngineStats | None = None  # the previous good scrape: restart detection
+    complaint: str = ""  # the last scrape problem logged, so each is logged once
+
+
+class FleetMonitor:
+    def __init__(self, fleet: FleetState, index: BlockIndex, settings: Settings) -> None:
+        self.fleet = fleet
+        self.index = index
+        self.settings = settings
+        providers = {d.id: d.provider for d in fleet.fleet.destinations}
+        self.watched: list[int] = [
+            slot
+            for slot, pod in enumerate(fleet.pods)
+            if providers.get(pod.destination) not in UNWATCHED_PROVIDERS
+        ]
+        self._state = [_PodState() for _ in fleet.pods]
+        self._session: aiohttp.ClientSession | None = None
+        self._loops: list[asyncio.Task[None]] = []
+        self._busy: dict[tuple[str, int], asyncio.Task[None]] = {}  # (kind, slot) in flight
+        self._crashed: set[tuple[str, int]] = set()  # logged once: a bug would repeat
+        self.scrapes = 0  # good scrapes, for tests and debugging
+        self.restarts = 0  # engine restarts seen
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._session is not None:
+            return  # already running
+        s = self.settings
+        # One bound for probes and scrapes alike; never none, or a hung pod would
+        # hold its task (and skip its rounds) forever.
+        timeout = s.probe_timeout_s if s.probe_timeout_s > 0 else max(s.probe_interval_s, 0.1)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(total=timeout),
+            raise_for_status=False,
+        )
+        if s.scrape_interval_s > 0:
+            self._loops.append(self._every(s.scrape_interval_s, "scrape", self._scrape))
+        if s.probe_interval_s > 0:
+            self._loops.append(self._every(s.probe_interval_s, "probe", self._probe))
+
+    async def stop(self) -> None:
+        """Cancel the loops and whatever scrape or probe is in flight; close the
+        session. Safe to call twice, or without ``start``."""
+        tasks = [*self._loops, *self._busy.values()]
+        self._loops.clear()
+        self._busy.clear()
+        for task in tasks:
+            task.cancel()
+        session, self._session = self._session, None
+        try:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            if session is not None:
+                await session.close()
+
+    # ---------------------------------------------------------- passive hooks
+
+    def report_failure(self, slot: int) -> None:
+        """A response from this pod that says it is unwell (a 5xx or a reset, as a
+        later response-phase hook would see it)."""
+        self._failed(slot, "failed requests")
+
+    def report_success(self, slot: int) -> None:
+        self._succeeded(slot)
+
+    # ----------------------------------------------------------------- loops
+
+    def _every(
+        self, interval: float, kind: str, work: Callable[[int], Coroutine[Any, Any, None]]
+    ) -> asyncio.Task[None]:
+        async def loop() -> None:
+            clock = asyncio.get_running_loop()
+            due = clock.time()
+            while True:
+                for slot in self.watched:
+                    key = (kind, slot)
+                    if key not in self._busy:
+                        task = asyncio.create_task(work(slot), name=f"ace-{kind}-{slot}")
+                        self._busy[key] = task
+                        task.add_done_callback(functools.partial(self._done, key))
+                # Fixed rate; after an overrun (a paused loop), restart the beat
+                # rather than firing a burst of catch-up rounds.
+                due = max(due + interval, clock.time())
+                await asyncio.sleep(due - clock.time())
+
+        return asyncio.create_task(loop(), name=f"ace-{kind}-loop")
+
+    def _done(self, key: tuple[str, int], task: asyncio.Task[None]) -> None:
+        if self._busy.get(key) is task:
+            del self._busy[key]
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            level = logging.DEBUG if key in self._crashed else logging.ERROR
+            self._crashed.add(key)
+            log.log(level, "monitor: %s of pod slot %d failed", *key, exc_info=exc)
+
+    async def _probe(self, slot: int) -> None:
+        session = self._session
+        if session is None:
+            return
+        url = self.fleet.pods[slot].base_url + "/health"
+        try:
+            async with session.get(url) as resp:
+                await resp.read()  # drained, so the connection is kept
+                ok = resp.status == 200
+                why = f"/health answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            ok, why = False, f"/health: {_describe(exc)}"
+        if ok:
+            self._succeeded(slot)
+        else:
+            self._failed(slot, why)
+
+    async def _scrape(self, slot: int) -> None:
+        session = self._session
+        if session is None:
+            return
+        url = self.fleet.pods[slot].base_url + "/metrics"
+        try:
+            async with session.get(url, headers=_METRICS_HEADERS) as resp:
+                status = resp.status
+                size = resp.content_length or 0
+                body = await resp.read() if size <= MAX_METRICS_BYTES else b""
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            self._failed(slot, f"/metrics: {_describe(exc)}")
+            return
+        if status >= 500:
+            self._failed(slot, f"/metrics answered {status}")
+            return
+        if status != 200:
+            self._complain(slot, f"/metrics answered {status}; no load figures")
+            return
+        if size > MAX_METRICS_BYTES:
+            self._complain(slot, f"/metrics is {size} bytes; not read")
+            return
+        self.apply(slot, metrics_text.parse(body))
+
+    # ------------------------------------------------------------- bookkeeping
+
+    def apply(self, slot: int, stats: EngineStats) -> None:
+        """Take one scrape's figures for a pod (public so it can be fed directly)."""
+        st = self._state[slot]
+        if not stats.usable:
+            self._complain(slot, f"/metrics: {stats.reason or 'no load figures'}")
+            return
+        if stats.reason:
+            self._complain(slot, f"/metrics: partly unreadable: {stats.reason}")
+        else:
+            st.complaint = ""  # a later problem is news again
+        self.scrapes += 1
+        load = self.fleet.load[slot]
+        running = stats.running if stats.running is not None else load.running
+        waiting = stats.waiting if stats.waiting is not None else load.waiting
+        load.running, load.waiting = running, waiting
+        if stats.kv_usage is not None:
+            load.kv_usage = stats.kv_usage
+        load.inflight = running + waiting  # picks since this scrape are added on top
+        if st.last is not None and not st.down:
+            why = metrics_text.restarted(st.last, stats)
+            if why is not None:
+                self.restarts += 1
+                log.info("pod %s restarted (%s): its index is emptied", self._name(slot), why)
+                self._forget(slot)
+        st.last = stats
+        tokens = stats.capacity_tokens
+        if tokens is not None and tokens != self.fleet.capacity_tokens[slot]:
+            self.fleet.capacity_tokens[slot] = tokens
+            s = self.settings
+            blocks = max(1, int(tokens * s.bytes_per_token / s.block_bytes))
+            self.index.set_capacity(slot, blocks)
+            log.info(
+                "pod %s: KV cache %d tokens, %d index blocks", self._name(slot), tokens, blocks
+            )
+
+    def _failed(self, slot: int, why: str) -> None:
+        st = self._state[slot]
+        st.successes = 0
+        st.failures += 1
+        if not st.down and st.failures >= self.settings.unhealthy_after:
+            st.down = True
+            self.fleet.set_available(slot, False)
+            log.warning(
+                "pod %s marked down after %d failures (last: %s)",
+                self._name(slot),
+                st.failures,
+                why,
+            )
+
+    def _succeeded(self, slot: int) -> None:
+        st = self._state[slot]
+        st.failures = 0
+        if not st.down:
+            return
+        st.successes += 1
+        if st.successes >= self.settings.healthy_after:
+            st.down = False
+            st.successes = 0
+            # Down long enough to be marked so: assume a restart, an empty cache.
+            self._forget(slot)
+            st.last = None  # counters of a new process must not be compared to the old
+            self.fleet.set_available(slot, True)
+            log.info("pod %s is back; its index was emptied", self._name(slot))
+
+    def _forget(self, slot: int) -> None:
+        self.index.drop_pod(slot)
+        self.index.add_pod(slot)
+
+    def _complain(self, slot: int, what: str) -> None:
+        st = self._state[slot]
+        if st.complaint != what:
+            st.complaint = what
+            log.warning("pod %s: %s", self._name(slot), what)
+
+    def is_down(self, slot: int) -> bool:
+        return self._state[slot].down
+
+    def stats(self, slot: int) -> EngineStats | None:
+        """The pod's last good scrape (None before the first, or since it came back)."""
+        return self._state[slot].last
+
+    def _name(self, slot: int) -> str:
+        return self.fleet.pods[slot].key
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,0 +1,379 @@
+"""Load and health off the request path: the /metrics parser, and the monitor against
+simulated pods served in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from ace_extproc import server
+from ace_extproc.config import Config, Destination, Fleet, Pod, Settings, sim_fleet
+from ace_extproc.processor import Processor
+from ace_extproc.routing import BlockIndex, FleetState
+from ace_extproc.routing.metrics_text import EngineStats, parse, restarted
+from ace_extproc.routing.monitor import FleetMonitor
+from ace_extproc.sim.app import SimConfig, SimServer
+from tests.conftest import free_port
+
+# ------------------------------------------------------------------ the parser
+
+VLLM = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="llama"} 3.0
+vllm:num_requests_running{engine="1",model_name="llama"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="llama"} 1.0
+vllm:num_requests_waiting{engine="1",model_name="llama"} NaN
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="llama"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="llama"} 0.25
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="llama"} 1000.0
+vllm:prefix_cache_queries_total{engine="1",model_name="llama"} 1000.0
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="llama"} 1500.0 1712345678000
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="llama"} 4.5e+04
+vllm:prompt_tokens_total{engine="1",model_name="llama"} 5000
+vllm:prompt_tokens_cached_total{engine="0",model_name="llama"} 99.0
+vllm:num_requests_running_total{engine="0"} 1000.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="llama"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="llama"} 7.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="llama"} 7.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="8192"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="a} b",engine="1",num_gpu_blocks="4096"} 1.0
+this line is garbage {{{
+vllm:num_requests_running{engine="2"} not-a-number
+# TYPE process_start_time_seconds gauge
+process_start_time_seconds 1.71234e+09
+"""
+
+SGLANG = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{dp_rank="0",model_name="qwen"} 4.0
+sglang:num_running_reqs{dp_rank="1",model_name="qwen"} 6.0
+sglang:num_queue_reqs{dp_rank="0",model_name="qwen"} 2.0
+sglang:num_queue_reqs{dp_rank="1",model_name="qwen"} 0.0
+sglang:token_usage{dp_rank="0",model_name="qwen"} 0.2
+sglang:token_usage{dp_rank="1",model_name="qwen"} 0.4
+sglang:cache_hit_rate{dp_rank="0",model_name="qwen"} 0.5
+sglang:cache_hit_rate{dp_rank="1",model_name="qwen"} 0.7
+sglang:max_total_num_tokens{dp_rank="0",model_name="qwen"} 161721.0
+sglang:max_total_num_tokens{dp_rank="1",model_name="qwen"} 161721.0
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{model_name="qwen"} 8.128902e+06
+sglang:cached_tokens_total{model_name="qwen"} 4000000.0
+sglang:time_to_first_token_seconds_bucket{le="0.1",model_name="qwen"} 3.0
+"""
+
+
+def test_vllm_text_is_summed_over_label_sets() -> None:
+    s = parse(VLLM)
+    assert s.engine == "vllm"
+    assert (s.running, s.waiting) == (5, 1)  # NaN and garbage skipped, not summed
+    assert s.kv_usage == pytest.approx(0.375)  # a fraction: the mean
+    assert s.capacity_tokens == 16 * (8192 + 4096)  # braces inside a label value
+    assert (s.prompt_tokens, s.cache_queries, s.cache_hits) == (50_000, 2000, 1500)
+    assert s.hit_rate == pytest.approx(0.75)
+    assert s.start_time == pytest.approx(1.71234e9)
+    assert s.usable
+    assert "NaN" in s.reason and "not-a-number" in s.reason
+
+
+def test_bytes_crlf_and_leading_blanks() -> None:
+    text = VLLM.replace("\n", "\r\n").replace("vllm:num_requests_w", "  vllm:num_requests_w")
+    s = parse(text.encode())
+    assert (s.running, s.waiting, s.capacity_tokens) == (5, 1, 16 * 12288)
+
+
+def test_sglang_text() -> None:
+    s = parse(SGLANG.encode())
+    assert s.engine == "sglang"
+    assert (s.running, s.waiting) == (10, 2)
+    assert s.kv_usage == pytest.approx(0.3)
+    assert s.hit_rate == pytest.approx(0.6)
+    assert s.capacity_tokens == 2 * 161721
+    assert (s.prompt_tokens, s.cache_hits, s.cache_queries) == (8128902, 4_000_000, None)
+    assert s.reason == ""
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"",
+        b"\x00\xff\xfe garbage",
+        "<html><body>404 Not Found</body></html>",
+        "# only comments\n# TYPE vllm:num_requests_running gauge\n",
+        'vllm:cache_config_info{block_size="x"} 1\n',
+        "vllm:num_requests_running{" + "x" * 100_000,
+    ],
+)
+def test_bad_text_never_raises(text: str | bytes) -> None:
+    s = parse(text)
+    assert not s.usable and s.reason
+    assert s.capacity_tokens is None
+
+
+def test_restart_detection() -> None:
+    before = EngineStats(prompt_tokens=100.0, cache_queries=50.0, start_time=1.0)
+    assert restarted(before, EngineStats(prompt_tokens=100.0, cache_queries=60.0)) is None
+    assert "prompt_tokens" in (restarted(before, EngineStats(prompt_tokens=3.0)) or "")
+    assert "start_time" in (restarted(before, EngineStats(prompt_tokens=200, start_time=2)) or "")
+    assert restarted(EngineStats(), EngineStats(prompt_tokens=0.0)) is None
+
+
+# ------------------------------------------------------------- against pods
+
+FAST = Settings(
+    salt_secret=b"s",
+    scrape_interval_s=0.02,
+    probe_interval_s=0.02,
+    probe_timeout_s=0.5,
+    unhealthy_after=2,
+    healthy_after=2,
+)
+
+
+def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(asyncio.wait_for(test(), 10))
+
+
+async def until(cond: Callable[[], bool], timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.01)
+
+
+def sim(pod_id: str, port: int = 0, **kw: Any) -> SimServer:
+    kw = {"time_scale": 0.0, "tpot_ms": 1.0, **kw}
+    return SimServer(SimConfig(pod_id=pod_id, **kw), port=port)
+
+
+class Watched:
+    def __init__(self, pods: list[SimServer]) -> None:
+        self.pods = pods
+        self.fleet = FleetState(sim_fleet([f"127.0.0.1:{p.port}" for p in pods]))
+        self.index = BlockIndex(1000)
+        for slot in range(len(pods)):
+            self.index.add_pod(slot)
+        self.monitor = FleetMonitor(self.fleet, self.index, FAST)
+
+    def up(self, slot: int) -> bool:
+        return bool(self.fleet.available >> slot & 1)
+
+
+@asynccontextmanager
+async def watched(*pods: SimServer) -> AsyncIterator[Watched]:
+    async with AsyncExitStack() as stack:
+        for p in pods:
+            await stack.enter_async_context(p)
+        w = Watched(list(pods))
+        await w.monitor.start()
+        stack.push_async_callback(w.monitor.stop)
+        yield w
+
+
+async def chat(url: str, text: str, max_tokens: int = 1) -> dict[str, Any]:
+    body = {"model": "sim-llama", "messages": [{"role": "user", "content": text}]}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": max_tokens}) as r,
+    ):
+        assert r.status == 200
+        out: dict[str, Any] = await r.json()
+        return out
+
+
+def test_load_figures_follow_the_pod() -> None:
+    async def go() -> None:
+        slow: dict[str, Any] = {"time_scale": 1.0, "tpot_ms": 10.0}  # a request: ~0.4 s
+        async with watched(sim("pod-0", **slow), sim("pod-1", **slow)) as w:
+            request = asyncio.create_task(chat(w.pods[0].url, "hello " * 200, max_tokens=40))
+            await until(lambda: w.fleet.load[0].running == 1)
+            load = w.fleet.load[0]
+            assert load.inflight == 1  # reset to the engine's running + waiting
+            assert load.kv_usage > 0
+            assert w.fleet.load[1].running == 0 and w.fleet.load[1].inflight == 0
+            await request
+            await until(lambda: w.fleet.load[0].running == 0)
+            assert w.fleet.load[0].inflight == 0
+
+    run(go)
+
+
+def test_capacity_bounds_the_index() -> None:
+    async def go() -> None:
+        # 64 engine blocks of 16 tokens = 1024 tokens = 8 router blocks of ~128 tokens.
+        small = sim("pod-0", block_size=16, num_gpu_blocks=64)
+        big = sim("pod-1")
+        async with AsyncExitStack() as stack:
+            for p in (small, big):
+                await stack.enter_async_context(p)
+            w = Watched([small, big])
+            w.index.record(0, list(range(1, 21)))
+            w.index.record(1, list(range(1, 21)))
+            await w.monitor.start()
+            stack.push_async_callback(w.monitor.stop)
+            await until(lambda: None not in w.fleet.capacity_tokens)
+            assert w.fleet.capacity_tokens == [1024, 8192 * 16]
+            assert (w.index.capacity_of(0), w.index.capacity_of(1)) == (8, 1024)
+            assert w.index.blocks_held(0) == 8  # the oldest evicted
+            assert w.index.longest_match([1, 2, 3], 0b01) == (3, 0b01)  # the head kept
+            assert w.index.blocks_held(1) == 20
+
+    run(go)
+
+
+def test_a_stopped_pod_goes_down_and_comes_back_empty(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "ace_extproc.monitor")
+
+    async def go() -> None:
+        async with sim("pod-0") as steady:
+            flaky = sim("pod-1")
+            await flaky.start()
+            w = Watched([steady, flaky])
+            await w.monitor.start()
+            try:
+                await until(lambda: w.monitor.stats(1) is not None)
+                w.index.record(0, [1, 2, 3])
+                w.index.record(1, [1, 2, 3])
+                await flaky.stop()
+                await until(lambda: not w.up(1))
+                await asyncio.sleep(0.1)  # failures go on: still one warning
+                assert w.up(0) and not w.up(1)
+                async with sim("pod-1", port=flaky.port):
+                    await until(lambda: w.up(1))
+                    assert w.index.blocks_held(1) == 0
+                    assert w.index.blocks_held(0) == 3
+                    await until(lambda: w.monitor.stats(1) is not None)  # scraped again
+            finally:
+                await w.monitor.stop()
+
+    run(go)
+    downs = [r for r in caplog.records if "marked down" in r.getMessage()]
+    assert len(downs) == 1 and downs[0].levelno == logging.WARNING
+    assert "sim/pod-1" in downs[0].getMessage()
+
+
+def test_counters_going_back_empty_only_that_pods_index() -> None:
+    async def go() -> None:
+        async with watched(sim("pod-0"), sim("pod-1")) as w:
+            for p in w.pods:
+                await chat(p.url, "some prompt " * 50)
+
+            def counted(slot: int) -> bool:
+                s = w.monitor.stats(slot)
+                return s is not None and (s.prompt_tokens or 0) > 0
+
+            await until(lambda: counted(0) and counted(1))
+            w.index.record(0, [1, 2, 3])
+            w.index.record(1, [1, 2, 3])
+            engine, cache = w.pods[0].pod.engine, w.pods[0].pod.cache
+            engine.stats.prompt_tokens = 0  # what a restarted engine reports
+            cache.queries = cache.hits = 0
+            await until(lambda: w.monitor.restarts == 1)
+            assert w.index.blocks_held(0) == 0
+            assert w.index.blocks_held(1) == 3
+            assert w.up(0) and w.up(1)
+            await asyncio.sleep(0.1)
+            assert w.monitor.restarts == 1  # once, not at every scrape after
+
+    run(go)
+
+
+def test_passive_reports_use_the_same_thresholds() -> None:
+    fleet = FleetState(sim_fleet(["127.0.0.1:1", "127.0.0.1:2"]))
+    index = BlockIndex(100)
+    index.add_pod(0)
+    index.record(0, [1, 2])
+    monitor = FleetMonitor(fleet, index, FAST)  # not started: no network at all
+    monitor.report_failure(0)
+    monitor.report_success(0)  # the failure streak starts again
+    monitor.report_failure(0)
+    assert fleet.available == 0b11
+    monitor.report_failure(0)
+    assert fleet.available == 0b10 and monitor.is_down(0)
+    monitor.report_success(0)
+    assert fleet.available == 0b10
+    assert index.blocks_held(0) == 2
+    monitor.report_success(0)
+    assert fleet.available == 0b11 and index.blocks_held(0) == 0
+
+
+def test_hosted_api_pods_are_not_watched() -> None:
+    vllm = Destination("a", "vllm", "http://h:1", 1.0, (Pod("a", "p", "h", 1),))
+    hosted = Destination("b", "openai", "http://o:2", 1.0, (Pod("b", "p", "o", 2),))
+    monitor = FleetMonitor(FleetState(Fleet((vllm, hosted))), BlockIndex(10), FAST)
+    assert monitor.watched == [0]
+
+
+def test_stop_is_safe_anytime() -> None:
+    async def go() -> None:
+        fleet = FleetState(sim_fleet([f"127.0.0.1:{free_port()}"]))  # nobody listens
+        monitor = FleetMonitor(fleet, BlockIndex(10), FAST)
+        await monitor.stop()  # never started
+        await monitor.start()
+        await until(lambda: monitor.is_down(0))
+        await monitor.stop()
+        await monitor.stop()
+        await monitor.start()  # and again
+        stopping = asyncio.create_task(monitor.stop())
+        await asyncio.sleep(0)
+        stopping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopping
+        await monitor.stop()
+
+    run(go)
+
+
+def test_the_server_runs_a_monitor_and_counts_picks(port: int) -> None:
+    async def go() -> None:
+        async with sim("pod-0") as pod:
+            cfg = Config(
+                sim_fleet([f"127.0.0.1:{pod.port}"]),
+                dataclasses.replace(FAST, listen=f"127.0.0.1:{port}"),
+            )
+            processor = Processor(cfg)
+            srv, _health = await server.start(cfg, processor)
+            monitor = processor.monitor
+            assert monitor is not None
+            try:
+                await until(lambda: monitor.stats(0) is not None)
+                await monitor.stop()  # no scrape resets what the picks add from now
+                body = msgspec.json.encode(
+                    {"model": "m", "messages": [{"role": "user", "content": "x" * 2000}]}
+                )
+                headers = {":path": "/v1/chat/completions", ":method": "POST"}
+                for _ in range(2):
+                    processor.on_body(processor.on_headers(headers, False), body)
+                assert processor.fleet.load[0].inflight == 2
+            finally:
+                await monitor.stop()
+                await srv.stop(0)
+
+    run(go)
+
+
+def test_no_monitor_no_count() -> None:
+    # Without a monitor nothing would ever reset the count (the fleet simulator keeps
+    # its own, exact one), so the processor leaves it alone.
+    p = Processor(Config(sim_fleet(["127.0.0.1:1"]), Settings(salt_secret=b"s")))
+    body = msgspec.json.encode({"model": "m", "prompt": "y" * 2000})
+    p.on_body(p.on_headers({":path": "/v1/completions", ":method": "POST"}, False), body)
+    assert p.fleet.load[0].inflight == 0
