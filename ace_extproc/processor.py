@@ -157,9 +157,14 @@ class Processor:
         pick = self.picker.pick(routing, self.fleet.candidates(destination))
         if pick is None:
             return _bypass(mode, "no_pod")
-        if self.monitor is not None:  # only a monitor's scrape resets the count
-            self.fleet.load[pick.slot].inflight += 1
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
+        if self.monitor is not None:
+            # What this replica sent since the pods' last scrape; the monitor's next
+            # scrape resets or drains it (in the fleet simulation, the simulator keeps
+            # these exact instead).
+            load = self.fleet.load[pick.slot]
+            load.inflight += 1
+            load.queued_prefill_tokens += prompt_tokens - saved
         outcome = Outcome(
             mode,
             pick.action,

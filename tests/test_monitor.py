@@ -377,3 +377,32 @@ def test_no_monitor_no_count() -> None:
     body = msgspec.json.encode({"model": "m", "prompt": "y" * 2000})
     p.on_body(p.on_headers({":path": "/v1/completions", ":method": "POST"}, False), body)
     assert p.fleet.load[0].inflight == 0
+
+
+def test_queued_prefill_is_counted_per_pick_and_drained_by_scrapes() -> None:
+    fleet = FleetState(sim_fleet(["127.0.0.1:1", "127.0.0.1:2"]))
+    settings = Settings(scrape_interval_s=0.1)
+    monitor = FleetMonitor(fleet, BlockIndex(100), settings)
+    load = fleet.load[0]
+    load.queued_prefill_tokens = 10_000  # as picks since the last scrape left it
+    monitor.apply(0, EngineStats(engine="vllm", running=3, waiting=2, kv_usage=0.5))
+    # 100 ms of prefill at the model's rate drains 100 / a_ms tokens (2,500 at 0.04 ms).
+    assert load.queued_prefill_tokens == 7500
+    monitor.apply(0, EngineStats(engine="vllm", running=3, waiting=0, kv_usage=0.5))
+    assert load.queued_prefill_tokens == 0  # nothing waiting: nothing queued ahead
+
+
+def test_picks_add_their_uncached_prompt_to_the_queue_when_monitored() -> None:
+    cfg = Config(sim_fleet(["127.0.0.1:1"]), Settings(salt_secret=b"s"))
+    proc = Processor(cfg)
+    proc.monitor = FleetMonitor(proc.fleet, proc.index, cfg.settings)
+    body = msgspec.json.encode(
+        {"model": "m", "messages": [{"role": "user", "content": "x" * 4000}]}
+    )
+    headers = {":path": "/v1/chat/completions", ":method": "POST"}
+    proc.on_body(proc.on_headers(headers, False), body)
+    first = proc.fleet.load[0].queued_prefill_tokens
+    assert 990 < first < 1010  # ~4 KB of prompt at ~4 bytes a token, nothing cached
+    proc.on_body(proc.on_headers(headers, False), body)
+    # The repeat is mostly warm: it queues only its uncached tail.
+    assert proc.fleet.load[0].queued_prefill_tokens - first < 200

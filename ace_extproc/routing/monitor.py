@@ -44,6 +44,7 @@ from typing import Any
 import aiohttp
 
 from ace_extproc.config import Settings
+from ace_extproc.latency import get_model
 from ace_extproc.routing import metrics_text
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.index import BlockIndex
@@ -73,6 +74,7 @@ class FleetMonitor:
         self.fleet = fleet
         self.index = index
         self.settings = settings
+        self._ms_per_token = get_model(settings.ttft_model).a_ms  # prefill cost per token
         providers = {d.id: d.provider for d in fleet.fleet.destinations}
         self.watched: list[int] = [
             slot
@@ -222,6 +224,13 @@ class FleetMonitor:
         if stats.kv_usage is not None:
             load.kv_usage = stats.kv_usage
         load.inflight = running + waiting  # picks since this scrape are added on top
+        # The prefill this replica queued (added per pick) drains at the engine's
+        # prefill rate; with nothing waiting, nothing is queued behind the running ones.
+        if waiting == 0:
+            load.queued_prefill_tokens = 0
+        else:
+            drained = self.settings.scrape_interval_s * 1000 / self._ms_per_token
+            load.queued_prefill_tokens = max(0, int(load.queued_prefill_tokens - drained))
         if st.last is not None and not st.down:
             why = metrics_text.restarted(st.last, stats)
             if why is not None:
