@@ -4,6 +4,11 @@ The shape, and why each piece is there, is explained in ``envoy/README.md``. In 
 ext_proc (fail-open) picks a pod and sets ``x-ace-upstream`` plus ``clear_route_cache``;
 the first route sends the request to the single-host cluster that header names; the
 second route sends everything else to the default destination's cluster of all pods.
+
+Endpoint mode (``upstream_mode="endpoint"``) instead has one cluster per destination
+whose ``override_host`` load-balancing policy takes the host from ``x-ace-upstream``
+(``ip:port[,fallback,...]``) or the Gateway API Inference Extension's ``envoy.lb``
+metadata, and falls back to ordinary load balancing when neither names a host.
 """
 
 from __future__ import annotations
@@ -39,6 +44,24 @@ CONNECT_TIMEOUT = "1s"
 # policy on the route. LEAST_REQUEST is the default; ROUND_ROBIN is the benchmarks' baseline.
 LB_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
 
+# How ext_proc names the pod: "cluster": a per-pod cluster in x-ace-upstream; "endpoint":
+# the ip:port of a host of the destination's one cluster (override_host policy).
+UPSTREAM_MODES = ("cluster", "endpoint")
+# Endpoint mode. The Gateway API Inference Extension's endpoint-picker protocol: the
+# picked "ip:port[,ip:port...]" in this header and in envoy.lb dynamic metadata.
+GIE_HEADER = "x-gateway-destination-endpoint"
+GIE_NAMESPACE = "envoy.lb"
+# The destination cluster, set by ext_proc; routes to it when the fleet has several.
+DESTINATION_HEADER = "x-ace-destination"
+# The typed extensions for each LB_POLICIES entry, as override_host's fallback policy.
+_FALLBACK_POLICIES = {
+    "LEAST_REQUEST": ("least_request", "least_request.v3.LeastRequest"),
+    "ROUND_ROBIN": ("round_robin", "round_robin.v3.RoundRobin"),
+    "RANDOM": ("random", "random.v3.Random"),
+}
+_LB_EXT = "envoy.load_balancing_policies."
+_LB_TYPE = "type.googleapis.com/envoy.extensions.load_balancing_policies."
+
 _SKIP_RESPONSE = {
     "response_header_mode": "SKIP",
     "response_body_mode": "NONE",
@@ -69,6 +92,10 @@ ACCESS_LOG_FORMAT = (
     "upstream=%UPSTREAM_CLUSTER% host=%UPSTREAM_HOST% "
     "served_by=%DYNAMIC_METADATA(ace:served_by)% trace=%DYNAMIC_METADATA(ace:trace)% "
     "id=%REQ(X-REQUEST-ID)%\n"
+)
+# Endpoint mode also logs the list ext_proc named (host= is where the last try went).
+ENDPOINT_ACCESS_LOG_FORMAT = ACCESS_LOG_FORMAT.replace(
+    " id=", f" endpoints=%DYNAMIC_METADATA({GIE_NAMESPACE}:{GIE_HEADER})% id="
 )
 
 
@@ -204,6 +231,55 @@ def _pod_clusters(fleet: cfg.Fleet, lb_policy: str) -> list[dict[str, Any]]:
     return clusters
 
 
+def _override_host_policy(lb_policy: str) -> dict[str, Any]:
+    """override_host: the host named by x-ace-upstream, else by the envoy.lb metadata
+    (GIE gateways' ext_procs), else ``lb_policy`` picks (no header: fail-open). A list
+    ``primary,fallback,...`` gives each retry the next entry. It does not check health:
+    a named host that is down is still tried, so ext_proc must track pod health."""
+    ext, proto = _FALLBACK_POLICIES[lb_policy]
+    fallback = {
+        "name": _LB_EXT + ext,
+        "typed_config": {"@type": _LB_TYPE + proto},
+    }
+    override = {
+        "name": _LB_EXT + "override_host",
+        "typed_config": {
+            "@type": _LB_TYPE + "override_host.v3.OverrideHost",
+            "override_host_sources": [
+                {"header": UPSTREAM_HEADER},
+                {"metadata": {"key": GIE_NAMESPACE, "path": [{"key": GIE_HEADER}]}},
+            ],
+            "fallback_policy": {"policies": [{"typed_extension_config": fallback}]},
+        },
+    }
+    return {"policies": [{"typed_extension_config": override}]}
+
+
+def _endpoint_clusters(fleet: cfg.Fleet, lb_policy: str) -> list[dict[str, Any]]:
+    clusters = []
+    for dest in fleet.destinations:
+        for pod in dest.pods:
+            if not _is_ip(pod.host):
+                # Envoy names hosts by ip:port; a DNS name could never be matched.
+                raise cfg.ConfigError(
+                    f"pod {pod.key}: endpoint mode needs pods given by IP address "
+                    f"(as from EndpointSlices), got {pod.host!r}; use upstream mode cluster"
+                )
+        weights = _lb_weights(dest.pods)
+        clusters.append(
+            _cluster(
+                dest.cluster,
+                [(p.host, p.port, w) for p, w in zip(dest.pods, weights, strict=True)],
+                load_balancing_policy=_override_host_policy(lb_policy),
+                # Below Envoy's default 50% healthy, the fallback would spread traffic
+                # onto unhealthy hosts (panic mode); never do that.
+                common_lb_config={"healthy_panic_threshold": {"value": 0}},
+                circuit_breakers=_circuit_breakers(),
+            )
+        )
+    return clusters
+
+
 def _ext_proc_cluster(settings: cfg.Settings, uds: str | None) -> dict[str, Any]:
     if uds:
         return {
@@ -249,9 +325,90 @@ def _ext_proc_filter(processing_mode: str, message_timeout_s: float) -> dict[str
     }
 
 
-def _route_config(config: cfg.Config) -> dict[str, Any]:
+def _previous_hosts() -> list[dict[str, Any]]:
+    return [
+        {
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions."
+                "retry.host.previous_hosts.v3.PreviousHostsPredicate"
+            },
+        }
+    ]
+
+
+def _endpoint_routes(config: cfg.Config) -> list[dict[str, Any]]:
+    """Endpoint mode: straight to the destination cluster, whose override_host policy
+    picks the host; no header (ext_proc down, shadow, a bypass) means its fallback
+    policy picks (fail-open). With several destinations, ext_proc's x-ace-destination
+    first chooses the cluster (routes matching pod IPs would not follow a changing
+    fleet; destinations change rarely)."""
+
+    def action() -> dict[str, Any]:  # fresh per route: callers may mutate the result
+        return {
+            "timeout": "0s",
+            "idle_timeout": ROUTE_IDLE_TIMEOUT,
+            "retry_policy": {
+                # Each retry takes the next host of the list; past its end, the fallback
+                # policy picks one not tried yet (previous_hosts acts only there). 502-504
+                # (an overloaded or draining engine) move on; a 500 would repeat, so no.
+                "retry_on": "connect-failure,refused-stream,reset,gateway-error",
+                "num_retries": 2,
+                "retry_host_predicate": _previous_hosts(),
+                "host_selection_retry_max_attempts": 3,
+            },
+        }
+
+    routes: list[dict[str, Any]] = []
+    if len(config.fleet.destinations) > 1:
+        routes.append(
+            {
+                "name": "destination",
+                "match": {
+                    "prefix": "/",
+                    "headers": [{"name": DESTINATION_HEADER, "present_match": True}],
+                },
+                "route": {"cluster_header": DESTINATION_HEADER, **action()},
+            }
+        )
+    routes.append(
+        {
+            "name": "default",
+            "match": {"prefix": "/"},
+            "route": {"cluster": config.fleet.default.cluster, **action()},
+        }
+    )
+    return routes
+
+
+def _route_config(config: cfg.Config, upstream_mode: str) -> dict[str, Any]:
     retry = {"retry_on": "connect-failure,reset", "num_retries": 1}
     no_timeout = {"timeout": "0s", "idle_timeout": ROUTE_IDLE_TIMEOUT}
+    cluster_routes = [
+        {
+            # Pinned by ext_proc: the header names a single-pod cluster.
+            "name": "pinned",
+            "match": {
+                "prefix": "/",
+                "headers": [{"name": UPSTREAM_HEADER, "present_match": True}],
+            },
+            "route": {
+                "cluster_header": UPSTREAM_HEADER,
+                **no_timeout,
+                "retry_policy": retry,
+            },
+        },
+        {
+            # Fail-open: ext_proc down, shadow mode, or no decision.
+            "name": "default",
+            "match": {"prefix": "/"},
+            "route": {
+                "cluster": config.fleet.default.cluster,
+                **no_timeout,
+                "retry_policy": {**retry, "retry_host_predicate": _previous_hosts()},
+            },
+        },
+    ]
     return {
         "name": "ace",
         # On the route_config, so Envoy's own error replies carry them too. An absent
@@ -266,50 +423,26 @@ def _route_config(config: cfg.Config) -> dict[str, Any]:
                 "domains": ["*"],
                 # BUFFERED bodies are limited by this (Envoy's default is ~1 MiB: 413 above).
                 "request_body_buffer_limit": config.settings.max_body_bytes,
-                "routes": [
-                    {
-                        # Pinned by ext_proc: the header names a single-pod cluster.
-                        "name": "pinned",
-                        "match": {
-                            "prefix": "/",
-                            "headers": [{"name": UPSTREAM_HEADER, "present_match": True}],
-                        },
-                        "route": {
-                            "cluster_header": UPSTREAM_HEADER,
-                            **no_timeout,
-                            "retry_policy": retry,
-                        },
-                    },
-                    {
-                        # Fail-open: ext_proc down, shadow mode, or no decision.
-                        "name": "default",
-                        "match": {"prefix": "/"},
-                        "route": {
-                            "cluster": config.fleet.default.cluster,
-                            **no_timeout,
-                            "retry_policy": {
-                                **retry,
-                                "retry_host_predicate": [
-                                    {
-                                        "name": "envoy.retry_host_predicates.previous_hosts",
-                                        "typed_config": {
-                                            "@type": "type.googleapis.com/envoy.extensions."
-                                            "retry.host.previous_hosts.v3.PreviousHostsPredicate"
-                                        },
-                                    }
-                                ],
-                            },
-                        },
-                    },
-                ],
+                "routes": (
+                    _endpoint_routes(config) if upstream_mode == "endpoint" else cluster_routes
+                ),
             }
         ],
     }
 
 
 def _http_connection_manager(
-    config: cfg.Config, processing_mode: str, message_timeout_s: float, ext_proc: bool
+    config: cfg.Config,
+    processing_mode: str,
+    message_timeout_s: float,
+    ext_proc: bool,
+    upstream_mode: str,
 ) -> dict[str, Any]:
+    endpoint = upstream_mode == "endpoint"
+    stripped = (
+        (*STRIPPED_REQUEST_HEADERS, DESTINATION_HEADER) if endpoint else STRIPPED_REQUEST_HEADERS
+    )
+    log_format = ENDPOINT_ACCESS_LOG_FORMAT if endpoint else ACCESS_LOG_FORMAT
     router = {
         "name": "envoy.filters.http.router",
         "typed_config": {
@@ -332,7 +465,7 @@ def _http_connection_manager(
                     "typed_config": {
                         "@type": "type.googleapis.com/envoy.extensions.http."
                         "early_header_mutation.header_mutation.v3.HeaderMutation",
-                        "mutations": [{"remove": h} for h in STRIPPED_REQUEST_HEADERS],
+                        "mutations": [{"remove": h} for h in stripped],
                     },
                 }
             ],
@@ -342,11 +475,11 @@ def _http_connection_manager(
                     "typed_config": {
                         "@type": "type.googleapis.com/"
                         "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
-                        "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}},
+                        "log_format": {"text_format_source": {"inline_string": log_format}},
                     },
                 }
             ],
-            "route_config": _route_config(config),
+            "route_config": _route_config(config, upstream_mode),
             "http_filters": [*filters, router],
         },
     }
@@ -372,6 +505,7 @@ def render(
     ext_proc_uds: str | None = None,
     ext_proc: bool = True,
     lb_policy: str = "LEAST_REQUEST",
+    upstream_mode: str | None = None,
 ) -> dict[str, Any]:
     """The Envoy bootstrap for ``config`` as a dict. ``ext_proc_uds`` (else
     ``settings.uds``) makes Envoy reach ace-extproc over a unix socket instead of
@@ -379,14 +513,24 @@ def render(
     cluster: plain Envoy, the baseline that gateway-overhead benchmarks subtract.
     ``lb_policy`` (one of ``LB_POLICIES``) balances each destination's default
     cluster; ``ext_proc=False, lb_policy="ROUND_ROBIN"`` is plain round-robin Envoy.
-    Raises ConfigError on a bad address, mode, policy or timeout."""
+    ``upstream_mode`` (one of ``UPSTREAM_MODES``; default ``settings.upstream_mode``)
+    must match the server's, which reads the same setting. Raises ConfigError on a
+    bad address, mode, policy or timeout, or a pod given by name in endpoint mode."""
+    upstream_mode = upstream_mode or config.settings.upstream_mode
+    if upstream_mode not in UPSTREAM_MODES:
+        raise cfg.ConfigError(
+            f"upstream mode {upstream_mode!r}: expected one of {', '.join(UPSTREAM_MODES)}"
+        )
     if processing_mode not in PROCESSING_MODES:
         raise cfg.ConfigError(
             f"processing mode {processing_mode!r}: expected one of {', '.join(PROCESSING_MODES)}"
         )
     if lb_policy not in LB_POLICIES:
         raise cfg.ConfigError(f"lb_policy {lb_policy!r}: expected one of {', '.join(LB_POLICIES)}")
-    clusters = _pod_clusters(config.fleet, lb_policy)
+    if upstream_mode == "endpoint":
+        clusters = _endpoint_clusters(config.fleet, lb_policy)
+    else:
+        clusters = _pod_clusters(config.fleet, lb_policy)
     if ext_proc:
         clusters.insert(0, _ext_proc_cluster(config.settings, ext_proc_uds or config.settings.uds))
     return {
@@ -400,7 +544,11 @@ def render(
                         {
                             "filters": [
                                 _http_connection_manager(
-                                    config, processing_mode, message_timeout_s, ext_proc
+                                    config,
+                                    processing_mode,
+                                    message_timeout_s,
+                                    ext_proc,
+                                    upstream_mode,
                                 )
                             ]
                         }
@@ -422,6 +570,7 @@ def render_yaml(
     ext_proc_uds: str | None = None,
     ext_proc: bool = True,
     lb_policy: str = "LEAST_REQUEST",
+    upstream_mode: str | None = None,
 ) -> str:
     """``render`` as YAML, with a header saying where it came from."""
     doc = render(
@@ -433,8 +582,11 @@ def render_yaml(
         ext_proc_uds=ext_proc_uds,
         ext_proc=ext_proc,
         lb_policy=lb_policy,
+        upstream_mode=upstream_mode,
     )
     what = f"processing mode: {processing_mode}" if ext_proc else "no ext_proc"
+    if (upstream_mode or config.settings.upstream_mode) == "endpoint":
+        what += ", upstream mode: endpoint"
     if lb_policy != "LEAST_REQUEST":
         what += f", default cluster {lb_policy}"
     header = (
@@ -479,6 +631,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="reach ace-extproc over this unix socket (default: router.uds, else router.listen)",
     )
+    parser.add_argument(
+        "--upstream-mode",
+        choices=UPSTREAM_MODES,
+        help="how ext_proc names the pod: a per-pod cluster, or ip:port in one cluster per "
+        "destination (override_host; IP pods only) (default: router.upstream_mode, else cluster)",
+    )
     parser.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
 
 
@@ -491,6 +649,7 @@ def run(args: argparse.Namespace) -> int:
             processing_mode=args.processing_mode,
             message_timeout_s=args.message_timeout,
             ext_proc_uds=args.ext_proc_uds,
+            upstream_mode=args.upstream_mode,
         )
     except ValueError as exc:  # ConfigError, and the ValueError of an unknown ttft_model
         print(f"error: {exc}", file=sys.stderr)

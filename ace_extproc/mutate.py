@@ -2,9 +2,17 @@
 route-cache clear that makes ``x-ace-upstream`` steer routing, and the dynamic
 metadata from which Envoy adds ``x-ace-served-by`` and
 ``x-ace-trace-prefix-kv-cache`` to the response (no response-phase exchange).
+
+Two ways to name the pod (``router.upstream_mode``, carried on ``Outcome.endpoint``):
+cluster mode sets ``x-ace-upstream`` to the pod's own Envoy cluster; endpoint mode
+names hosts of one destination cluster by ``ip:port``, primary first, then fallbacks
+for Envoy's retries, in the Gateway API Inference Extension's endpoint-picker form.
 """
 
 from __future__ import annotations
+
+import ipaddress
+from functools import lru_cache
 
 from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -16,9 +24,20 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
+from ace_extproc.config import Pod
 from ace_extproc.processor import UPSTREAM_HEADER, Outcome
 
 METADATA_NAMESPACE = "ace"
+# The Gateway API Inference Extension's endpoint-picker protocol (kubernetes-sigs/
+# gateway-api-inference-extension, docs/proposals/004-endpoint-picker-protocol, v0.4.0+):
+# the picked endpoints as "ip:port[,ip:port...]" (the first used, retries go down the
+# list) in this header AND in dynamic metadata envoy.lb/x-gateway-destination-endpoint,
+# the same value in both. Envoy's override_host policy reads either.
+GIE_HEADER = "x-gateway-destination-endpoint"
+GIE_NAMESPACE = "envoy.lb"
+# Endpoint mode: the destination cluster holding those hosts, for fleets of several
+# destinations (a `cluster_header` route); the same name as ``Destination.cluster``.
+DESTINATION_HEADER = "x-ace-destination"
 # Some gateways cap a streamed chunk at 64 KiB; stay under it with room for framing.
 STREAM_CHUNK = 62_000
 
@@ -36,30 +55,73 @@ def _set(mutation: HeaderMutation, key: str, value: bytes) -> None:
     option.append_action = _OVERWRITE
 
 
-def _fill(common: CommonResponse, outcome: Outcome, client_upstream: bool, with_body: bool) -> None:
-    """Header (and, in buffered mode, body) mutations for the outcome.
+@lru_cache(maxsize=65536)
+def _host(pod: Pod) -> tuple[str, bytes]:
+    """How Envoy names the pod's host (``ip:port``, ``[v6]:port``) and its destination
+    cluster. Only an IP pod can be named: a hostname matches no host, so Envoy's
+    fallback policy picks instead (the renderer refuses such pods in endpoint mode)."""
+    try:
+        ip = ipaddress.ip_address(pod.host)
+    except ValueError:
+        address = pod.address
+    else:
+        address = f"[{ip}]:{pod.port}" if ip.version == 6 else f"{ip}:{pod.port}"
+    return address, f"ace_default.{pod.destination}".encode()
+
+
+def endpoints(outcome: Outcome) -> str:
+    """The endpoint-mode value: the pinned pod, then its fallbacks, comma-separated."""
+    assert outcome.pod is not None
+    first = _host(outcome.pod)[0]
+    if not outcome.fallbacks:
+        return first
+    rest = [_host(p)[0] for p in outcome.fallbacks if p != outcome.pod]
+    return ",".join((first, *rest))
+
+
+def _fill(
+    common: CommonResponse, outcome: Outcome, client_upstream: bool, with_body: bool
+) -> str | None:
+    """Header (and, in buffered mode, body) mutations for the outcome; returns the
+    endpoint list in endpoint mode, for the metadata.
 
     Built in place: upb copies a sub-message passed to a constructor, which for a
     16 KB body measured ~5x slower than filling the fields of one response.
     """
     common.SetInParent()  # an empty answer must still say which phase it answers
+    picked = None
     if outcome.pod is not None:
         mutation = common.header_mutation
-        _set(mutation, UPSTREAM_HEADER, outcome.pod.cluster.encode())
+        if outcome.endpoint:
+            picked = endpoints(outcome)
+            value = picked.encode()
+            _set(mutation, UPSTREAM_HEADER, value)
+            _set(mutation, GIE_HEADER, value)
+            _set(mutation, DESTINATION_HEADER, _host(outcome.pod)[1])
+        else:
+            _set(mutation, UPSTREAM_HEADER, outcome.pod.cluster.encode())
         if outcome.body is not None:
             # A changed body needs its new length, or Envoy fails the request with 500.
             _set(mutation, "content-length", str(len(outcome.body)).encode())
             if with_body:
                 common.body_mutation.body = outcome.body
-        common.clear_route_cache = True  # re-run routing on x-ace-upstream
+        # Re-run routing on x-ace-upstream (cluster mode) or x-ace-destination (endpoint
+        # mode, several destinations; with one, override_host reads the header anyway).
+        common.clear_route_cache = True
     elif client_upstream:
         # Defence in depth: Envoy's early header mutation should already have removed it.
         common.header_mutation.remove_headers.append(UPSTREAM_HEADER)
         common.clear_route_cache = True
+    return picked
 
 
-def _with_metadata(resp: ProcessingResponse, outcome: Outcome) -> ProcessingResponse:
-    ace = resp.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+def _with_metadata(
+    resp: ProcessingResponse, outcome: Outcome, picked: str | None = None
+) -> ProcessingResponse:
+    fields = resp.dynamic_metadata.fields
+    if picked is not None:
+        fields[GIE_NAMESPACE].struct_value.fields[GIE_HEADER].string_value = picked
+    ace = fields[METADATA_NAMESPACE].struct_value.fields
     ace["trace"].string_value = outcome.trace
     ace["mode"].string_value = outcome.mode.value
     ace["action"].string_value = outcome.action
@@ -86,9 +148,9 @@ def headers_decided(outcome: Outcome, client_upstream: bool) -> ProcessingRespon
     if outcome.reject_status:
         return immediate(outcome)
     resp = ProcessingResponse()
-    _fill(resp.request_headers.response, outcome, client_upstream, False)
+    picked = _fill(resp.request_headers.response, outcome, client_upstream, False)
     resp.mode_override.request_body_mode = ProcessingMode.NONE
-    return _with_metadata(resp, outcome)
+    return _with_metadata(resp, outcome, picked)
 
 
 def body_decided(outcome: Outcome, client_upstream: bool) -> ProcessingResponse:
@@ -96,8 +158,8 @@ def body_decided(outcome: Outcome, client_upstream: bool) -> ProcessingResponse:
     if outcome.reject_status:
         return immediate(outcome)
     resp = ProcessingResponse()
-    _fill(resp.request_body.response, outcome, client_upstream, True)
-    return _with_metadata(resp, outcome)
+    picked = _fill(resp.request_body.response, outcome, client_upstream, True)
+    return _with_metadata(resp, outcome, picked)
 
 
 def duplex_decided(
@@ -108,8 +170,8 @@ def duplex_decided(
     if outcome.reject_status:
         return [immediate(outcome)]
     headers = ProcessingResponse()
-    _fill(headers.request_headers.response, outcome, client_upstream, False)
-    out = [_with_metadata(headers, outcome)]
+    picked = _fill(headers.request_headers.response, outcome, client_upstream, False)
+    out = [_with_metadata(headers, outcome, picked)]
     data = outcome.body if outcome.body is not None else body
     view = memoryview(data)
     for start in range(0, max(len(data), 1), STREAM_CHUNK):

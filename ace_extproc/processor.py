@@ -154,14 +154,16 @@ class Processor:
         routing = RoutingRequest(
             hashes, parsed.prompt, prompt_tokens, ctx.tenant, parsed.model, ctx.session
         )
+        if self.monitor is not None:
+            self.monitor.drain()
         pick = self.picker.pick(routing, self.fleet.candidates(destination))
         if pick is None:
             return _bypass(mode, "no_pod")
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
         if self.monitor is not None:
-            # What this replica sent since the pods' last scrape; the monitor's next
-            # scrape resets or drains it (in the fleet simulation, the simulator keeps
-            # these exact instead).
+            # What this replica sent since the pods' last scrape: the queue drains at
+            # the model's prefill rate and a scrape with nothing waiting clears it (in
+            # the fleet simulation, the simulator keeps these exact instead).
             load = self.fleet.load[pick.slot]
             load.inflight += 1
             load.queued_prefill_tokens += prompt_tokens - saved

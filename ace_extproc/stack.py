@@ -66,6 +66,7 @@ class StackOptions:
     ext_proc: str = "127.0.0.1:50051"
     processing_mode: str = "buffered"
     mode: str | None = None  # override the configured default mode
+    upstream_mode: str | None = None  # override router.upstream_mode (server and Envoy)
     time_scale: float = 1.0  # simulated pods' clock: 0.01 runs them 100x faster
     sim_args: list[str] = field(default_factory=list)
     router: dict[str, object] = field(default_factory=dict)  # `router:` settings for sim fleets
@@ -85,6 +86,7 @@ class Stack:
         self._own_workdir = options.workdir is None
         self.workdir = options.workdir or Path(tempfile.mkdtemp(prefix="ace-stack-"))
         self.config: Config | None = None
+        self.fleet_file: Path | None = None  # what the server reads
 
     @property
     def url(self) -> str:
@@ -98,11 +100,17 @@ class Stack:
             if o.fleet_path is None:
                 fleet = config_mod.default_fleet(o.pods, o.first_pod_port)
                 fleet_path = self.workdir / "fleet.yaml"
-                doc = {**config_mod.fleet_to_dict(fleet), "router": o.router}
+                router = dict(o.router)
+                if o.upstream_mode:
+                    router["upstream_mode"] = o.upstream_mode
+                doc = {**config_mod.fleet_to_dict(fleet), "router": router}
                 fleet_path.write_text(yaml.safe_dump(doc))
                 await self._start_pods(fleet)
             else:
                 fleet_path = Path(o.fleet_path)
+                if o.upstream_mode:
+                    fleet_path = self._with_upstream_mode(fleet_path, o.upstream_mode)
+            self.fleet_file = fleet_path
             cfg = config_mod.load(fleet_path)
             # Envoy must dial the ext_proc where this stack starts it.
             self.config = replace(cfg, settings=replace(cfg.settings, listen=o.ext_proc))
@@ -157,7 +165,26 @@ class Stack:
         await self._start_ext_proc(Path(self._fleet_path()))
 
     def _fleet_path(self) -> str:
+        if self.fleet_file is not None:
+            return str(self.fleet_file)
         return self.options.fleet_path or str(self.workdir / "fleet.yaml")
+
+    def _with_upstream_mode(self, path: Path, upstream_mode: str) -> Path:
+        """A copy of the user's fleet file with ``router.upstream_mode`` set, so the
+        server (which reads the file) and Envoy (rendered from it) agree."""
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{path}: expected a mapping with 'destinations:'")
+        router = doc.get("router") or {}
+        if not isinstance(router, dict):
+            raise ConfigError(f"{path}: router: expected a mapping")
+        doc["router"] = {**router, "upstream_mode": upstream_mode}
+        copy = self.workdir / "fleet.yaml"
+        copy.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return copy
 
     async def _start_envoy(self, cfg: Config) -> None:
         rendered = envoy_config.render_yaml(
@@ -282,6 +309,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--processing-mode", choices=["buffered", "full_duplex"], default="buffered"
     )
     parser.add_argument("--mode", choices=["off", "shadow", "prod"], help="default routing mode")
+    parser.add_argument(
+        "--upstream-mode",
+        choices=list(envoy_config.UPSTREAM_MODES),
+        help="how the pod is named to Envoy: its own cluster, or ip:port in one cluster "
+        "(default: the fleet's router.upstream_mode, else cluster)",
+    )
     parser.add_argument("--time-scale", type=float, default=1.0, help="simulated pods' clock")
 
 
@@ -295,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
         ext_proc=args.ext_proc,
         processing_mode=args.processing_mode,
         mode=args.mode,
+        upstream_mode=args.upstream_mode,
         time_scale=args.time_scale,
     )
     try:

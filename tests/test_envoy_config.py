@@ -20,9 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 ENVOY_DIR = ROOT / "envoy"
 REGENERATE = (
     "regenerate with: ace-extproc envoy-config -o envoy/envoy.yaml && "
-    "ace-extproc envoy-config --processing-mode full_duplex -o envoy/envoy-full-duplex.yaml"
+    "ace-extproc envoy-config --processing-mode full_duplex -o envoy/envoy-full-duplex.yaml && "
+    "ace-extproc envoy-config --upstream-mode endpoint -o envoy/envoy-endpoint.yaml"
 )
 SHIPPED = {"envoy.yaml": "buffered", "envoy-full-duplex.yaml": "full_duplex"}
+# Shipped files rendered with keyword arguments other than the processing mode.
+SHIPPED_WITH = {"envoy-endpoint.yaml": {"upstream_mode": "endpoint"}}
 
 HOSTNAME_FLEET = """
 destinations:
@@ -275,6 +278,14 @@ def test_shipped_bootstrap_matches_the_renderer(default: cfg.Config, name: str, 
     assert shipped == ec.render_yaml(default, processing_mode=mode), f"{name} drifted; {REGENERATE}"
 
 
+@pytest.mark.parametrize(("name", "kwargs"), SHIPPED_WITH.items())
+def test_shipped_variant_matches_the_renderer(
+    default: cfg.Config, name: str, kwargs: dict[str, Any]
+) -> None:
+    shipped = (ENVOY_DIR / name).read_text()
+    assert shipped == ec.render_yaml(default, **kwargs), f"{name} drifted; {REGENERATE}"
+
+
 def test_example_fleet_loads() -> None:
     config = cfg.load(ENVOY_DIR / "fleet.example.yaml", env={})
     assert len(config.fleet.destinations) == 2
@@ -353,7 +364,7 @@ def _shipped_bootstraps() -> list[Path]:
 
 
 def test_every_shipped_bootstrap_is_found() -> None:
-    assert {p.name for p in _shipped_bootstraps()} >= set(SHIPPED)
+    assert {p.name for p in _shipped_bootstraps()} >= set(SHIPPED) | set(SHIPPED_WITH)
 
 
 @pytest.mark.envoy
@@ -440,4 +451,165 @@ def test_envoy_accepts_round_robin_without_ext_proc(default: cfg.Config, tmp_pat
     path = tmp_path / "envoy.yaml"
     path.write_text(ec.render_yaml(default, ext_proc=False, lb_policy="ROUND_ROBIN"))
     assert "(no ext_proc, default cluster ROUND_ROBIN)" in path.read_text().splitlines()[0]
+    _validate(path)
+
+
+# ---------------------------------------------------------------- endpoint mode
+
+IP_FLEET_TWO_DESTINATIONS = """
+destinations:
+  - id: chat
+    base_url: http://chat.svc:8000
+    pods:
+      - {id: a, base_url: "http://10.0.0.1:8000", weight: 2}
+      - {id: b, base_url: "http://10.0.0.2:8000"}
+  - id: code
+    base_url: http://code.svc:8000
+    models: [coder]
+    pods:
+      - {id: c, base_url: "http://[fd00::3]:8000"}
+router:
+  upstream_mode: endpoint
+"""
+
+
+def _override_host(cluster: dict[str, Any]) -> dict[str, Any]:
+    (policy,) = cluster["load_balancing_policy"]["policies"]
+    ext = policy["typed_extension_config"]
+    assert ext["name"] == "envoy.load_balancing_policies.override_host"
+    typed: dict[str, Any] = ext["typed_config"]
+    return typed
+
+
+def test_endpoint_mode_one_override_host_cluster_per_destination(default: cfg.Config) -> None:
+    doc = ec.render(default, upstream_mode="endpoint")
+    clusters = _clusters(doc)
+    assert set(clusters) == {"ace_extproc", "ace_default.sim"}  # no per-pod clusters
+    dest = clusters["ace_default.sim"]
+    assert "lb_policy" not in dest  # load_balancing_policy replaces it
+    assert _addresses(dest) == [("127.0.0.1", 8001 + i) for i in range(4)]
+    assert dest["common_lb_config"] == {"healthy_panic_threshold": {"value": 0}}
+    oh = _override_host(dest)
+    assert oh["override_host_sources"] == [
+        {"header": "x-ace-upstream"},
+        {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}},
+    ]
+    (fallback,) = oh["fallback_policy"]["policies"]
+    assert fallback["typed_extension_config"]["name"] == (
+        "envoy.load_balancing_policies.least_request"
+    )
+    rr = _override_host(
+        _clusters(ec.render(default, upstream_mode="endpoint", lb_policy="RANDOM"))[
+            "ace_default.sim"
+        ]
+    )
+    assert rr["fallback_policy"]["policies"][0]["typed_extension_config"]["name"].endswith(
+        ".random"
+    )
+
+
+def test_endpoint_mode_routes_straight_to_the_destination_and_retries_down_the_list(
+    default: cfg.Config,
+) -> None:
+    doc = ec.render(default, upstream_mode="endpoint")
+    (route,) = _vhost(doc)["routes"]
+    assert route["match"] == {"prefix": "/"}  # no header needed: fail-open is the same route
+    assert route["route"]["cluster"] == "ace_default.sim"
+    assert "cluster_header" not in route["route"]
+    assert route["route"]["timeout"] == "0s"
+    retry = route["route"]["retry_policy"]
+    assert retry["num_retries"] == 2
+    assert {"connect-failure", "reset"} <= set(retry["retry_on"].split(","))
+    assert retry["retry_host_predicate"][0]["name"].endswith("previous_hosts")
+    hcm = _hcm(doc)
+    removed = {
+        m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    }
+    assert removed == {
+        "x-ace-upstream",
+        "x-ace-served-by",
+        "x-gateway-destination-endpoint",
+        "x-ace-destination",
+    }
+    assert "envoy.lb" in _ext_proc(doc)["metadata_options"]["receiving_namespaces"]["untyped"]
+    fmt = hcm["access_log"][0]["typed_config"]["log_format"]["text_format_source"]
+    assert "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%" in fmt["inline_string"]
+
+
+def test_endpoint_mode_comes_from_settings_unless_overridden(
+    default: cfg.Config, tmp_path: Path
+) -> None:
+    config = cfg.load(_fleet_file(tmp_path, IP_FLEET_TWO_DESTINATIONS), env={})
+    assert config.settings.upstream_mode == "endpoint"
+    doc = ec.render(config)
+    assert set(_clusters(doc)) == {"ace_extproc", "ace_default.chat", "ace_default.code"}
+    # Several destinations: ext_proc's x-ace-destination chooses the cluster first.
+    chosen, fallback = _vhost(doc)["routes"]
+    assert chosen["match"]["headers"] == [{"name": "x-ace-destination", "present_match": True}]
+    assert chosen["route"]["cluster_header"] == "x-ace-destination"
+    assert fallback["route"]["cluster"] == "ace_default.chat"
+    eps = _clusters(doc)["ace_default.chat"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [e["load_balancing_weight"] for e in eps] == [100, 50]
+    assert _addresses(_clusters(doc)["ace_default.code"]) == [("fd00::3", 8000)]
+    cluster_doc = ec.render(config, upstream_mode="cluster")
+    assert "ace_pod.chat.a" in _clusters(cluster_doc)
+    assert ec.render(default) == ec.render(default, upstream_mode="cluster")
+    assert "upstream mode: endpoint" in ec.render_yaml(config).splitlines()[0]
+    assert "upstream mode" not in ec.render_yaml(default).splitlines()[0]
+
+
+def test_endpoint_mode_refuses_pods_given_by_name(tmp_path: Path) -> None:
+    config = cfg.load(_fleet_file(tmp_path, HOSTNAME_FLEET), env={})
+    with pytest.raises(cfg.ConfigError, match="chat/a: endpoint mode needs pods given by IP"):
+        ec.render(config, upstream_mode="endpoint")
+    with pytest.raises(cfg.ConfigError, match="upstream mode"):
+        ec.render(config, upstream_mode="pods")
+
+
+def test_endpoint_field_names_match_the_envoy_protos(tmp_path: Path) -> None:
+    from envoy.config.bootstrap.v3 import bootstrap_pb2
+
+    for module in (
+        "envoy.extensions.filters.network.http_connection_manager.v3.http_connection_manager_pb2",
+        "envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2",
+        "envoy.extensions.filters.http.router.v3.router_pb2",
+        "envoy.extensions.http.early_header_mutation.header_mutation.v3.header_mutation_pb2",
+        "envoy.extensions.access_loggers.stream.v3.stream_pb2",
+        "envoy.extensions.upstreams.http.v3.http_protocol_options_pb2",
+        "envoy.extensions.retry.host.previous_hosts.v3.previous_hosts_pb2",
+        "envoy.extensions.load_balancing_policies.override_host.v3.override_host_pb2",
+        "envoy.extensions.load_balancing_policies.least_request.v3.least_request_pb2",
+        "envoy.extensions.load_balancing_policies.round_robin.v3.round_robin_pb2",
+        "envoy.extensions.load_balancing_policies.random.v3.random_pb2",
+    ):
+        importlib.import_module(module)
+    config = cfg.load(_fleet_file(tmp_path, IP_FLEET_TWO_DESTINATIONS), env={})
+    for policy in ec.LB_POLICIES:
+        json_format.ParseDict(ec.render(config, lb_policy=policy), bootstrap_pb2.Bootstrap())
+
+
+def test_cli_upstream_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run_cli("--upstream-mode", "endpoint") == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert "load_balancing_policy" in _clusters(doc)["ace_default.sim"]
+    fleet = _fleet_file(tmp_path, HOSTNAME_FLEET)
+    assert _run_cli("--fleet", str(fleet), "--upstream-mode", "endpoint") == 2
+    assert "needs pods given by IP" in capsys.readouterr().err
+
+
+_ENDPOINT_VARIANTS: dict[str, dict[str, Any]] = {
+    "buffered": {},
+    "full_duplex": {"processing_mode": "full_duplex"},
+    "round_robin_uds": {"lb_policy": "ROUND_ROBIN", "ext_proc_uds": "/tmp/ace-extproc.sock"},
+    "no_ext_proc": {"ext_proc": False},
+}
+
+
+@pytest.mark.envoy
+@needs_envoy
+@pytest.mark.parametrize("variant", _ENDPOINT_VARIANTS)
+def test_envoy_accepts_endpoint_mode(tmp_path: Path, variant: str) -> None:
+    config = cfg.load(_fleet_file(tmp_path, IP_FLEET_TWO_DESTINATIONS), env={})
+    path = tmp_path / "envoy.yaml"
+    path.write_text(ec.render_yaml(config, **_ENDPOINT_VARIANTS[variant]))
     _validate(path)

@@ -379,15 +379,18 @@ def test_no_monitor_no_count() -> None:
     assert p.fleet.load[0].inflight == 0
 
 
-def test_queued_prefill_is_counted_per_pick_and_drained_by_scrapes() -> None:
+def test_queued_prefill_drains_at_the_model_rate_and_clears_when_nothing_waits() -> None:
     fleet = FleetState(sim_fleet(["127.0.0.1:1", "127.0.0.1:2"]))
-    settings = Settings(scrape_interval_s=0.1)
-    monitor = FleetMonitor(fleet, BlockIndex(100), settings)
+    monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
     load = fleet.load[0]
-    load.queued_prefill_tokens = 10_000  # as picks since the last scrape left it
-    monitor.apply(0, EngineStats(engine="vllm", running=3, waiting=2, kv_usage=0.5))
+    load.queued_prefill_tokens = 10_000  # as picks left it
+    start = time.monotonic()
+    monitor.drain(start)
+    monitor.drain(start + 0.1)
     # 100 ms of prefill at the model's rate drains 100 / a_ms tokens (2,500 at 0.04 ms).
     assert load.queued_prefill_tokens == 7500
+    monitor.apply(0, EngineStats(engine="vllm", running=3, waiting=2, kv_usage=0.5))
+    assert load.queued_prefill_tokens == 7500  # the engine still has a queue
     monitor.apply(0, EngineStats(engine="vllm", running=3, waiting=0, kv_usage=0.5))
     assert load.queued_prefill_tokens == 0  # nothing waiting: nothing queued ahead
 

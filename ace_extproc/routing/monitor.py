@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,7 @@ class FleetMonitor:
         self.index = index
         self.settings = settings
         self._ms_per_token = get_model(settings.ttft_model).a_ms  # prefill cost per token
+        self._drained_at = time.monotonic()
         providers = {d.id: d.provider for d in fleet.fleet.destinations}
         self.watched: list[int] = [
             slot
@@ -206,6 +208,19 @@ class FleetMonitor:
 
     # ------------------------------------------------------------- bookkeeping
 
+    def drain(self, now: float | None = None) -> None:
+        """Let the prefill this replica queued (added per pick) drain at the model's
+        prefill rate since it was last looked at; called before each pick."""
+        now = time.monotonic() if now is None else now
+        elapsed_ms = (now - self._drained_at) * 1000
+        self._drained_at = now
+        if elapsed_ms <= 0:
+            return
+        done = int(elapsed_ms / self._ms_per_token)
+        for load in self.fleet.load:
+            if load.queued_prefill_tokens:
+                load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - done)
+
     def apply(self, slot: int, stats: EngineStats) -> None:
         """Take one scrape's figures for a pod (public so it can be fed directly)."""
         st = self._state[slot]
@@ -224,13 +239,9 @@ class FleetMonitor:
         if stats.kv_usage is not None:
             load.kv_usage = stats.kv_usage
         load.inflight = running + waiting  # picks since this scrape are added on top
-        # The prefill this replica queued (added per pick) drains at the engine's
-        # prefill rate; with nothing waiting, nothing is queued behind the running ones.
+        # With nothing waiting, nothing is queued behind the running requests.
         if waiting == 0:
             load.queued_prefill_tokens = 0
-        else:
-            drained = self.settings.scrape_interval_s * 1000 / self._ms_per_token
-            load.queued_prefill_tokens = max(0, int(load.queued_prefill_tokens - drained))
         if st.last is not None and not st.down:
             why = metrics_text.restarted(st.last, stats)
             if why is not None:

@@ -12,7 +12,8 @@ from typing import Any
 
 from ace_extproc.config import Config, Mode, Settings, TenantConfig, default_fleet
 from ace_extproc.latency import get_model
-from ace_extproc.processor import PickerFactory, Processor
+from ace_extproc.processor import Processor
+from ace_extproc.routing.policies import PickerFactory
 from ace_extproc.sim.kvcache import PrefixCache
 from bench.fleetsim.metrics import RequestRecord, RunResult
 from bench.fleetsim.pod import Job, SimPod
