@@ -103,6 +103,15 @@ class _Run:
             ),
         )
         self.procs = [Processor(config, picker) for _ in range(replicas)]
+        if not settings.unbounded_cache:
+            # What the fleet monitor does on its first scrape of vllm:cache_config_info:
+            # bound each pod's index by the pod's real KV capacity.
+            s = config.settings
+            blocks = int(settings.num_gpu_blocks * settings.block_size * s.bytes_per_token)
+            for proc in self.procs:
+                for slot in range(n_pods):
+                    proc.fleet.capacity_tokens[slot] = settings.num_gpu_blocks * settings.block_size
+                    proc.index.set_capacity(slot, blocks // s.block_bytes)
         self.slot_of = {p.key: i for i, p in enumerate(self.procs[0].fleet.pods)}
         shared = self._new_cache(n_pods) if settings.pooled_cache else None
         self.pods = [
