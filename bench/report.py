@@ -58,13 +58,25 @@ def hashing_overhead_ms(workload: Workload, block_bytes: int = 512) -> dict[str,
 
 
 def run_policy(
-    workload: Workload, name: str, pods: int, settings: SimSettings, progress: bool
+    workload: Workload,
+    name: str,
+    pods: int,
+    settings: SimSettings,
+    progress: bool,
+    replicas: int = 1,
 ) -> dict[str, Any]:
     policy_settings = replace(settings, **BOUND_SETTINGS.get(name, {}))
     result = simulate(
-        workload, POLICIES[name], pods=pods, settings=policy_settings, progress=progress
+        workload,
+        POLICIES[name],
+        pods=pods,
+        settings=policy_settings,
+        progress=progress,
+        replicas=replicas,
     )
     summary = summarize(result)
+    summary["replicas"] = replicas
+    summary["session_moves"] = _session_moves(result)
     summary["wall_s"] = round(result.wall_s, 2)
     # "Any cached token" counts the chat template's first block, warm on every pod; a
     # warm hit is a request that got at least half of its prompt from cache.
@@ -72,6 +84,20 @@ def run_policy(
     summary["warm_hit_ratio"] = warm / len(result.records) if result.records else 0.0
     summary["by_family"] = _by_family(result)
     return summary
+
+
+def _session_moves(result: Any) -> float:
+    """Share of a session's later requests that went to a different pod than its
+    previous one: how often routing breaks a conversation's affinity (with several
+    replicas, where their separate indexes disagree)."""
+    last: dict[str, int] = {}
+    moves = later = 0
+    for r in sorted(result.records, key=lambda r: r.arrival_s):
+        if r.session in last:
+            later += 1
+            moves += r.pod != last[r.session]
+        last[r.session] = r.pod
+    return moves / later if later else 0.0
 
 
 def _by_family(result: Any) -> dict[str, dict[str, float]]:
@@ -135,7 +161,7 @@ def product_report(workload: Workload, pods: int, report: dict[str, Any]) -> str
 def policy_table(report: dict[str, Any]) -> str:
     head = (
         f"{'policy':<20}{'hit%':>7}{'warm%':>7}{'saved%':>8}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}"
-        f"{'imbal':>7}{'evict':>9}{'rps':>8}"
+        f"{'imbal':>7}{'evict':>9}{'rps':>8}{'moves%':>8}"
     )
     rows = [head, "-" * len(head)]
     for name, p in report["policies"].items():
@@ -144,6 +170,7 @@ def policy_table(report: dict[str, Any]) -> str:
             f"{p['prefill_saved_ratio'] * 100:>8.1f}"
             f"{p['ttft_p50_ms']:>9.1f}{p['ttft_p95_ms']:>9.1f}{p['ttft_p99_ms']:>9.1f}"
             f"{p['imbalance']:>7.2f}{p['evictions']:>9}{p['throughput_rps']:>8.1f}"
+            f"{p['session_moves'] * 100:>8.1f}"
         )
     return "\n".join(rows)
 
@@ -225,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-gpu-blocks", type=int, help="KV blocks per pod (16 tokens each)")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="also run ours as N independent ace-extproc replicas (requests spread over them)",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
@@ -262,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{p} ...", file=sys.stderr, flush=True)
         report["policies"][p] = run_policy(
             workload, p, args.pods, settings, progress=not args.no_progress
+        )
+    if args.replicas > 1 and "ace" in policies:
+        name = f"ace_x{args.replicas}_replicas"
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        report["policies"][name] = run_policy(
+            workload, "ace", args.pods, settings, not args.no_progress, args.replicas
         )
 
     if "ace" in report["policies"]:
