@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "--replicas",
         type=int,
         default=1,
-        help="also run ours as N independent ace-extproc replicas (requests spread over them)",
+        help="also run our policies as N independent replicas (requests spread over them)",
     )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -296,11 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         report["policies"][p] = run_policy(
             workload, p, args.pods, settings, progress=not args.no_progress
         )
-    if args.replicas > 1 and "ace" in policies:
-        name = f"ace_x{args.replicas}_replicas"
+    for p in [p for p in policies if p.startswith("ace")] if args.replicas > 1 else []:
+        name = f"{p}_x{args.replicas}_replicas"
         print(f"{name} ...", file=sys.stderr, flush=True)
         report["policies"][name] = run_policy(
-            workload, "ace", args.pods, settings, not args.no_progress, args.replicas
+            workload, p, args.pods, settings, not args.no_progress, args.replicas
         )
 
     if "ace" in report["policies"]:

@@ -80,6 +80,7 @@ def test_registry_names_and_special_settings():
         "dynamo_cost",
         "ace",
         "ace_affinity",
+        "ace_balanced",
         "bound_pooled",
         "bound_unbounded",
     }

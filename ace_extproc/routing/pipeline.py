@@ -87,6 +87,7 @@ class Pipeline:
         slack_ratio: float = 0.10,
         slack_ms: float = 5.0,
         fallbacks: int = 2,
+        balance_new: bool = False,
     ) -> None:
         self.fleet = fleet
         self.index = index
@@ -95,6 +96,10 @@ class Pipeline:
         self.slack_ratio = slack_ratio
         self.slack_ms = slack_ms
         self.fallbacks = fallbacks
+        # Place a new prefix on the least busy near-best pod instead of its rendezvous
+        # pod: better balanced with one replica, but replicas then disagree (measured in
+        # bench/RESULTS.md), so it is off by default.
+        self.balance_new = balance_new
         for slot in range(len(fleet.pods)):
             index.add_pod(slot)
 
@@ -117,10 +122,13 @@ class Pipeline:
         limit = priced[0][0] * (1 + self.slack_ratio) + self.slack_ms
         near = [slot for cost, slot in priced if cost <= limit]
         deepest = max(depths.get(slot, 0) for slot in near)
+        near = [slot for slot in near if depths.get(slot, 0) == deepest]
+        if not deepest and self.balance_new:  # a new prefix: the least busy first
+            least = min(fleet.load[slot].inflight for slot in near)
+            near = [slot for slot in near if fleet.load[slot].inflight == least]
         near_mask = 0
         for slot in near:
-            if depths.get(slot, 0) == deepest:
-                near_mask |= 1 << slot
+            near_mask |= 1 << slot
         chosen = (
             near_mask.bit_length() - 1
             if not near_mask & (near_mask - 1)

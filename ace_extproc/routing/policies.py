@@ -2,6 +2,8 @@
 
 - ``cost`` (default): the pipeline of ``pipeline.py``, pricing each pod by its
   estimated time to first token (queued prefill + uncached prefill).
+- ``cost-balanced``: the same, but a new prefix goes to the least busy of the
+  near-best pods rather than its rendezvous pod (for a single replica).
 - ``affinity``: the first version, longest warm prefix else rendezvous, no load
   awareness (kept as a reference point for the benchmark).
 """
@@ -20,15 +22,19 @@ from ace_extproc.routing.pipeline import EstimatedTTFT, NotSaturated, Pipeline
 PickerFactory = Callable[[FleetState, BlockIndex], Picker]
 
 
-def cost_policy(settings: Settings) -> PickerFactory:
+def cost_policy(settings: Settings, *, balance_new: bool = False) -> PickerFactory:
     scorer = EstimatedTTFT(
         get_model(settings.ttft_model), settings.block_bytes / settings.bytes_per_token
     )
 
     def build(fleet: FleetState, index: BlockIndex) -> Picker:
-        return Pipeline(fleet, index, [NotSaturated()], scorer)
+        return Pipeline(fleet, index, [NotSaturated()], scorer, balance_new=balance_new)
 
     return build
+
+
+def cost_balanced_policy(settings: Settings) -> PickerFactory:
+    return cost_policy(settings, balance_new=True)
 
 
 def affinity_policy(settings: Settings) -> PickerFactory:
@@ -37,6 +43,7 @@ def affinity_policy(settings: Settings) -> PickerFactory:
 
 POLICIES: dict[str, Callable[[Settings], PickerFactory]] = {
     "cost": cost_policy,
+    "cost-balanced": cost_balanced_policy,
     "affinity": affinity_policy,
 }
 

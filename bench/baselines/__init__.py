@@ -43,6 +43,7 @@ POLICIES: dict[str, PickerFactory] = {
     # Ours as the server runs it by default (router.policy: cost), and the first
     # version (router.policy: affinity) to measure what load-aware pricing changes.
     "ace": policies.cost_policy(Settings()),
+    "ace_balanced": policies.cost_balanced_policy(Settings()),
     "ace_affinity": PrefixAffinityPicker,
     "bound_pooled": bound_pooled,
     "bound_unbounded": bound_unbounded,
