@@ -21,7 +21,7 @@ from typing import Protocol
 
 from ace_extproc.latency import TTFTModel
 from ace_extproc.routing import rendezvous
-from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.fleet import FleetState, PodLoad
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.picker import Pick, RoutingRequest
 
@@ -67,11 +67,16 @@ class EstimatedTTFT:
     def cached(self, request: RoutingRequest, depth: int) -> int:
         return min(int(depth * self.tokens_per_block), request.prompt_tokens - 1)
 
-    def __call__(self, request: RoutingRequest, slot: int, depth: int, fleet: FleetState) -> float:
+    def prefill_ms(self, request: RoutingRequest, depth: int) -> float:
         cached = self.cached(request, depth) if depth else 0
-        queued = fleet.load[slot].queued_prefill_tokens
-        queue_ms = self.model.a_ms * queued if queued > 0 else 0.0
-        return queue_ms + self.model.prefill_ms(request.prompt_tokens - cached, cached)
+        return self.model.prefill_ms(request.prompt_tokens - cached, cached)
+
+    def queue_ms(self, load: PodLoad) -> float:
+        queued = load.queued_prefill_tokens
+        return self.model.a_ms * queued if queued > 0 else 0.0
+
+    def __call__(self, request: RoutingRequest, slot: int, depth: int, fleet: FleetState) -> float:
+        return self.queue_ms(fleet.load[slot]) + self.prefill_ms(request, depth)
 
 
 class Pipeline:
@@ -111,12 +116,18 @@ class Pipeline:
             candidates = keep(request, candidates, fleet) or candidates
         blocks = request.hashes.blocks
         depths = self.index.match_depths(blocks, candidates)
+        # Most pods hold nothing of the prompt: price each distinct depth's prefill once.
+        scorer, load = self.scorer, fleet.load
+        cold = scorer.prefill_ms(request, 0)
+        prefill = {depth: scorer.prefill_ms(request, depth) for depth in set(depths.values())}
         priced = []
         mask = candidates
         while mask:
             low = mask & -mask
             slot = low.bit_length() - 1
-            priced.append((self.scorer(request, slot, depths.get(slot, 0), fleet), slot))
+            depth = depths.get(slot)
+            cost = cold if depth is None else prefill[depth]
+            priced.append((scorer.queue_ms(load[slot]) + cost, slot))
             mask ^= low
         priced.sort()
         limit = priced[0][0] * (1 + self.slack_ratio) + self.slack_ms
