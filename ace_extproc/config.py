@@ -73,6 +73,33 @@ class Pod:
         return f"http://{self.address}"
 
 
+DISCOVERY_TYPES = ("dns", "kubernetes")
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+KUBERNETES_API = "https://kubernetes.default.svc"
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """Where a destination's pods are found at run time (``routing.discovery``).
+
+    ``dns``: the A/AAAA records of ``hostname`` (a headless service), re-resolved
+    every ``interval_s``, each address a pod on ``port``. ``kubernetes``: the
+    EndpointSlices of ``service`` in ``namespace``, listed then watched; the pod port
+    is the slice port named ``port_name`` when given, else ``port``; ``interval_s``
+    is the first reconnect delay (doubling, at most 30 s)."""
+
+    type: str  # "dns" | "kubernetes"
+    port: int | None = None
+    interval_s: float = 5.0
+    hostname: str = ""  # dns
+    namespace: str = ""  # kubernetes
+    service: str = ""
+    port_name: str | None = None
+    api_url: str = KUBERNETES_API
+    token_path: str = f"{SERVICE_ACCOUNT}/token"
+    ca_path: str = f"{SERVICE_ACCOUNT}/ca.crt"
+
+
 @dataclass(frozen=True, slots=True)
 class Destination:
     """A model deployment: one or more interchangeable pods serving the same models."""
@@ -83,6 +110,7 @@ class Destination:
     weight: float
     pods: tuple[Pod, ...]
     models: tuple[str, ...] = ()  # empty: serves any model
+    discovery: DiscoveryConfig | None = None  # pods found at run time, besides ``pods``
 
     @property
     def cluster(self) -> str:
@@ -216,7 +244,13 @@ def parse_fleet(doc: Mapping[str, Any]) -> Fleet:
         provider = d.get("provider", "vllm")
         if provider not in PROVIDERS:
             raise ConfigError(f"{where}: provider {provider!r} is not one of {PROVIDERS}")
-        base_url = _req(d, "base_url", where)
+        discovery = (
+            parse_discovery(d["discovery"], f"{where}.discovery") if "discovery" in d else None
+        )
+        if discovery is not None and "base_url" not in d:
+            base_url = _discovery_base_url(discovery)
+        else:
+            base_url = _req(d, "base_url", where)
         _host_port(base_url, f"{where}.base_url")
         weight = _weight(d.get("weight", 1), f"{where}.weight")
         models = d.get("models", [])
@@ -224,7 +258,8 @@ def parse_fleet(doc: Mapping[str, Any]) -> Fleet:
             models = [models]
         if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
             raise ConfigError(f"{where}.models: expected a list of model names")
-        raw_pods = d.get("pods") or [{"id": "pod-0", "base_url": base_url}]
+        # With discovery, no pods is fine: they come (and go) at run time.
+        raw_pods = d.get("pods") or ([] if discovery else [{"id": "pod-0", "base_url": base_url}])
         if not isinstance(raw_pods, list):
             raise ConfigError(f"{where}.pods: expected a list")
         pods: list[Pod] = []
@@ -239,8 +274,101 @@ def parse_fleet(doc: Mapping[str, Any]) -> Fleet:
             pod_ids.add(pid)
             host, port = _host_port(_req(p, "base_url", pw), f"{pw}.base_url")
             pods.append(Pod(did, pid, host, port, _weight(p.get("weight", 1), f"{pw}.weight")))
-        dests.append(Destination(did, provider, base_url, weight, tuple(pods), tuple(models)))
+        dests.append(
+            Destination(did, provider, base_url, weight, tuple(pods), tuple(models), discovery)
+        )
     return Fleet(tuple(dests))
+
+
+_DISCOVERY_FIELDS = {
+    "dns": frozenset({"type", "hostname", "port", "interval_s"}),
+    "kubernetes": frozenset(
+        {
+            "type",
+            "namespace",
+            "service",
+            "port",
+            "port_name",
+            "api_url",
+            "token_path",
+            "ca_path",
+            "interval_s",
+        }
+    ),
+}
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?$"
+)
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def _port(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ConfigError(f"{where}: expected a port number 1..65535, got {value!r}")
+    return value
+
+
+def _text(value: Any, where: str, pattern: re.Pattern[str] | None = None) -> str:
+    if not isinstance(value, str) or not value or (pattern and not pattern.match(value)):
+        raise ConfigError(f"{where}: invalid value {value!r}")
+    return value
+
+
+def parse_discovery(raw: Any, where: str) -> DiscoveryConfig:
+    """A destination's ``discovery:`` mapping (``type: dns`` or ``type: kubernetes``)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping with 'type: dns' or 'type: kubernetes'")
+    kind = raw.get("type")
+    if kind not in DISCOVERY_TYPES:
+        raise ConfigError(f"{where}.type: {kind!r} is not one of {DISCOVERY_TYPES}")
+    for name in raw:
+        if name not in _DISCOVERY_FIELDS[kind]:
+            raise ConfigError(f"{where}.{name}: unknown field for type {kind}")
+    interval = raw.get("interval_s", 5.0 if kind == "dns" else 1.0)
+    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+        raise ConfigError(f"{where}.interval_s: expected a positive number, got {interval!r}")
+    if kind == "dns":
+        return DiscoveryConfig(
+            "dns",
+            port=_port(_req(raw, "port", where), f"{where}.port"),
+            interval_s=float(interval),
+            hostname=_text(_req(raw, "hostname", where), f"{where}.hostname", _HOSTNAME),
+        )
+    port = _port(raw["port"], f"{where}.port") if "port" in raw else None
+    port_name = _text(raw["port_name"], f"{where}.port_name") if "port_name" in raw else None
+    if port is None and port_name is None:
+        raise ConfigError(f"{where}.port: kubernetes discovery needs 'port' or 'port_name'")
+    api_url = raw.get("api_url", KUBERNETES_API)
+    _host_port(api_url, f"{where}.api_url")
+    return DiscoveryConfig(
+        "kubernetes",
+        port=port,
+        interval_s=float(interval),
+        namespace=_text(_req(raw, "namespace", where), f"{where}.namespace", _K8S_NAME),
+        service=_text(_req(raw, "service", where), f"{where}.service", _K8S_NAME),
+        port_name=port_name,
+        api_url=str(api_url).rstrip("/"),
+        token_path=_text(raw.get("token_path", f"{SERVICE_ACCOUNT}/token"), f"{where}.token_path"),
+        ca_path=_text(raw.get("ca_path", f"{SERVICE_ACCOUNT}/ca.crt"), f"{where}.ca_path"),
+    )
+
+
+def _discovery_base_url(d: DiscoveryConfig) -> str:
+    """A destination's ``base_url`` when only discovery is given: the service's name."""
+    if d.type == "dns":
+        return f"http://{d.hostname.rstrip('.')}:{d.port}"
+    return f"http://{d.service}.{d.namespace}.svc:{d.port or 80}"
+
+
+def discovery_to_dict(d: DiscoveryConfig) -> dict[str, Any]:
+    """``discovery:`` in ``fleet.yaml`` form (``parse_discovery`` reads it back)."""
+    fields = _DISCOVERY_FIELDS[d.type]
+    out: dict[str, Any] = {"type": d.type}
+    for name in sorted(fields - {"type"}):
+        value = getattr(d, name)
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def _key_digest(entry: str) -> bytes:
@@ -393,6 +521,7 @@ def fleet_to_dict(fleet: Fleet) -> dict[str, Any]:
                 "base_url": d.base_url,
                 "weight": d.weight,
                 **({"models": list(d.models)} if d.models else {}),
+                **({"discovery": discovery_to_dict(d.discovery)} if d.discovery else {}),
                 "pods": [{"id": p.id, "base_url": p.base_url, "weight": p.weight} for p in d.pods],
             }
             for d in fleet.destinations

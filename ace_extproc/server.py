@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import weakref
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
@@ -36,6 +37,7 @@ from ace_extproc import config as config_mod
 from ace_extproc import mutate
 from ace_extproc.config import Config, ConfigError, Mode
 from ace_extproc.processor import Outcome, Processor, RequestContext
+from ace_extproc.routing.discovery import Discovery, for_destination
 from ace_extproc.routing.monitor import FleetMonitor
 
 log = logging.getLogger("ace_extproc")
@@ -159,7 +161,9 @@ async def start(
     config: Config, processor: Processor | None = None
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """Serve ``processor`` (a new one when None) and, unless ``probe_interval_s <= 0``,
-    watch its pods: the monitor is ``processor.monitor``, for the caller to stop."""
+    watch its pods: the monitor is ``processor.monitor``, for the caller to stop.
+    Destinations with ``discovery:`` get a discovery loop each, stopped by
+    ``stop_discovery(processor)``."""
     s = config.settings
     processor = processor or Processor(config)
     server = grpc.aio.server(options=grpc_options(s.grpc_max_message_bytes))
@@ -174,9 +178,34 @@ async def start(
     if s.probe_interval_s > 0 and processor.monitor is None:
         processor.monitor = FleetMonitor(processor.fleet, processor.index, s)
         await processor.monitor.start()
+    if processor not in _discoveries:
+        # After the monitor, which follows the pods discovery adds and removes.
+        found = [
+            for_destination(processor.fleet, processor.index, d)
+            for d in config.fleet.destinations
+            if d.discovery is not None
+        ]
+        for discovery in found:
+            await discovery.start()
+        _discoveries[processor] = found
     for name in ("", _SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer
+
+
+# Each served processor's running discoveries (a processor has no field for them).
+_discoveries: weakref.WeakKeyDictionary[Processor, list[Discovery]] = weakref.WeakKeyDictionary()
+
+
+def discoveries(processor: Processor) -> list[Discovery]:
+    """The discovery loops ``start`` runs for this processor (empty if none)."""
+    return _discoveries.get(processor, [])
+
+
+async def stop_discovery(processor: Processor) -> None:
+    """Stop the processor's discovery loops; the pods they found stay as they are."""
+    for discovery in _discoveries.pop(processor, []):
+        await discovery.stop()
 
 
 def tune_gc() -> None:
@@ -202,6 +231,7 @@ async def serve(config: Config) -> None:
     await stop.wait()
     # Graceful: report NOT_SERVING, stop taking streams, let those in flight finish.
     await health_servicer.enter_graceful_shutdown()
+    await stop_discovery(processor)
     if processor.monitor is not None:
         await processor.monitor.stop()
     await server.stop(s.shutdown_grace_s)

@@ -77,13 +77,14 @@ class FleetMonitor:
         self.settings = settings
         self._ms_per_token = get_model(settings.ttft_model).a_ms  # prefill cost per token
         self._drained_at = time.monotonic()
-        providers = {d.id: d.provider for d in fleet.fleet.destinations}
+        self._providers = {d.id: d.provider for d in fleet.fleet.destinations}
         self.watched: list[int] = [
             slot
             for slot, pod in enumerate(fleet.pods)
-            if providers.get(pod.destination) not in UNWATCHED_PROVIDERS
+            if fleet.is_member(slot) and self._is_watched(slot)
         ]
         self._state = [_PodState() for _ in fleet.pods]
+        fleet.on_change.append(self._membership)  # discovery adds and removes pods
         self._session: aiohttp.ClientSession | None = None
         self._loops: list[asyncio.Task[None]] = []
         self._busy: dict[tuple[str, int], asyncio.Task[None]] = {}  # (kind, slot) in flight
@@ -124,6 +125,21 @@ class FleetMonitor:
         finally:
             if session is not None:
                 await session.close()
+
+    def _is_watched(self, slot: int) -> bool:
+        return self._providers.get(self.fleet.pods[slot].destination) not in UNWATCHED_PROVIDERS
+
+    def _membership(self, slot: int, change: str) -> None:
+        """Follow the fleet: watch a pod that joined (from a clean state, as a pod
+        coming back is a new process), stop watching one that left. A new list each
+        time, so a loop going through the old one is never disturbed."""
+        if change == "added":
+            self._state.extend(_PodState() for _ in range(len(self.fleet.pods) - len(self._state)))
+            self._state[slot] = _PodState()
+            if self._is_watched(slot) and slot not in self.watched:
+                self.watched = [*self.watched, slot]
+        else:
+            self.watched = [w for w in self.watched if w != slot]
 
     # ---------------------------------------------------------- passive hooks
 
