@@ -37,6 +37,7 @@ from ace_extproc import config as config_mod
 from ace_extproc import mutate
 from ace_extproc.config import Config, ConfigError, Mode
 from ace_extproc.processor import Outcome, Processor, RequestContext
+from ace_extproc.procs import die_with_parent
 from ace_extproc.routing.discovery import Discovery, for_destination
 from ace_extproc.routing.monitor import FleetMonitor
 
@@ -301,6 +302,11 @@ def _serve_forever(cfg: Config) -> None:
         uvloop.run(serve(cfg))
 
 
+def _worker(cfg: Config) -> None:  # pragma: no cover - runs in the child
+    die_with_parent()  # a killed supervisor must not leave workers holding the port
+    _serve_forever(cfg)
+
+
 def _run_workers(cfg: Config, workers: int) -> int:
     """Fork ``workers`` servers on one port; the kernel spreads Envoy's connections.
 
@@ -312,7 +318,7 @@ def _run_workers(cfg: Config, workers: int) -> int:
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_serve_forever, args=(cfg,), daemon=True) for _ in range(workers)]
+    procs = [ctx.Process(target=_worker, args=(cfg,), daemon=True) for _ in range(workers)]
     for proc in procs:
         proc.start()
 

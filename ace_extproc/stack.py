@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -30,15 +29,9 @@ import yaml
 from ace_extproc import config as config_mod
 from ace_extproc import envoy_config
 from ace_extproc.config import Config, ConfigError
+from ace_extproc.procs import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
 SERVED_BY = "x-ace-served-by"
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    # Linux: the kernel sends SIGTERM to the child when this process dies, even by SIGKILL.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def envoy_binary() -> str:
@@ -130,7 +123,7 @@ class Stack:
             stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
             env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
             start_new_session=True,  # Ctrl-C reaches us only; we stop children in order
         )
         log.close()

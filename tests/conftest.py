@@ -1,5 +1,7 @@
+import os
 import random
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +36,30 @@ def free_ports(n: int) -> list[int]:
         if all(_is_free(base + i) for i in range(n)):
             return list(range(base, base + n))
     raise RuntimeError("no free ports")
+
+
+def children(pid: int) -> set[int]:
+    """All descendants of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state != "Z"

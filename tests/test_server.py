@@ -261,3 +261,35 @@ def test_worker_processes_share_one_port_and_stop_together(port):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_workers_die_with_a_killed_supervisor(port):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import alive, children
+
+    argv = [sys.executable, "-m", "ace_extproc.cli", "serve", "--workers", "2",
+            "--listen", f"127.0.0.1:{port}"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        seen = ""
+        while seen.count("serving ext_proc on") < 2:
+            line = proc.stdout.readline()
+            assert line, seen
+            seen += line
+        workers = children(proc.pid)
+        assert len(workers) >= 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in workers if alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

