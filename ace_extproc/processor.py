@@ -161,12 +161,14 @@ class Processor:
             return _bypass(mode, "no_pod")
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
         if self.monitor is not None:
-            # What this replica sent since the pods' last scrape: the queue drains at
-            # the model's prefill rate and a scrape with nothing waiting clears it (in
-            # the fleet simulation, the simulator keeps these exact instead).
+            # What this replica sent since the pods' last scrape. Prefill counts as
+            # queued only behind an engine that reported a waiting queue: an engine with
+            # room admits and chunks new prompts at once (the simulation keeps these
+            # figures exact instead). The monitor drains and resets the estimate.
             load = self.fleet.load[pick.slot]
             load.inflight += 1
-            load.queued_prefill_tokens += prompt_tokens - saved
+            if load.waiting:
+                load.queued_prefill_tokens += prompt_tokens - saved
         outcome = Outcome(
             mode,
             pick.action,

@@ -399,6 +399,7 @@ def test_picks_add_their_uncached_prompt_to_the_queue_when_monitored() -> None:
     cfg = Config(sim_fleet(["127.0.0.1:1"]), Settings(salt_secret=b"s"))
     proc = Processor(cfg)
     proc.monitor = FleetMonitor(proc.fleet, proc.index, cfg.settings)
+    proc.fleet.load[0].waiting = 3  # the engine reported a queue at its last scrape
     body = msgspec.json.encode(
         {"model": "m", "messages": [{"role": "user", "content": "x" * 4000}]}
     )
@@ -409,3 +410,8 @@ def test_picks_add_their_uncached_prompt_to_the_queue_when_monitored() -> None:
     proc.on_body(proc.on_headers(headers, False), body)
     # The repeat is mostly warm: it queues only its uncached tail.
     assert proc.fleet.load[0].queued_prefill_tokens - first < 200
+    # An engine with nothing waiting admits at once: no queue is assumed.
+    proc.fleet.load[0].waiting = 0
+    proc.fleet.load[0].queued_prefill_tokens = 0
+    proc.on_body(proc.on_headers(headers, False), body)
+    assert proc.fleet.load[0].queued_prefill_tokens == 0
