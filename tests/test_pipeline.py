@@ -94,3 +94,18 @@ def test_the_price_is_queue_plus_uncached_prefill() -> None:
     fleet.load[0].queued_prefill_tokens = 2000
     assert score(r, 0, 0, fleet) == model.a_ms * 2000 + model.prefill_ms(4096, 0)
     assert score(r, 0, 10, fleet) == model.a_ms * 2000 + model.prefill_ms(4096 - 1280, 1280)
+
+
+def test_a_full_pod_is_priced_for_what_it_would_evict() -> None:
+    fleet, index, picker = setup(2)
+    for slot in (0, 1):
+        index.set_capacity(slot, 40)
+    shared = b"S" * 1024  # a 2-block prefix every document starts with
+    first = picker.pick(request(shared + bytes(range(256)) * 60), fleet.available)
+    assert first is not None
+    # Fill the pod that holds the shared prefix to its capacity with other documents.
+    index.record(first.slot, list(range(10_000, 10_038)))
+    doc = shared + b"D" * 15_000  # ~30 new blocks: placing it there would evict as many
+    pick = picker.pick(request(doc), fleet.available)
+    assert pick is not None and pick.slot != first.slot  # the pod with room wins
+    assert pick.action == "spill"

@@ -6,7 +6,8 @@ in one unit, the milliseconds until this request's first token there: the prefil
 already queued on the pod, plus this request's own prefill of the tokens the pod
 does not hold warm, both from the calibrated TTFT model. A warm pod wins while its
 queue costs less than the prefill it saves; when it saturates, the request spills
-to the cheapest other pod, which warms up too (the hot prefix is replicated).
+to the cheapest other pod, which warms up too (the hot prefix is replicated). A full
+pod is also charged for the prefixes its new blocks would evict.
 
 Among pods priced within a small slack of the cheapest, the deepest match wins, then
 the prefix's rendezvous order, so replicas still agree on where new prefixes go and
@@ -93,6 +94,7 @@ class Pipeline:
         slack_ms: float = 5.0,
         fallbacks: int = 2,
         balance_new: bool = False,
+        eviction_weight: float = 0.5,
     ) -> None:
         self.fleet = fleet
         self.index = index
@@ -105,8 +107,22 @@ class Pipeline:
         # pod: better balanced with one replica, but replicas then disagree (measured in
         # bench/RESULTS.md), so it is off by default.
         self.balance_new = balance_new
+        self.eviction_weight = eviction_weight
         for slot in range(len(fleet.pods)):
             index.add_pod(slot)
+
+    def _eviction_ms(self, slot: int, adding: int) -> float:
+        """What placing ``adding`` new blocks on a full pod costs later: the prefixes it
+        evicts must be prefilled again by whoever comes back for them (counted at
+        ``eviction_weight`` of their prefill, since not all of them come back)."""
+        if adding <= 0 or not self.eviction_weight:
+            return 0.0
+        index = self.index
+        overflow = index.blocks_held(slot) + adding - index.capacity_of(slot)
+        if overflow <= 0:
+            return 0.0
+        tokens = min(overflow, adding) * self.scorer.tokens_per_block
+        return self.eviction_weight * self.scorer.model.a_ms * tokens
 
     def pick(self, request: RoutingRequest, candidates: int) -> Pick | None:
         if not candidates:
@@ -118,6 +134,7 @@ class Pipeline:
         depths = self.index.match_depths(blocks, candidates)
         # Most pods hold nothing of the prompt: price each distinct depth's prefill once.
         scorer, load = self.scorer, fleet.load
+        new_blocks = len(blocks)
         cold = scorer.prefill_ms(request, 0)
         prefill = {depth: scorer.prefill_ms(request, depth) for depth in set(depths.values())}
         priced = []
@@ -127,6 +144,7 @@ class Pipeline:
             slot = low.bit_length() - 1
             depth = depths.get(slot)
             cost = cold if depth is None else prefill[depth]
+            cost += self._eviction_ms(slot, new_blocks - (depth or 0))
             priced.append((scorer.queue_ms(load[slot]) + cost, slot))
             mask ^= low
         priced.sort()
