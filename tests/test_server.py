@@ -1,7 +1,13 @@
 """The ext_proc server over real gRPC, driven as Envoy drives it."""
 
 import asyncio
+import contextlib
 import dataclasses
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 
 import grpc
 import msgspec
@@ -14,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ace_extproc import server
 from ace_extproc.config import Config, Settings, sim_fleet
 from ace_extproc.processor import Processor
+from tests.conftest import alive, children
 
 
 def config(listen: str, **kw) -> Config:
@@ -228,68 +235,50 @@ def test_server_settings_reach_grpc_options():
     assert opts["grpc.max_receive_message_length"] >= 64 << 20
 
 
-def test_worker_processes_share_one_port_and_stop_together(port):
-    import signal
-    import subprocess
-    import sys
-
-    argv = [sys.executable, "-m", "ace_extproc.cli", "serve", "--workers", "2",
+@contextlib.contextmanager
+def workers(port: int, n: int = 2) -> Iterator[subprocess.Popen[str]]:
+    """``ace-extproc serve --workers n``, returned once every worker is serving."""
+    argv = [sys.executable, "-m", "ace_extproc.cli", "serve", "--workers", str(n),
             "--listen", f"127.0.0.1:{port}"]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert proc.stdout is not None
         seen = ""
-        while seen.count("serving ext_proc on") < 2:
+        while seen.count("serving ext_proc on") < n:
             line = proc.stdout.readline()
-            assert line, seen  # both workers announce themselves before EOF
+            assert line, seen  # every worker announces itself before EOF
             seen += line
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
-        async def check() -> list[int]:
-            out = []
-            for _ in range(6):  # fresh channels: SO_REUSEPORT spreads them over workers
-                async with grpc.aio.insecure_channel(
-                    f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]
-                ) as ch:
-                    r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
-                    out.append(r.status)
-            return out
 
+def test_worker_processes_share_one_port_and_stop_together(port):
+    async def check() -> list[int]:
+        out = []
+        for _ in range(6):  # fresh channels: SO_REUSEPORT spreads them over workers
+            async with grpc.aio.insecure_channel(
+                f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]
+            ) as ch:
+                r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+                out.append(r.status)
+        return out
+
+    with workers(port) as proc:
         assert asyncio.run(check()) == [health_pb2.HealthCheckResponse.SERVING] * 6
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_workers_die_with_a_killed_supervisor(port):
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.conftest import alive, children
-
-    argv = [sys.executable, "-m", "ace_extproc.cli", "serve", "--workers", "2",
-            "--listen", f"127.0.0.1:{port}"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert proc.stdout is not None
-        seen = ""
-        while seen.count("serving ext_proc on") < 2:
-            line = proc.stdout.readline()
-            assert line, seen
-            seen += line
-        workers = children(proc.pid)
-        assert len(workers) >= 2
+    with workers(port) as proc:
+        pids = children(proc.pid)
+        assert len(pids) >= 2
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not [p for p in workers if alive(p)]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert not [p for p in pids if alive(p)]
