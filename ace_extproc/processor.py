@@ -22,6 +22,7 @@ from ace_extproc.routing.policies import PickerFactory
 from ace_extproc.tenants import MissingKey, Tenants, UnknownKey
 
 if TYPE_CHECKING:
+    from ace_extproc.routing.discovery import Discovery
     from ace_extproc.routing.monitor import FleetMonitor
 
 log = logging.getLogger("ace_extproc")
@@ -84,6 +85,8 @@ class Processor:
         self.ttft = get_model(config.settings.ttft_model)
         # Set by server.start: keeps fleet.load and fleet.available fresh.
         self.monitor: FleetMonitor | None = None
+        # Set by server.start: the loops that add and remove pods at run time.
+        self.discoveries: list[Discovery] = []
 
     # ------------------------------------------------------------ header phase
 

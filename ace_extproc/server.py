@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import sys
-import weakref
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
@@ -38,7 +37,7 @@ from ace_extproc import mutate
 from ace_extproc.config import Config, ConfigError, Mode
 from ace_extproc.processor import Outcome, Processor, RequestContext
 from ace_extproc.procs import die_with_parent
-from ace_extproc.routing.discovery import Discovery, for_destination
+from ace_extproc.routing.discovery import for_destination
 from ace_extproc.routing.monitor import FleetMonitor
 
 log = logging.getLogger("ace_extproc")
@@ -163,8 +162,8 @@ async def start(
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """Serve ``processor`` (a new one when None) and, unless ``probe_interval_s <= 0``,
     watch its pods: the monitor is ``processor.monitor``, for the caller to stop.
-    Destinations with ``discovery:`` get a discovery loop each, stopped by
-    ``stop_discovery(processor)``."""
+    Destinations with ``discovery:`` get a discovery loop each
+    (``processor.discoveries``), stopped by ``stop_discovery(processor)``."""
     s = config.settings
     processor = processor or Processor(config)
     server = grpc.aio.server(options=grpc_options(s.grpc_max_message_bytes))
@@ -179,33 +178,24 @@ async def start(
     if s.probe_interval_s > 0 and processor.monitor is None:
         processor.monitor = FleetMonitor(processor.fleet, processor.index, s)
         await processor.monitor.start()
-    if processor not in _discoveries:
+    if not processor.discoveries:
         # After the monitor, which follows the pods discovery adds and removes.
-        found = [
+        processor.discoveries = [
             for_destination(processor.fleet, processor.index, d)
             for d in config.fleet.destinations
             if d.discovery is not None
         ]
-        for discovery in found:
+        for discovery in processor.discoveries:
             await discovery.start()
-        _discoveries[processor] = found
     for name in ("", _SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer
 
 
-# Each served processor's running discoveries (a processor has no field for them).
-_discoveries: weakref.WeakKeyDictionary[Processor, list[Discovery]] = weakref.WeakKeyDictionary()
-
-
-def discoveries(processor: Processor) -> list[Discovery]:
-    """The discovery loops ``start`` runs for this processor (empty if none)."""
-    return _discoveries.get(processor, [])
-
-
 async def stop_discovery(processor: Processor) -> None:
     """Stop the processor's discovery loops; the pods they found stay as they are."""
-    for discovery in _discoveries.pop(processor, []):
+    running, processor.discoveries = processor.discoveries, []
+    for discovery in running:
         await discovery.stop()
 
 

@@ -521,11 +521,11 @@ def test_server_start_runs_discovery_and_stops_it(port: int) -> None:
     async def main() -> None:
         srv, _health = await server.start(cfg, processor)
         try:
-            [d] = server.discoveries(processor)
+            [d] = processor.discoveries
             assert isinstance(d, DnsDiscovery)
             await _until(lambda: processor.fleet.members != 0)
             await server.stop_discovery(processor)
-            assert server.discoveries(processor) == []
+            assert processor.discoveries == []
         finally:
             await srv.stop(None)
 
