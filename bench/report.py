@@ -311,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     print(bucket_table(report))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"report-{_slug(workload.name)}"
+    # Non-default fleets get their own files, beside the default run's.
+    shape = "" if args.pods == 8 and not args.num_gpu_blocks else f"-{args.pods}pods"
+    shape += f"-{args.num_gpu_blocks}blocks" if args.num_gpu_blocks else ""
+    stem = out / f"report-{_slug(workload.name)}{shape}"
     path = stem.with_suffix(".json")
     report["plots"] = plot(report, stem)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
