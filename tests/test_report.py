@@ -15,7 +15,7 @@ def test_report_json_shape_and_plots(tmp_path: Path, capsys) -> None:
         ]
     )  # fmt: skip
     assert code == 0
-    data = json.loads((tmp_path / "report-seed800.json").read_text())
+    data = json.loads((tmp_path / "report-seed800-4pods.json").read_text())
     assert data["workload"] == "seed800" and data["pods"] == 4 and data["requests"] == 60
     assert set(data["policies"]) == {"ace", "round_robin", "bound_pooled", "bound_unbounded"}
     for p in data["policies"].values():

@@ -1,0 +1,77 @@
+"""Memory of the router's block index per tracked block.
+
+    python -m bench.index_memory [--blocks 1000000] [--pods 8]
+
+Records ``--blocks`` distinct block hashes spread over ``--pods`` pods, 32 blocks a
+request as a prompt's blocks arrive, and prints the bytes the index holds per block
+(tracemalloc, so Python's own object overhead is counted). The routing-engine issue's
+target is at most 80 bytes per tracked block. Writes bench/results/index_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+import tracemalloc
+from pathlib import Path
+
+from ace_extproc.routing import BlockIndex
+
+TARGET_BYTES = 80
+
+
+def measure(blocks: int, pods: int) -> dict[str, float]:
+    rng = random.Random(0)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = BlockIndex(capacity_per_pod=blocks)  # nothing evicted: every block is held
+    for slot in range(pods):
+        index.add_pod(slot)
+    elapsed = 0.0
+    for start in range(0, blocks, 32):
+        # Each request's hashes are new int objects that only the index keeps alive,
+        # as in the server, so they count.
+        prompt = [rng.getrandbits(64) for _ in range(min(32, blocks - start))]
+        t = time.perf_counter()
+        index.record((start // 32) % pods, prompt)
+        elapsed += time.perf_counter() - t
+    del prompt
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert len(index) == blocks
+    return {
+        "blocks": blocks,
+        "pods": pods,
+        "bytes": held,
+        "bytes_per_block": held / blocks,
+        "record_ns_per_block": elapsed / blocks * 1e9,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Bytes per tracked block in the router's index.")
+    ap.add_argument("--blocks", type=int, default=1_000_000)
+    ap.add_argument("--pods", type=int, default=8)
+    ap.add_argument("--out", default="bench/results/index_memory.json")
+    args = ap.parse_args(argv)
+    r = measure(args.blocks, args.pods)
+    verdict = "met" if r["bytes_per_block"] <= TARGET_BYTES else "MISSED"
+    print(
+        f"{r['blocks']:,} blocks over {r['pods']} pods: {r['bytes'] / 2**20:.1f} MiB, "
+        f"{r['bytes_per_block']:.0f} bytes per block (target <= {TARGET_BYTES}: {verdict}); "
+        f"record {r['record_ns_per_block']:.0f} ns per block (under tracemalloc)"
+    )
+    result = {"command": "python -m bench.index_memory", "target_bytes_per_block": TARGET_BYTES}
+    result.update(r)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
