@@ -367,6 +367,16 @@ async def load_wrk(url: str, script: Path, connections: int, duration: int) -> L
     )
 
 
+async def _answered(http: aiohttp.ClientSession, url: str, body: bytes) -> bool:
+    """POST ``body``; True when it came back 200 (errors and timeouts are False)."""
+    try:
+        async with http.post(url, data=body, headers=HEADERS) as resp:
+            await resp.read()
+        return resp.status == 200
+    except (TimeoutError, aiohttp.ClientError):
+        return False
+
+
 async def load_aiohttp(url: str, body: bytes, connections: int, duration: int) -> Load:
     latencies: list[float] = []
     errors = 0
@@ -380,13 +390,7 @@ async def load_aiohttp(url: str, body: bytes, connections: int, duration: int) -
             nonlocal errors
             while time.monotonic() < deadline:
                 sent = time.perf_counter()
-                try:
-                    async with http.post(url, data=body, headers=HEADERS) as resp:
-                        await resp.read()
-                    ok = resp.status == 200
-                except (TimeoutError, aiohttp.ClientError):
-                    ok = False
-                if ok:
+                if await _answered(http, url, body):
                     latencies.append((time.perf_counter() - sent) * 1e3)
                 else:
                     errors += 1
@@ -434,13 +438,7 @@ async def open_loop(
 
     async def one(dispatched: float) -> None:
         nonlocal errors
-        try:
-            async with http.post(url, data=body, headers=HEADERS) as resp:
-                await resp.read()
-            ok = resp.status == 200
-        except (TimeoutError, aiohttp.ClientError):
-            ok = False
-        if ok:
+        if await _answered(http, url, body):
             latencies.append((clock() - dispatched) * 1e3)
         else:
             errors += 1
