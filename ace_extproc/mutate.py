@@ -149,7 +149,10 @@ def headers_decided(outcome: Outcome, client_upstream: bool) -> ProcessingRespon
         return immediate(outcome)
     resp = ProcessingResponse()
     picked = _fill(resp.request_headers.response, outcome, client_upstream, False)
+    # An override replaces the whole mode, and a response-header mode left at DEFAULT
+    # means SEND: say SKIP, or the bypass would cost a response-phase exchange.
     resp.mode_override.request_body_mode = ProcessingMode.NONE
+    resp.mode_override.response_header_mode = ProcessingMode.SKIP
     return _with_metadata(resp, outcome, picked)
 
 

@@ -4,7 +4,9 @@
 
 Records ``--blocks`` distinct block hashes spread over ``--pods`` pods, 32 blocks a
 request as a prompt's blocks arrive, and prints the bytes the index holds per block
-(tracemalloc, so Python's own object overhead is counted). The routing-engine issue's
+twice: as tracemalloc counts them (the bytes Python asked for, objects' headers
+included) and as the process's resident memory grew in a separate run (what the
+allocator really took, with its size-class rounding). The routing-engine issue's
 target is at most 80 bytes per tracked block. Writes bench/results/index_memory.json.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import time
 import tracemalloc
@@ -23,11 +26,14 @@ from ace_extproc.routing import BlockIndex
 TARGET_BYTES = 80
 
 
-def measure(blocks: int, pods: int) -> dict[str, float]:
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def build(blocks: int, pods: int) -> tuple[BlockIndex, float]:
+    """The index after recording ``blocks`` blocks, and seconds spent in ``record``."""
     rng = random.Random(0)
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
     index = BlockIndex(capacity_per_pod=blocks)  # nothing evicted: every block is held
     for slot in range(pods):
         index.add_pod(slot)
@@ -39,16 +45,31 @@ def measure(blocks: int, pods: int) -> dict[str, float]:
         t = time.perf_counter()
         index.record((start // 32) % pods, prompt)
         elapsed += time.perf_counter() - t
-    del prompt
+    assert len(index) == blocks
+    return index, elapsed
+
+
+def measure(blocks: int, pods: int) -> dict[str, float]:
+    gc.collect()
+    rss_before = rss_bytes()
+    index, elapsed = build(blocks, pods)
+    gc.collect()
+    rss = rss_bytes() - rss_before
+    del index
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index, _ = build(blocks, pods)
     gc.collect()
     held = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    assert len(index) == blocks
     return {
         "blocks": blocks,
         "pods": pods,
         "bytes": held,
         "bytes_per_block": held / blocks,
+        "rss_bytes_per_block": rss / blocks,
+        "approx_bytes_per_block": index.approx_bytes() / blocks,
         "record_ns_per_block": elapsed / blocks * 1e9,
     }
 
@@ -64,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{r['blocks']:,} blocks over {r['pods']} pods: {r['bytes'] / 2**20:.1f} MiB, "
         f"{r['bytes_per_block']:.0f} bytes per block (target <= {TARGET_BYTES}: {verdict}); "
-        f"record {r['record_ns_per_block']:.0f} ns per block (under tracemalloc)"
+        f"resident growth {r['rss_bytes_per_block']:.0f} bytes per block; the index's own "
+        f"estimate (approx_bytes) {r['approx_bytes_per_block']:.0f}; "
+        f"record {r['record_ns_per_block']:.0f} ns per block"
     )
     result = {"command": "python -m bench.index_memory", "target_bytes_per_block": TARGET_BYTES}
     result.update(r)

@@ -95,3 +95,48 @@ def test_affinity_picker_sticks_a_conversation_and_spreads_new_ones():
     moved = picker.pick(hashes([100, 101, 102]), without)
     assert moved is not None and moved.slot != first.slot and moved.action == "miss"
     assert picker.pick(hashes([1]), 0) is None
+
+
+def test_match_depths_equal_a_linear_scan_of_an_exact_lru_model():
+    """The binary search is exact as long as held blocks of a chain form a leading run;
+    check it against a plain per-pod LRU scanned block by block, with evictions, shared
+    prefixes, capacity changes and a dropped pod."""
+    import random
+    from collections import OrderedDict
+
+    from ace_extproc.prefix import chain
+
+    rng = random.Random(7)
+    pods, capacity = 4, 60
+    idx = BlockIndex(capacity)
+    model: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(pods)]
+    for slot in range(pods):
+        idx.add_pod(slot)
+    docs = [rng.randbytes(512 * rng.randint(1, 12)) for _ in range(12)]
+    for step in range(3000):
+        prompt = rng.choice(docs) + rng.randbytes(512 * rng.randint(0, 6))
+        blocks = chain(prompt, 512, seed=1)
+        want = {}
+        for slot, lru in enumerate(model):
+            depth = 0
+            while depth < len(blocks) and blocks[depth] in lru:
+                depth += 1
+            if depth:
+                want[slot] = depth
+        assert idx.match_depths(blocks, (1 << pods) - 1) == want, step
+        slot = rng.randrange(pods)
+        idx.record(slot, blocks)
+        for h in reversed(blocks):
+            model[slot].pop(h, None)
+            model[slot][h] = None
+        while len(model[slot]) > idx.capacity_of(slot):
+            model[slot].popitem(last=False)
+        if step == 1000:
+            idx.set_capacity(2, 25)
+            while len(model[2]) > 25:
+                model[2].popitem(last=False)
+        if step == 2000:
+            idx.drop_pod(1)
+            idx.add_pod(1)
+            model[1].clear()
+    assert len(idx) == sum(len(lru) for lru in model)

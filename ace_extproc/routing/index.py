@@ -1,24 +1,35 @@
 """Which pods hold which prefix blocks: the router's belief about the engines' caches.
 
 Each pod has a bounded LRU of block hashes, as the engine's own prefix cache is a
-bounded LRU of blocks. A shared map from block hash to a bitmask of pod slots makes
-a longest-prefix lookup one dict probe per block for all pods at once.
+bounded LRU of blocks. That is the only per-block structure (one dict entry and the
+hash's int object, ~80 bytes a block: ``bench.index_memory``).
+
+Lookups lean on the chain: block ``i``'s hash covers every block before it, and
+``record`` refreshes a prompt's blocks tail first, so each pod's held blocks of any
+one prompt are a leading run (its LRU always evicts a chain's tail before its head).
+A pod's match depth is then the length of that run, found by binary search, and
+only pods holding the prompt's first block need one: a small map from first blocks
+("roots") to a bitmask of pods finds them in one probe for the whole fleet.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from itertools import islice
+
+# The bytes a tracked block's hash int object takes (64-bit values need 3 digits).
+_INT_BYTES = sys.getsizeof(2**63)
 
 
 class BlockIndex:
     def __init__(self, capacity_per_pod: int) -> None:
         self.capacity = capacity_per_pod  # until a pod's own is known (set_capacity)
         self._capacity: dict[int, int] = {}  # slot -> blocks, from the engine's KV size
-        self._owners: dict[int, int] = {}  # block hash -> bitmask of pod slots
-        # slot -> blocks, oldest first. A plain dict keeps insertion order and holds an
-        # entry in about half the memory of an OrderedDict (bench.index_memory).
+        # slot -> block hashes, least recently used first. A plain dict keeps insertion
+        # order in half the memory of an OrderedDict.
         self._lru: dict[int, dict[int, None]] = {}
+        self._roots: dict[int, int] = {}  # first block of a prompt -> bitmask of holders
 
     def add_pod(self, slot: int) -> None:
         self._lru.setdefault(slot, {})
@@ -38,94 +49,97 @@ class BlockIndex:
 
     def drop_pod(self, slot: int) -> None:
         """Forget everything a pod held (it left, or its engine restarted)."""
-        blocks = self._lru.pop(slot, None)
-        if not blocks:
+        if not self._lru.pop(slot, None):
             return
-        clear = ~(1 << slot)
-        owners = self._owners
-        for h in blocks:
-            mask = owners[h] & clear
-            if mask:
-                owners[h] = mask
+        bit = 1 << slot
+        roots = self._roots
+        for h in [h for h, mask in roots.items() if mask & bit]:
+            if mask := roots[h] & ~bit:
+                roots[h] = mask
             else:
-                del owners[h]
+                del roots[h]
+
+    def match_depths(self, blocks: Sequence[int], candidates: int) -> dict[int, int]:
+        """How many leading blocks each candidate holds, for those holding any."""
+        depths: dict[int, int] = {}
+        if not blocks:
+            return depths
+        holders = self._roots.get(blocks[0], 0) & candidates
+        n = len(blocks)
+        last = blocks[n - 1]
+        while holders:
+            low = holders & -holders
+            holders ^= low
+            slot = low.bit_length() - 1
+            lru = self._lru[slot]
+            if last in lru:
+                depths[slot] = n
+                continue
+            lo, hi = 1, n - 1  # blocks[:lo] held, blocks[:hi + 1] not
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if blocks[mid - 1] in lru:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            depths[slot] = lo
+        return depths
 
     def longest_match(self, blocks: Sequence[int], candidates: int) -> tuple[int, int]:
         """``(depth, pods)``: how many leading blocks the best candidates hold, and the
         bitmask of the candidates that hold that many."""
-        owners = self._owners
-        pods = candidates
-        depth = 0
-        for h in blocks:
-            held = owners.get(h, 0) & pods
-            if not held:
-                break
-            pods = held
-            depth += 1
-        return depth, (pods if depth else 0)
-
-    def match_depths(self, blocks: Sequence[int], candidates: int) -> dict[int, int]:
-        """How many leading blocks each candidate holds, for those holding any.
-
-        One dict probe per block for all pods at once: a pod drops out at the first
-        block it lacks, and its depth is where it dropped."""
-        owners = self._owners
-        alive = candidates
-        depths: dict[int, int] = {}
-        depth = 0
-        for h in blocks:
-            held = owners.get(h, 0) & alive
-            if depth:
-                _assign(depths, alive & ~held, depth)
-            alive = held
-            if not alive:
-                return depths
-            depth += 1
-        _assign(depths, alive, depth)
-        return depths
+        depths = self.match_depths(blocks, candidates)
+        depth = max(depths.values(), default=0)
+        pods = 0
+        for slot, d in depths.items():
+            if d == depth:
+                pods |= 1 << slot
+        return depth, pods
 
     def record(self, slot: int, blocks: Sequence[int]) -> None:
         """The pod now holds these blocks (it is about to prefill them)."""
         lru = self._lru.get(slot)
         if lru is None or not blocks:
             return
-        bit = 1 << slot
-        owners = self._owners
         # Touch the tail first so the head ends most recent: like the engine, evict a
         # conversation's newest blocks before the prefix every later turn needs.
         for h in reversed(blocks):
             if h in lru:
                 del lru[h]  # re-inserted below: now the most recent
-            else:
-                owners[h] = owners.get(h, 0) | bit
             lru[h] = None
+        roots = self._roots
+        root = blocks[0]
+        roots[root] = roots.get(root, 0) | (1 << slot)
         excess = len(lru) - self._capacity.get(slot, self.capacity)
         if excess > 0:
             self._evict(slot, lru, excess)
 
     def _evict(self, slot: int, lru: dict[int, None], count: int) -> None:
         """Forget a pod's ``count`` least recently used blocks."""
-        owners = self._owners
-        clear = ~(1 << slot)
-        oldest = list(islice(lru, count))
-        for h in oldest:
+        roots = self._roots
+        for h in list(islice(lru, count)):
             del lru[h]
-            mask = owners[h] & clear
-            if mask:
-                owners[h] = mask
-            else:
-                del owners[h]
+            if h in roots:  # a chain's head goes last, so its holders stay exact
+                if mask := roots[h] & ~(1 << slot):
+                    roots[h] = mask
+                else:
+                    del roots[h]
 
     def blocks_held(self, slot: int) -> int:
         lru = self._lru.get(slot)
         return len(lru) if lru is not None else 0
 
+    def room(self, slot: int) -> int:
+        """Blocks the pod can take before it must evict (negative: over its bound)."""
+        lru = self._lru.get(slot)
+        return self._capacity.get(slot, self.capacity) - (len(lru) if lru is not None else 0)
+
+    def approx_bytes(self) -> int:
+        """The index's memory, from its dicts' table sizes and one int per entry
+        (an upper bound: a block held by several pods shares its int)."""
+        tables = sum(sys.getsizeof(lru) for lru in self._lru.values())
+        return tables + sys.getsizeof(self._roots) + _INT_BYTES * len(self)
+
     def __len__(self) -> int:
-        return len(self._owners)
-
-
-def _assign(depths: dict[int, int], mask: int, depth: int) -> None:
-    while mask:
-        low = mask & -mask
-        depths[low.bit_length() - 1] = depth
-        mask ^= low
+        """Blocks tracked, counted once per pod that holds them."""
+        return sum(len(lru) for lru in self._lru.values())

@@ -108,21 +108,20 @@ class Pipeline:
         # bench/RESULTS.md), so it is off by default.
         self.balance_new = balance_new
         self.eviction_weight = eviction_weight
+        self._slot_lists: dict[int, tuple[int, ...]] = {}
         for slot in range(len(fleet.pods)):
             index.add_pod(slot)
 
-    def _eviction_ms(self, slot: int, adding: int) -> float:
-        """What placing ``adding`` new blocks on a full pod costs later: the prefixes it
-        evicts must be prefilled again by whoever comes back for them (counted at
-        ``eviction_weight`` of their prefill, since not all of them come back)."""
-        if adding <= 0 or not self.eviction_weight:
-            return 0.0
-        index = self.index
-        overflow = index.blocks_held(slot) + adding - index.capacity_of(slot)
-        if overflow <= 0:
-            return 0.0
-        tokens = min(overflow, adding) * self.scorer.tokens_per_block
-        return self.eviction_weight * self.scorer.model.a_ms * tokens
+    def _slots(self, mask: int) -> tuple[int, ...]:
+        """The slots of a bitmask, cached: candidate sets repeat request after request."""
+        slots = self._slot_lists.get(mask)
+        if slots is None:
+            if len(self._slot_lists) > 1024:
+                self._slot_lists.clear()
+            slots = self._slot_lists[mask] = tuple(
+                slot for slot in range(mask.bit_length()) if (mask >> slot) & 1
+            )
+        return slots
 
     def pick(self, request: RoutingRequest, candidates: int) -> Pick | None:
         if not candidates:
@@ -131,40 +130,52 @@ class Pipeline:
         for keep in self.filters:
             candidates = keep(request, candidates, fleet) or candidates
         blocks = request.hashes.blocks
-        depths = self.index.match_depths(blocks, candidates)
-        # Most pods hold nothing of the prompt: price each distinct depth's prefill once.
+        n = len(blocks)
+        index = self.index
+        depths = index.match_depths(blocks, candidates)
         scorer, load = self.scorer, fleet.load
-        new_blocks = len(blocks)
-        cold = scorer.prefill_ms(request, 0)
+        a_ms = scorer.model.a_ms
+        # Placing new blocks on a full pod costs later: the prefixes they evict must be
+        # prefilled again by whoever comes back for them, counted at eviction_weight
+        # of their prefill (not all of them come back).
+        evict_ms = self.eviction_weight * a_ms * scorer.tokens_per_block
+        # Most pods hold nothing of the prompt: price each distinct depth's prefill once.
         prefill = {depth: scorer.prefill_ms(request, depth) for depth in set(depths.values())}
+        prefill[0] = scorer.prefill_ms(request, 0)
         priced = []
-        mask = candidates
-        while mask:
-            low = mask & -mask
-            slot = low.bit_length() - 1
-            depth = depths.get(slot)
-            cost = cold if depth is None else prefill[depth]
-            cost += self._eviction_ms(slot, new_blocks - (depth or 0))
-            priced.append((scorer.queue_ms(load[slot]) + cost, slot))
-            mask ^= low
+        for slot in self._slots(candidates):
+            depth = depths.get(slot, 0)
+            cost = prefill[depth]
+            adding = n - depth
+            if evict_ms and (overflow := adding - index.room(slot)) > 0:
+                cost += evict_ms * min(overflow, adding)
+            queued = load[slot].queued_prefill_tokens
+            if queued > 0:
+                cost += a_ms * queued
+            priced.append((cost, slot))
         priced.sort()
+        # The near-best: priced within the slack of the cheapest; of those, the deepest.
         limit = priced[0][0] * (1 + self.slack_ratio) + self.slack_ms
-        near = [slot for cost, slot in priced if cost <= limit]
-        deepest = max(depths.get(slot, 0) for slot in near)
-        near = [slot for slot in near if depths.get(slot, 0) == deepest]
+        deepest, near_mask = -1, 0
+        for cost, slot in priced:
+            if cost > limit:
+                break
+            depth = depths.get(slot, 0)
+            if depth > deepest:
+                deepest, near_mask = depth, 1 << slot
+            elif depth == deepest:
+                near_mask |= 1 << slot
         if not deepest and self.balance_new:  # a new prefix: the least busy first
-            least = min(fleet.load[slot].inflight for slot in near)
-            near = [slot for slot in near if fleet.load[slot].inflight == least]
-        near_mask = 0
-        for slot in near:
-            near_mask |= 1 << slot
+            near = self._slots(near_mask)
+            least = min(load[slot].inflight for slot in near)
+            near_mask = sum(1 << slot for slot in near if load[slot].inflight == least)
         chosen = (
             near_mask.bit_length() - 1
             if not near_mask & (near_mask - 1)
             else rendezvous.best(request.hashes.route_key, fleet.seeds, near_mask)
         )
         depth = depths.get(chosen, 0)
-        self.index.record(chosen, blocks)
+        index.record(chosen, blocks)
         best_depth = max(depths.values(), default=0)
         action = "miss" if not best_depth else ("hit" if depth == best_depth else "spill")
         backups = tuple(slot for _, slot in priced if slot != chosen)[: self.fallbacks]
