@@ -10,7 +10,10 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: up test test-all lint bench clean
 
-$(STAMP): pyproject.toml
+PROTOS := $(shell find protos -name '*.proto')
+
+# Reinstalling also recompiles protos/ into ace_extproc/_proto (setup.py).
+$(STAMP): pyproject.toml setup.py $(PROTOS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
@@ -35,4 +38,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.decision
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache ace_extproc/_proto

@@ -14,21 +14,27 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("ace_extproc.stack", "start Envoy, ace-extproc and simulated pods on 127.0.0.1:8080"),
     "sim": ("ace_extproc.sim.app", "run one simulated vLLM-compatible engine pod"),
     "envoy-config": ("ace_extproc.envoy_config", "render the Envoy bootstrap for a fleet"),
+    "ctl": ("ace_extproc.ctl", "a running server's admin API: pods, lookup, drain, config"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, or with ``only`` one subcommand's arguments: its module alone is
+    imported, so a simulated pod never loads gRPC, nor the server the pods' code."""
     parser = argparse.ArgumentParser(prog="ace-extproc", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(p)
+        if only is None or name == only:
+            importlib.import_module(module).add_arguments(p)
         p.set_defaults(_module=module)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     module = importlib.import_module(args._module)
     result: int = module.run(args)
     return result

@@ -176,13 +176,35 @@ class Settings:
     probe_timeout_s: float = 0.5
     unhealthy_after: int = 2  # consecutive failures that take a pod out
     healthy_after: int = 2  # consecutive successes that bring it back
+    # A second, observe-only ext_proc filter sees each response (its status, the host
+    # that answered) without delaying it: passive health, and the engines' own reuse.
+    observe_responses: bool = True
+    # Also read each response body's usage (prompt_tokens_details.cached_tokens), and
+    # ask streamed requests for it (stream_options.include_usage; prod only, as shadow
+    # never changes a request). Costs a gRPC message per body chunk, off the path.
+    usage_capture: bool = False
     salt_secret: bytes = b""
     tenants: TenantConfig = field(default_factory=TenantConfig)
     listen: str = "127.0.0.1:50051"
     uds: str | None = None
-    admin_listen: str | None = None
+    # The admin gRPC API (admin.py, ``ace-extproc ctl``): host:port, unix:/path, or "off".
+    # Never the ext_proc port; no authentication, so keep it on loopback or a socket.
+    admin_listen: str = "127.0.0.1:9091"
     grpc_max_message_bytes: int = 64 * 1024 * 1024
     shutdown_grace_s: float = 10.0
+    # Prometheus exposition of the router's own metrics (telemetry.py): host:port, or
+    # "off". Port 0 picks a free port.
+    metrics_listen: str = "127.0.0.1:9090"
+    # A ``tenant`` label on the decision metrics. The tenants the configuration names
+    # (router.tenants.api_keys, the anonymous tenant) are always labels; others (a
+    # trusted tenant header) get one while fewer than metrics_max_tenants are labelled,
+    # then fold into "other".
+    metrics_tenant_label: bool = False
+    metrics_max_tenants: int = 100
+    log_format: str = "json"  # "json": one JSON object a line; "text": for people
+
+
+LOG_FORMATS = ("json", "text")
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,11 +445,17 @@ _SETTING_TYPES: dict[str, type] = {
     "probe_timeout_s": float,
     "unhealthy_after": int,
     "healthy_after": int,
+    "observe_responses": bool,
+    "usage_capture": bool,
     "listen": str,
     "uds": str,
     "admin_listen": str,
     "grpc_max_message_bytes": int,
     "shutdown_grace_s": float,
+    "metrics_listen": str,
+    "metrics_tenant_label": bool,
+    "metrics_max_tenants": int,
+    "log_format": str,
 }
 
 
@@ -460,11 +488,41 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("router: max_body_bytes and index_blocks_per_pod must be positive")
     if settings.upstream_mode not in ("cluster", "endpoint"):
         raise ConfigError("router.upstream_mode: expected cluster or endpoint")
+    check_admin_listen(settings.admin_listen, "router.admin_listen")
+    if settings.metrics_listen != "off":
+        check_listen(settings.metrics_listen, "router.metrics_listen", allow_off=True)
+    if settings.metrics_max_tenants < 1:
+        raise ConfigError("router.metrics_max_tenants: expected a positive number")
+    if settings.log_format not in LOG_FORMATS:
+        raise ConfigError(f"router.log_format: expected one of {', '.join(LOG_FORMATS)}")
     try:
         get_model(settings.ttft_model)
     except ValueError as exc:
         raise ConfigError(f"router.ttft_model: {exc}") from None
     return settings
+
+
+def check_listen(value: str, where: str, allow_off: bool = False) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` (port 0: any free port) -> (host, port)."""
+    host, sep, port_s = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) < 65536:
+        off = ' or "off"' if allow_off else ""
+        raise ConfigError(f"{where}: expected host:port{off}, got {value!r}")
+    return host, int(port_s)
+
+
+def check_admin_listen(value: str, where: str) -> None:
+    """``host:port``, ``[v6]:port``, ``unix:/path`` or ``off``."""
+    if value == "off":
+        return
+    if value.startswith("unix:"):
+        if len(value) > len("unix:"):
+            return
+        raise ConfigError(f"{where}: expected unix:/path, got {value!r}")
+    host, sep, port_s = value.rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) < 65536:
+        raise ConfigError(f'{where}: expected host:port, unix:/path or "off", got {value!r}')
 
 
 def _salt_secret(raw: Mapping[str, Any], env: Mapping[str, str]) -> bytes:

@@ -29,6 +29,8 @@ UPSTREAM_HEADER = "x-ace-upstream"
 # routing (early header mutation), or a client could pin any pod while ext_proc is down.
 STRIPPED_REQUEST_HEADERS = (UPSTREAM_HEADER, "x-ace-served-by", "x-gateway-destination-endpoint")
 EXT_PROC_CLUSTER = "ace_extproc"
+# What the observe-only filter asks Envoy to attach to each response (observe.py).
+RESPONSE_ATTRIBUTES = ("upstream.address", "response.code", "response.flags")
 # Namespaces of the dynamic metadata ext_proc may return; any other is silently dropped.
 METADATA_NAMESPACES = ("ace", "envoy.lb")
 # Response headers Envoy adds from that metadata, saving ext_proc a response-phase round trip.
@@ -85,18 +87,40 @@ PROCESSING_MODES: dict[str, dict[str, str]] = {
     },
 }
 
-ACCESS_LOG_FORMAT = (
-    '[%START_TIME%] "%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROTOCOL%" '
-    "%RESPONSE_CODE% %RESPONSE_FLAGS% %RESPONSE_CODE_DETAILS% "
-    "%BYTES_RECEIVED% %BYTES_SENT% %DURATION%ms "
-    "upstream=%UPSTREAM_CLUSTER% host=%UPSTREAM_HOST% "
-    "served_by=%DYNAMIC_METADATA(ace:served_by)% trace=%DYNAMIC_METADATA(ace:trace)% "
-    "id=%REQ(X-REQUEST-ID)%\n"
-)
-# Endpoint mode also logs the list ext_proc named (host= is where the last try went).
-ENDPOINT_ACCESS_LOG_FORMAT = ACCESS_LOG_FORMAT.replace(
-    " id=", f" endpoints=%DYNAMIC_METADATA({GIE_NAMESPACE}:{GIE_HEADER})% id="
-)
+# Envoy's access log: one JSON object a line per request, with ace-extproc's decision
+# from the dynamic metadata it returned (a key it did not set is null): mode, action, the
+# pod it picked (``ace_pod``, in any mode), the pod it pinned (``ace_served_by``, prod),
+# the prefix key and the whole trace. ``upstream_host`` is where the last try went.
+ACCESS_LOG_FIELDS: dict[str, str] = {
+    "start_time": "%START_TIME%",
+    "method": "%REQ(:METHOD)%",
+    "path": "%REQ(X-ENVOY-ORIGINAL-PATH?:PATH)%",
+    "protocol": "%PROTOCOL%",
+    "status": "%RESPONSE_CODE%",
+    "response_flags": "%RESPONSE_FLAGS%",
+    "response_code_details": "%RESPONSE_CODE_DETAILS%",
+    "bytes_received": "%BYTES_RECEIVED%",
+    "bytes_sent": "%BYTES_SENT%",
+    "duration_ms": "%DURATION%",
+    # Request start to the upstream's first byte: the time to first token when streaming.
+    "upstream_first_byte_ms": "%RESPONSE_DURATION%",
+    "upstream_cluster": "%UPSTREAM_CLUSTER%",
+    "upstream_host": "%UPSTREAM_HOST%",
+    "request_id": "%REQ(X-REQUEST-ID)%",
+    "ace_mode": "%DYNAMIC_METADATA(ace:mode)%",
+    "ace_action": "%DYNAMIC_METADATA(ace:action)%",
+    "ace_pod": "%DYNAMIC_METADATA(ace:pod)%",
+    "ace_served_by": "%DYNAMIC_METADATA(ace:served_by)%",
+    "ace_prefix_key": "%DYNAMIC_METADATA(ace:prefix_key)%",
+    "ace_trace": "%DYNAMIC_METADATA(ace:trace)%",
+}
+# Endpoint mode also logs the list ext_proc named (upstream_host is where the last try went).
+ENDPOINT_ACCESS_LOG_FIELDS: dict[str, str] = {
+    **ACCESS_LOG_FIELDS,
+    "ace_endpoints": f"%DYNAMIC_METADATA({GIE_NAMESPACE}:{GIE_HEADER})%",
+}
+# Where the access log goes: Envoy's stdout (the default), its stderr, a file path, or off.
+ACCESS_LOG_STREAMS = ("stdout", "stderr")
 
 
 # The helpers below build fresh dicts on each call: callers may mutate what render returns
@@ -175,18 +199,28 @@ def _duration(seconds: float, what: str) -> str:
 # ---------------------------------------------------------------- clusters
 
 
-def _cluster(
-    name: str, endpoints: list[tuple[str, int, int | None]], **extra: Any
-) -> dict[str, Any]:
-    """A cluster of ``(host, port, weight)`` endpoints: STATIC when all are IPs, else
-    STRICT_DNS (which resolves each name and keeps every address it returns)."""
-    lb_endpoints = []
+Endpoints = list[tuple[str, int, int | None]]
+
+
+def _lb_endpoints(endpoints: Endpoints) -> list[dict[str, Any]]:
+    out = []
     for host, port, weight in endpoints:
         ep: dict[str, Any] = {"endpoint": {"address": _socket_address(host, port)}}
         if weight is not None:
             ep["load_balancing_weight"] = weight
-        lb_endpoints.append(ep)
-    static = all(_is_ip(host) for host, _, _ in endpoints)
+        out.append(ep)
+    return out
+
+
+def _cluster(
+    name: str, endpoints: Endpoints, *, standby: Endpoints | None = None, **extra: Any
+) -> dict[str, Any]:
+    """A cluster of ``(host, port, weight)`` endpoints: STATIC when all are IPs, else
+    STRICT_DNS (which resolves each name and keeps every address it returns).
+    ``standby`` endpoints sit at priority 1: no traffic while a priority-0 host is
+    healthy, only retries that skip priority 0 (``previous_priorities``)."""
+    standby = standby or []
+    static = all(_is_ip(host) for host, _, _ in [*endpoints, *standby])
     cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC" if static else "STRICT_DNS",
@@ -195,10 +229,10 @@ def _cluster(
     if not static:
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     cluster.update(extra)
-    cluster["load_assignment"] = {
-        "cluster_name": name,
-        "endpoints": [{"lb_endpoints": lb_endpoints}],
-    }
+    localities: list[dict[str, Any]] = [{"lb_endpoints": _lb_endpoints(endpoints)}]
+    if standby:
+        localities.append({"priority": 1, "lb_endpoints": _lb_endpoints(standby)})
+    cluster["load_assignment"] = {"cluster_name": name, "endpoints": localities}
     return cluster
 
 
@@ -223,9 +257,15 @@ def _pod_clusters(fleet: cfg.Fleet, lb_policy: str) -> list[dict[str, Any]]:
             )
         )
         for pod in dest.pods:
+            # The destination's other pods stand by, so a retry of a request pinned to a
+            # pod that is down lands on one of them (see _route_config).
+            others = [(p.host, p.port, w) for p, w in zip(dest.pods, weights, strict=True)]
             clusters.append(
                 _cluster(
-                    pod.cluster, [(pod.host, pod.port, None)], circuit_breakers=_circuit_breakers()
+                    pod.cluster,
+                    [(pod.host, pod.port, None)],
+                    standby=[o for o, p in zip(others, dest.pods, strict=True) if p != pod],
+                    circuit_breakers=_circuit_breakers(),
                 )
             )
     return clusters
@@ -325,6 +365,33 @@ def _ext_proc_filter(processing_mode: str, message_timeout_s: float) -> dict[str
     }
 
 
+def _observe_filter(usage_capture: bool) -> dict[str, Any]:
+    """The observe-only filter (observe.py): Envoy sends it each response without
+    waiting for an answer, with the routing filter's ``ace`` metadata and the host
+    that answered, so it delays nothing. With usage capture it also gets the body."""
+    return {
+        "name": "ace.observe",
+        "typed_config": {
+            "@type": "type.googleapis.com/"
+            "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
+            "stat_prefix": "ace_observe",
+            "observability_mode": True,
+            "failure_mode_allow": True,
+            "processing_mode": {
+                "request_header_mode": "SKIP",
+                "request_body_mode": "NONE",
+                "request_trailer_mode": "SKIP",
+                "response_header_mode": "SEND",
+                "response_body_mode": "STREAMED" if usage_capture else "NONE",
+                "response_trailer_mode": "SKIP",
+            },
+            "metadata_options": {"forwarding_namespaces": {"untyped": ["ace"]}},
+            "response_attributes": list(RESPONSE_ATTRIBUTES),
+        },
+    }
+
+
 def _previous_hosts() -> list[dict[str, Any]]:
     return [
         {
@@ -383,6 +450,22 @@ def _endpoint_routes(config: cfg.Config) -> list[dict[str, Any]]:
 
 def _route_config(config: cfg.Config, upstream_mode: str) -> dict[str, Any]:
     retry = {"retry_on": "connect-failure,reset", "num_retries": 1}
+    # A pinned request whose pod fails to connect or resets retries on a standby pod of
+    # the pod's cluster (priority 1), never the same pod again.
+    pinned_retry = {
+        "retry_on": "connect-failure,refused-stream,reset",
+        "num_retries": 2,
+        "retry_priority": {
+            "name": "envoy.retry_priorities.previous_priorities",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.retry.priority."
+                "previous_priorities.v3.PreviousPrioritiesConfig",
+                "update_frequency": 1,
+            },
+        },
+        "retry_host_predicate": _previous_hosts(),
+        "host_selection_retry_max_attempts": 3,
+    }
     no_timeout = {"timeout": "0s", "idle_timeout": ROUTE_IDLE_TIMEOUT}
     cluster_routes = [
         {
@@ -395,7 +478,7 @@ def _route_config(config: cfg.Config, upstream_mode: str) -> dict[str, Any]:
             "route": {
                 "cluster_header": UPSTREAM_HEADER,
                 **no_timeout,
-                "retry_policy": retry,
+                "retry_policy": pinned_retry,
             },
         },
         {
@@ -431,18 +514,46 @@ def _route_config(config: cfg.Config, upstream_mode: str) -> dict[str, Any]:
     }
 
 
+def _access_log(target: str, endpoint: bool) -> list[dict[str, Any]]:
+    """The HCM's access loggers: JSON lines to ``target`` (see ``ACCESS_LOG_STREAMS``)."""
+    if target == "off":
+        return []
+    fields = ENDPOINT_ACCESS_LOG_FIELDS if endpoint else ACCESS_LOG_FIELDS
+    log_format = {"json_format": dict(fields)}
+    prefix = "type.googleapis.com/envoy.extensions.access_loggers."
+    if target in ACCESS_LOG_STREAMS:
+        kind = target.capitalize()
+        logger = {
+            "name": f"envoy.access_loggers.{target}",
+            "typed_config": {
+                "@type": f"{prefix}stream.v3.{kind}AccessLog",
+                "log_format": log_format,
+            },
+        }
+    else:
+        logger = {
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": f"{prefix}file.v3.FileAccessLog",
+                "path": target,
+                "log_format": log_format,
+            },
+        }
+    return [logger]
+
+
 def _http_connection_manager(
     config: cfg.Config,
     processing_mode: str,
     message_timeout_s: float,
     ext_proc: bool,
     upstream_mode: str,
+    access_log: str,
 ) -> dict[str, Any]:
     endpoint = upstream_mode == "endpoint"
     stripped = (
         (*STRIPPED_REQUEST_HEADERS, DESTINATION_HEADER) if endpoint else STRIPPED_REQUEST_HEADERS
     )
-    log_format = ENDPOINT_ACCESS_LOG_FORMAT if endpoint else ACCESS_LOG_FORMAT
     router = {
         "name": "envoy.filters.http.router",
         "typed_config": {
@@ -450,6 +561,8 @@ def _http_connection_manager(
         },
     }
     filters = [_ext_proc_filter(processing_mode, message_timeout_s)] if ext_proc else []
+    if ext_proc and config.settings.observe_responses:
+        filters.append(_observe_filter(config.settings.usage_capture))
     return {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
@@ -469,16 +582,7 @@ def _http_connection_manager(
                     },
                 }
             ],
-            "access_log": [
-                {
-                    "name": "envoy.access_loggers.stdout",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/"
-                        "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
-                        "log_format": {"text_format_source": {"inline_string": log_format}},
-                    },
-                }
-            ],
+            "access_log": _access_log(access_log, endpoint),
             "route_config": _route_config(config, upstream_mode),
             "http_filters": [*filters, router],
         },
@@ -506,6 +610,7 @@ def render(
     ext_proc: bool = True,
     lb_policy: str = "LEAST_REQUEST",
     upstream_mode: str | None = None,
+    access_log: str = "stdout",
 ) -> dict[str, Any]:
     """The Envoy bootstrap for ``config`` as a dict. ``ext_proc_uds`` (else
     ``settings.uds``) makes Envoy reach ace-extproc over a unix socket instead of
@@ -514,8 +619,10 @@ def render(
     ``lb_policy`` (one of ``LB_POLICIES``) balances each destination's default
     cluster; ``ext_proc=False, lb_policy="ROUND_ROBIN"`` is plain round-robin Envoy.
     ``upstream_mode`` (one of ``UPSTREAM_MODES``; default ``settings.upstream_mode``)
-    must match the server's, which reads the same setting. Raises ConfigError on a
-    bad address, mode, policy or timeout, or a pod given by name in endpoint mode."""
+    must match the server's, which reads the same setting. ``access_log``: JSON lines
+    to Envoy's ``stdout`` (default) or ``stderr``, to a file path, or ``off``. Raises
+    ConfigError on a bad address, mode, policy or timeout, or a pod given by name in
+    endpoint mode."""
     upstream_mode = upstream_mode or config.settings.upstream_mode
     if upstream_mode not in UPSTREAM_MODES:
         raise cfg.ConfigError(
@@ -527,6 +634,10 @@ def render(
         )
     if lb_policy not in LB_POLICIES:
         raise cfg.ConfigError(f"lb_policy {lb_policy!r}: expected one of {', '.join(LB_POLICIES)}")
+    if not access_log or (access_log not in (*ACCESS_LOG_STREAMS, "off") and "/" not in access_log):
+        raise cfg.ConfigError(
+            f"access log {access_log!r}: expected stdout, stderr, off or a file path with a /"
+        )
     if upstream_mode == "endpoint":
         clusters = _endpoint_clusters(config.fleet, lb_policy)
     else:
@@ -549,6 +660,7 @@ def render(
                                     message_timeout_s,
                                     ext_proc,
                                     upstream_mode,
+                                    access_log,
                                 )
                             ]
                         }
@@ -571,6 +683,7 @@ def render_yaml(
     ext_proc: bool = True,
     lb_policy: str = "LEAST_REQUEST",
     upstream_mode: str | None = None,
+    access_log: str = "stdout",
 ) -> str:
     """``render`` as YAML, with a header saying where it came from."""
     doc = render(
@@ -583,6 +696,7 @@ def render_yaml(
         ext_proc=ext_proc,
         lb_policy=lb_policy,
         upstream_mode=upstream_mode,
+        access_log=access_log,
     )
     what = f"processing mode: {processing_mode}" if ext_proc else "no ext_proc"
     if (upstream_mode or config.settings.upstream_mode) == "endpoint":
@@ -637,6 +751,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how ext_proc names the pod: a per-pod cluster, or ip:port in one cluster per "
         "destination (override_host; IP pods only) (default: router.upstream_mode, else cluster)",
     )
+    parser.add_argument(
+        "--access-log",
+        default="stdout",
+        metavar="stdout|stderr|off|PATH",
+        help="where Envoy writes its JSON access log, with ace-extproc's decision "
+        "(default: %(default)s)",
+    )
     parser.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
 
 
@@ -650,6 +771,7 @@ def run(args: argparse.Namespace) -> int:
             message_timeout_s=args.message_timeout,
             ext_proc_uds=args.ext_proc_uds,
             upstream_mode=args.upstream_mode,
+            access_log=args.access_log,
         )
     except ValueError as exc:  # ConfigError, and the ValueError of an unknown ttft_model
         print(f"error: {exc}", file=sys.stderr)

@@ -46,6 +46,21 @@ _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # Answers that carry nothing: built once, never mutated.
 HEADERS_CONTINUE = ProcessingResponse(request_headers=HeadersResponse())
 BODY_CONTINUE = ProcessingResponse(request_body=BodyResponse())
+RESPONSE_HEADERS_CONTINUE = ProcessingResponse(response_headers=HeadersResponse())
+# The native API (execute.py): the body as usual, and this one response's headers and
+# whole body too, so it can be put in the envelope (Envoy's mode override, allowed
+# only in a headers answer; it replaces the whole mode, so every field is given).
+EXECUTE_HEADERS = ProcessingResponse(
+    request_headers=HeadersResponse(),
+    mode_override=ProcessingMode(
+        request_header_mode=ProcessingMode.SEND,
+        request_body_mode=ProcessingMode.BUFFERED,
+        request_trailer_mode=ProcessingMode.SKIP,
+        response_header_mode=ProcessingMode.SEND,
+        response_body_mode=ProcessingMode.BUFFERED,
+        response_trailer_mode=ProcessingMode.SKIP,
+    ),
+)
 
 
 def _set(mutation: HeaderMutation, key: str, value: bytes) -> None:
@@ -100,11 +115,6 @@ def _fill(
             _set(mutation, DESTINATION_HEADER, _host(outcome.pod)[1])
         else:
             _set(mutation, UPSTREAM_HEADER, outcome.pod.cluster.encode())
-        if outcome.body is not None:
-            # A changed body needs its new length, or Envoy fails the request with 500.
-            _set(mutation, "content-length", str(len(outcome.body)).encode())
-            if with_body:
-                common.body_mutation.body = outcome.body
         # Re-run routing on x-ace-upstream (cluster mode) or x-ace-destination (endpoint
         # mode, several destinations; with one, override_host reads the header anyway).
         common.clear_route_cache = True
@@ -112,6 +122,13 @@ def _fill(
         # Defence in depth: Envoy's early header mutation should already have removed it.
         common.header_mutation.remove_headers.append(UPSTREAM_HEADER)
         common.clear_route_cache = True
+    if outcome.path is not None:
+        _set(common.header_mutation, ":path", outcome.path.encode())
+    if outcome.body is not None:
+        # A changed body needs its new length, or Envoy fails the request with 500.
+        _set(common.header_mutation, "content-length", str(len(outcome.body)).encode())
+        if with_body:
+            common.body_mutation.body = outcome.body
     return picked
 
 
@@ -126,6 +143,7 @@ def _with_metadata(
     ace["mode"].string_value = outcome.mode.value
     ace["action"].string_value = outcome.action
     ace["prefix_key"].string_value = outcome.prefix_key
+    ace["saved_tokens"].number_value = outcome.saved_tokens
     if outcome.pod is not None:
         ace["served_by"].string_value = outcome.pod.key
     if outcome.would_pick is not None:
@@ -163,6 +181,16 @@ def body_decided(outcome: Outcome, client_upstream: bool) -> ProcessingResponse:
     resp = ProcessingResponse()
     picked = _fill(resp.request_body.response, outcome, client_upstream, True)
     return _with_metadata(resp, outcome, picked)
+
+
+def response_replaced(body: bytes) -> ProcessingResponse:
+    """The answer to a buffered response body: ``body`` (JSON) instead."""
+    resp = ProcessingResponse()
+    common = resp.response_body.response
+    _set(common.header_mutation, "content-type", b"application/json")
+    _set(common.header_mutation, "content-length", str(len(body)).encode())
+    common.body_mutation.body = body
+    return resp
 
 
 def duplex_decided(

@@ -9,16 +9,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from ace_extproc import execute
 from ace_extproc import request as req
 from ace_extproc.config import Config, ConfigError, Mode, Pod
 from ace_extproc.latency import get_model
+from ace_extproc.observe import Observer
 from ace_extproc.prefix import cache_prefix_id, hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, Picker, RoutingRequest, policies
 from ace_extproc.routing.policies import PickerFactory
+from ace_extproc.telemetry import Telemetry
 from ace_extproc.tenants import MissingKey, Tenants, UnknownKey
 
 if TYPE_CHECKING:
@@ -48,6 +52,9 @@ class Outcome:
     reject_body: bytes = b""
     fallbacks: tuple[Pod, ...] = ()  # next-best pods for Envoy's retries (endpoint mode)
     endpoint: bool = False  # name pods by ip:port (router.upstream_mode: endpoint)
+    path: str | None = None  # a new :path (the native API's request becomes a chat)
+    slot: int = -1  # the picked pod's slot (any mode), for the metrics
+    prompt_tokens: int = 0  # estimated from the canonical prompt
 
     @property
     def trace(self) -> str:
@@ -67,6 +74,7 @@ class RequestContext:
     client_upstream: bool  # the client sent x-ace-upstream (Envoy should have stripped it)
     session: str | None = None  # x-session-id or x-user-id
     outcome: Outcome | None = None  # set when the headers alone decide
+    execute: bool = False  # the native API (execute.py): its response is enveloped
 
 
 def _bypass(mode: Mode, reason: str) -> Outcome:
@@ -85,12 +93,26 @@ class Processor:
         self.ttft = get_model(config.settings.ttft_model)
         # Set by server.start: keeps fleet.load and fleet.available fresh.
         self.monitor: FleetMonitor | None = None
+        # What became of the requests (the observe-only filter's reports).
+        self.observer = Observer(self.fleet)
+        self.observes_bodies = config.settings.usage_capture  # else only response headers
+        # Decisions and step times, read by the metrics endpoint (telemetry.py).
+        self.telemetry = Telemetry(config.settings, self.fleet, self.index, lambda: self.monitor)
+        self.telemetry.ledger = self.observer.ledger
         # Set by server.start: the loops that add and remove pods at run time.
         self.discoveries: list[Discovery] = []
 
     # ------------------------------------------------------------ header phase
 
     def on_headers(self, headers: Mapping[str, str], end_of_stream: bool) -> RequestContext:
+        ctx = self._headers(headers, end_of_stream)
+        outcome = ctx.outcome
+        # Decided here: counted now, unless a native-API body still follows.
+        if outcome is not None and (not ctx.execute or outcome.reject_status):
+            self._count(ctx, outcome, 0)
+        return ctx
+
+    def _headers(self, headers: Mapping[str, str], end_of_stream: bool) -> RequestContext:
         s = self.settings
         path = headers.get(":path", "").partition("?")[0]
         ctx = RequestContext(
@@ -100,7 +122,13 @@ class Processor:
             UPSTREAM_HEADER in headers,
             headers.get("x-session-id") or headers.get("x-user-id"),
         )
-        if path not in req.ROUTABLE_PATHS:
+        if path == execute.PATH:
+            ctx.execute = True
+            if end_of_stream:  # the envelope is the request: without one, a 400 now
+                error = execute.EnvelopeError("body", "expected the /v1/execute envelope")
+                ctx.outcome = _invalid_envelope(s.mode, error)
+                return ctx
+        elif path not in req.ROUTABLE_PATHS:
             ctx.outcome = _bypass(s.mode, "unknown_path")
             return ctx
         if headers.get(":method") != "POST":
@@ -113,7 +141,7 @@ class Processor:
             except _BadOverride as exc:
                 ctx.outcome = _bypass(s.mode, exc.reason)
                 return ctx
-        if ctx.mode is Mode.OFF:
+        if ctx.mode is Mode.OFF and not ctx.execute:  # an envelope may still turn it on
             ctx.outcome = Outcome(Mode.OFF, "off")
             return ctx
         try:
@@ -136,23 +164,74 @@ class Processor:
     # -------------------------------------------------------------- body phase
 
     def on_body(self, ctx: RequestContext, body: bytes) -> Outcome:
+        if ctx.outcome is not None and not ctx.execute:
+            return ctx.outcome  # decided, and counted, by the headers
+        start = perf_counter_ns()
+        outcome = self._execute(ctx, body) if ctx.execute else self._route(ctx, body)
+        self._count(ctx, outcome, perf_counter_ns() - start)
+        return outcome
+
+    def _count(self, ctx: RequestContext, outcome: Outcome, latency_ns: int) -> None:
+        saved_ms = 0.0
+        if outcome.saved_tokens:
+            cold = self.ttft.ttft_ms(outcome.prompt_tokens)
+            saved_ms = cold - cold / outcome.speedup
+        self.telemetry.decision(
+            outcome.mode.value,
+            outcome.action,
+            ctx.tenant,
+            outcome.slot,
+            outcome.prompt_tokens,
+            outcome.saved_tokens,
+            saved_ms,
+            latency_ns,
+        )
+
+    def _execute(self, ctx: RequestContext, body: bytes) -> Outcome:
+        """The native API: the envelope becomes a chat completion, routed like one,
+        and goes to the engine's chat path in every mode (it cannot serve the
+        envelope). A bypass the headers decided still takes effect."""
+        if ctx.outcome is not None and ctx.outcome.reject_status:
+            return ctx.outcome
+        try:
+            chat, mode = execute.to_chat(body)
+        except execute.EnvelopeError as exc:
+            return _invalid_envelope(ctx.mode, exc)
+        if mode is not None and self.settings.allow_mode_override and ctx.outcome is None:
+            ctx.mode = mode
+        ctx.path = req.CHAT_PATH
+        if ctx.outcome is not None:
+            outcome = ctx.outcome
+        elif ctx.mode is Mode.OFF:
+            outcome = Outcome(Mode.OFF, "off")
+        else:
+            outcome = self._route(ctx, chat)
+        outcome.path = req.CHAT_PATH
+        if outcome.body is None and not outcome.reject_status:
+            outcome.body = chat
+        return outcome
+
+    def _route(self, ctx: RequestContext, body: bytes) -> Outcome:
         if ctx.outcome is not None:
             return ctx.outcome
         mode = ctx.mode
         if len(body) > self.settings.max_body_bytes:
             return _bypass(mode, "too_large")
+        started = perf_counter_ns()
         try:
             parsed = req.parse(ctx.path, body)
         except req.RequestError as exc:
-            log.info("bypass: %s (%s)", exc.reason, exc)
+            log.debug("bypass: %s (%s)", exc.reason, exc)  # counted, and logged, as anomaly
             return _bypass(mode, exc.reason)
         destination = self.fleet.destination_for(parsed.model)
         if destination is None:
             return _bypass(mode, "unknown_model")
         s = self.settings
+        parsed_at = perf_counter_ns()
         hashes = hash_prompt(
             parsed.prompt, parsed.cacheable_end, s.block_bytes, scope_seed(ctx.tenant, parsed.model)
         )
+        hashed_at = perf_counter_ns()
         prompt_tokens = max(1, int(len(parsed.prompt) / s.bytes_per_token))
         routing = RoutingRequest(
             hashes, parsed.prompt, prompt_tokens, ctx.tenant, parsed.model, ctx.session
@@ -179,7 +258,11 @@ class Processor:
             would_pick=pick.pod,
             saved_tokens=saved,
             speedup=self.ttft.speedup(prompt_tokens, saved),
+            slot=pick.slot,
+            prompt_tokens=prompt_tokens,
         )
+        picked_at = perf_counter_ns()
+        rewrite_ns = 0
         if mode is Mode.PROD:
             outcome.pod = pick.pod
             outcome.endpoint = self.settings.upstream_mode == "endpoint"
@@ -189,7 +272,15 @@ class Processor:
                 f'"cache_prefix_id":"{cache_prefix_id(ctx.tenant, hashes.prefix_key)}",'
                 f'"cache_salt":"{self.tenants.salt(ctx.tenant)}"'
             )
+            if parsed.stream and s.usage_capture and not parsed.stream_options:
+                # The engine then ends the stream with a usage chunk the observe filter
+                # reads; a client's own stream_options is left as it chose.
+                fields += ',"stream_options":{"include_usage":true}'
             outcome.body = rewrite_body(body, fields, parsed.has_router_fields)
+            rewrite_ns = perf_counter_ns() - picked_at
+        self.telemetry.steps_ns(
+            parsed_at - started, hashed_at - parsed_at, picked_at - hashed_at, rewrite_ns
+        )
         return outcome
 
 
@@ -238,6 +329,11 @@ def _parse_override(value: str, default: Mode) -> Mode:
             except ConfigError:
                 raise _BadOverride("unknown_mode") from None
     return mode
+
+
+def _invalid_envelope(mode: Mode, error: execute.EnvelopeError) -> Outcome:
+    # Even in shadow: no engine can serve an envelope it cannot read.
+    return Outcome(mode, "reject_invalid_envelope", reject_status=400, reject_body=error.body())
 
 
 def _auth_failure(mode: Mode, reason: str) -> Outcome:

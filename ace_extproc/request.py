@@ -65,6 +65,7 @@ class ChatBody(_RouterFields):
     model: str = ""
     tools: list[msgspec.Raw] | None = None
     stream: bool = False
+    stream_options: Any = msgspec.UNSET
 
 
 class CompletionBody(_RouterFields):
@@ -72,6 +73,7 @@ class CompletionBody(_RouterFields):
     prompt: str | list[Any] | None = None
     model: str = ""
     stream: bool = False
+    stream_options: Any = msgspec.UNSET
 
 
 _chat_decoder = msgspec.json.Decoder(ChatBody)
@@ -95,6 +97,7 @@ class ParsedRequest:
     cacheable_end: int | None
     has_router_fields: bool  # the client sent cache_salt / cache_prefix_id
     stream: bool
+    stream_options: bool = False  # the client chose its own stream_options
 
 
 def parse(path: str, body: bytes) -> ParsedRequest:
@@ -131,7 +134,15 @@ def _parse_chat(path: str, req: ChatBody) -> ParsedRequest:
         newest_user = len(parts)
     head = b"".join(parts[:newest_user])
     prompt = head + b"".join(parts[newest_user:])
-    return ParsedRequest(path, req.model, prompt, len(head), req.has_router_fields, req.stream)
+    return ParsedRequest(
+        path,
+        req.model,
+        prompt,
+        len(head),
+        req.has_router_fields,
+        req.stream,
+        req.stream_options is not msgspec.UNSET,
+    )
 
 
 def _add_message(add: Callable[[bytes], None], msg: Message) -> None:
@@ -176,7 +187,15 @@ def _parse_completion(path: str, req: CompletionBody) -> ParsedRequest:
         raise RequestError(
             "invalid_body", "`prompt` must be a string, strings, token ids or lists of token ids"
         )
-    return ParsedRequest(path, req.model, data, None, req.has_router_fields, req.stream)
+    return ParsedRequest(
+        path,
+        req.model,
+        data,
+        None,
+        req.has_router_fields,
+        req.stream,
+        req.stream_options is not msgspec.UNSET,
+    )
 
 
 def _is_tokens(items: list[Any]) -> bool:

@@ -7,6 +7,8 @@ then answer the headers with the route and stream the body back.
 Which one a stream uses is read from the ``protocol_config`` Envoy sends first, so
 the server follows whichever mode the Envoy config chose.
 Response headers are never sent here: Envoy adds them from dynamic metadata.
+Streams of the observe-only filter (``observability_mode``: responses, never
+answered) feed an ``Observation`` to ``observe.Observer`` when they end.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import replace
 
 import grpc
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -33,8 +36,11 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ace_extproc import config as config_mod
-from ace_extproc import mutate
+from ace_extproc import execute, mutate
+from ace_extproc import telemetry as tm
+from ace_extproc.admin import serve_admin
 from ace_extproc.config import Config, ConfigError, Mode
+from ace_extproc.observe import Observation
 from ace_extproc.processor import Outcome, Processor, RequestContext
 from ace_extproc.procs import die_with_parent
 from ace_extproc.routing.discovery import for_destination
@@ -59,24 +65,47 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         self, request_iterator: AsyncIterator[ProcessingRequest], context: object
     ) -> AsyncIterator[ProcessingResponse]:
         stream = _Stream(self.processor)
-        async for message in request_iterator:
-            for response in stream.on_message(message):
-                yield response
+        try:
+            async for message in request_iterator:
+                for response in stream.on_message(message):
+                    yield response
+                if stream.observed_all:
+                    # Close it ourselves: Envoy would hold an observe stream open for
+                    # its deferred_close_timeout (5 s) after the request ended.
+                    break
+        finally:
+            stream.close()
 
 
 class _Stream:
     """State of one request's stream."""
 
-    __slots__ = ("chunks", "ctx", "duplex", "processor")
+    __slots__ = (
+        "chunks",
+        "ctx",
+        "duplex",
+        "observed",
+        "observed_all",
+        "outcome",
+        "processor",
+        "status",
+    )
 
     def __init__(self, processor: Processor) -> None:
         self.processor = processor
         self.ctx: RequestContext | None = None
         self.duplex = False
         self.chunks: list[bytes] = []
+        self.observed: Observation | None = None
+        self.observed_all = False  # an observe stream whose response has been seen
+        self.outcome: Outcome | None = None  # the decision, for the native API's envelope
+        self.status = 0  # the response's status (native API)
 
     def on_message(self, msg: ProcessingRequest) -> Iterable[ProcessingResponse]:
         kind = msg.WhichOneof("request")
+        if msg.observability_mode:  # the observe-only filter: Envoy wants no answer
+            self._observe(msg, kind)
+            return ()
         try:
             if kind == "request_headers":
                 return self._on_headers(msg)
@@ -84,6 +113,11 @@ class _Stream:
                 return self._on_body(msg)
             if kind == "request_trailers":
                 return self._on_trailers()
+            if self.ctx is not None and self.ctx.execute and self.outcome is not None:
+                if kind == "response_headers":
+                    return self._on_response_headers(msg)
+                if kind == "response_body":
+                    return self._on_response_body(msg)
         except Exception:  # a bug here must cost a decision, never the request
             log.exception("ext_proc: failed on %s; passing the request through", kind)
             return self._pass_through(kind)
@@ -97,6 +131,11 @@ class _Stream:
         http = msg.request_headers
         headers = {h.key: h.raw_value.decode("latin-1") for h in http.headers.headers}
         self.ctx = ctx = self.processor.on_headers(headers, http.end_of_stream)
+        if ctx.execute and not (ctx.outcome and ctx.outcome.reject_status):
+            if self.duplex:  # Envoy allows no mode override there: no envelope back
+                log.info("/v1/execute needs Envoy's buffered body mode; refused")
+                return [mutate.immediate(execute_unavailable(ctx.mode))]
+            return [mutate.EXECUTE_HEADERS]
         if self.duplex:
             if not http.end_of_stream:
                 return []  # answered once the body is complete
@@ -125,14 +164,64 @@ class _Stream:
         ctx = self.ctx
         if ctx is None:  # a body before any headers: nothing to decide on
             return [mutate.BODY_CONTINUE]
-        outcome = self.processor.on_body(ctx, body)
+        outcome = self.outcome = self.processor.on_body(ctx, body)
         if self.duplex:
             self.chunks = []
             return mutate.duplex_decided(outcome, ctx.client_upstream, body)
         return [mutate.body_decided(outcome, ctx.client_upstream)]
 
+    def _on_response_headers(self, msg: ProcessingRequest) -> list[ProcessingResponse]:
+        for h in msg.response_headers.headers.headers:
+            if h.key == ":status":
+                self.status = int(h.raw_value or b"0")
+                break
+        if msg.response_headers.end_of_stream:  # no body will come to wrap
+            self.outcome = None
+        return [mutate.RESPONSE_HEADERS_CONTINUE]
+
+    def _on_response_body(self, msg: ProcessingRequest) -> list[ProcessingResponse]:
+        outcome = self.outcome
+        assert outcome is not None
+        self.outcome = None
+        entry = execute.trace(
+            outcome.mode.value,
+            outcome.action,
+            outcome.prefix_key,
+            outcome.saved_tokens,
+            outcome.speedup,
+        )
+        return [mutate.response_replaced(execute.wrap(self.status, msg.response_body.body, entry))]
+
+    def _observe(self, msg: ProcessingRequest, kind: str | None) -> None:
+        try:
+            if kind == "response_headers":
+                self.observed = Observation()
+                self.observed.on_headers(msg)
+                if msg.response_headers.end_of_stream or not self.processor.observes_bodies:
+                    self.close()
+            elif kind == "response_body" and self.observed is not None:
+                self.observed.on_body(msg.response_body.body)
+                if msg.response_body.end_of_stream:
+                    self.close()
+            else:
+                return
+        except Exception:  # observing must never cost more than the observation
+            log.exception("observe: failed on %s", kind)
+            self.observed = None
+
+    def close(self) -> None:
+        """The response was seen to its end, or the stream ended: record it."""
+        self.observed_all = True
+        observed, self.observed = self.observed, None
+        if observed is not None:
+            try:
+                self.processor.observer.finish(observed)
+            except Exception:
+                log.exception("observe: failed to record a response")
+
     def _pass_through(self, kind: str | None) -> list[ProcessingResponse]:
         outcome = Outcome(self.ctx.mode if self.ctx else Mode.OFF, "bypass_internal_error")
+        self.processor.telemetry.bypass(outcome.mode.value, "internal_error")
         if self.duplex:
             if kind == "request_headers":
                 return []
@@ -142,6 +231,13 @@ class _Stream:
         if kind == "request_headers":
             return [mutate.headers_decided(outcome, False)]
         return [mutate.body_decided(outcome, False)]
+
+
+def execute_unavailable(mode: Mode) -> Outcome:
+    body = execute.error_body(
+        "/v1/execute needs Envoy's buffered body processing mode", 501, "not_implemented"
+    )
+    return Outcome(mode, "reject_execute_unavailable", reject_status=501, reject_body=body)
 
 
 # ------------------------------------------------------------------ serving
@@ -163,7 +259,8 @@ async def start(
     """Serve ``processor`` (a new one when None) and, unless ``probe_interval_s <= 0``,
     watch its pods: the monitor is ``processor.monitor``, for the caller to stop.
     Destinations with ``discovery:`` get a discovery loop each
-    (``processor.discoveries``), stopped by ``stop_discovery(processor)``."""
+    (``processor.discoveries``), stopped by ``stop_discovery(processor)``.
+    The admin API (``admin_listen``, unless ``off``) runs until the server has stopped."""
     s = config.settings
     processor = processor or Processor(config)
     server = grpc.aio.server(options=grpc_options(s.grpc_max_message_bytes))
@@ -178,6 +275,7 @@ async def start(
     if s.probe_interval_s > 0 and processor.monitor is None:
         processor.monitor = FleetMonitor(processor.fleet, processor.index, s)
         await processor.monitor.start()
+    processor.observer.monitor = processor.monitor  # passive health reports
     if not processor.discoveries:
         # After the monitor, which follows the pods discovery adds and removes.
         processor.discoveries = [
@@ -187,6 +285,7 @@ async def start(
         ]
         for discovery in processor.discoveries:
             await discovery.start()
+    await serve_admin(config, processor, follow=server)  # its own port; stops after server
     for name in ("", _SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer
@@ -209,9 +308,17 @@ def tune_gc() -> None:
 async def serve(config: Config) -> None:
     processor = Processor(config)
     server, health_servicer = await start(config, processor)
-    tune_gc()
     s = config.settings
+    # Its own port and thread: a scrape never waits on, or holds up, this loop.
+    try:
+        metrics = tm.serve_metrics(s.metrics_listen, processor.telemetry)
+    except OSError as exc:  # the data path matters more than its metrics
+        log.warning("metrics: cannot listen on %s (%s); running without", s.metrics_listen, exc)
+        metrics = None
+    tune_gc()
     where = " and ".join(x for x in (s.listen, s.uds and f"unix:{s.uds}") if x)
+    if metrics is not None:
+        where += f"; metrics on {metrics.url}"
     # One write: worker processes share stdout, and a pipe keeps a short write whole.
     sys.stdout.write(f"ace-extproc serving ext_proc on {where} (mode={s.mode.value})\n")
     sys.stdout.flush()
@@ -226,6 +333,8 @@ async def serve(config: Config) -> None:
     if processor.monitor is not None:
         await processor.monitor.stop()
     await server.stop(s.shutdown_grace_s)
+    if metrics is not None:
+        metrics.stop()
     log.info("ace-extproc stopped")
 
 
@@ -240,13 +349,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uds", help="also listen on this Unix domain socket path")
     parser.add_argument("--mode", choices=[m.value for m in Mode], help="default mode")
     parser.add_argument(
+        "--admin-listen",
+        help='the admin API (ace-extproc ctl): host:port, unix:/path or "off" '
+        "(default 127.0.0.1:9091)",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         default=1,
         help="server processes sharing the TCP port (SO_REUSEPORT); one Python process "
         "saturates about one core",
     )
+    parser.add_argument(
+        "--metrics-listen",
+        help='Prometheus /metrics: host:port (0: any free port) or "off" (default 127.0.0.1:9090)',
+    )
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-format", choices=config_mod.LOG_FORMATS, help="default: router.log_format (json)"
+    )
 
 
 def load_config(args: argparse.Namespace) -> Config:
@@ -258,26 +379,35 @@ def load_config(args: argparse.Namespace) -> Config:
         overrides["uds"] = args.uds
     if args.mode:
         overrides["mode"] = Mode(args.mode)
+    if args.admin_listen:
+        config_mod.check_admin_listen(args.admin_listen, "--admin-listen")
+        overrides["admin_listen"] = args.admin_listen
+    if args.metrics_listen:
+        if args.metrics_listen != "off":
+            config_mod.check_listen(args.metrics_listen, "--metrics-listen", allow_off=True)
+        overrides["metrics_listen"] = args.metrics_listen
+    if args.log_format:
+        overrides["log_format"] = args.log_format
     if overrides:
-        from dataclasses import replace
-
         cfg = Config(cfg.fleet, replace(cfg.settings, **overrides))  # type: ignore[arg-type]
     return cfg
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
         cfg = load_config(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    tm.configure_logging(args.log_level.upper(), json=cfg.settings.log_format == "json")
     if args.workers > 1:
         if cfg.settings.uds:
             print("error: --workers needs TCP; a Unix socket cannot be shared", file=sys.stderr)
             return 2
+        if cfg.settings.admin_listen != "off":
+            # Each worker has its own fleet state: one answering for all would mislead.
+            print("note: the admin API is off with --workers > 1", file=sys.stderr)
+            cfg = Config(cfg.fleet, replace(cfg.settings, admin_listen="off"))
         return _run_workers(cfg, args.workers)
     _serve_forever(cfg)
     return 0
@@ -308,7 +438,14 @@ def _run_workers(cfg: Config, workers: int) -> int:
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(cfg,), daemon=True) for _ in range(workers)]
+    # One metrics port each (port + worker number): each worker has its own tallies.
+    configs = [
+        Config(cfg.fleet, replace(cfg.settings, metrics_listen=tm.worker_listen(m, i)))
+        if (m := cfg.settings.metrics_listen) != "off"
+        else cfg
+        for i in range(workers)
+    ]
+    procs = [ctx.Process(target=_worker, args=(c,), daemon=True) for c in configs]
     for proc in procs:
         proc.start()
 

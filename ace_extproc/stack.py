@@ -57,6 +57,10 @@ class StackOptions:
     listen: str = "127.0.0.1:8080"
     admin: str = "127.0.0.1:9901"
     ext_proc: str = "127.0.0.1:50051"
+    # ace-extproc's Prometheus /metrics and admin API (ctl): host:port or "off";
+    # None keeps the fleet's router settings (127.0.0.1:9090 and :9091 by default).
+    metrics: str | None = None
+    admin_api: str | None = None
     processing_mode: str = "buffered"
     mode: str | None = None  # override the configured default mode
     upstream_mode: str | None = None  # override router.upstream_mode (server and Envoy)
@@ -147,6 +151,10 @@ class Stack:
     async def _start_ext_proc(self, fleet_path: Path) -> None:
         argv = [sys.executable, "-m", "ace_extproc.cli", "serve", "--fleet", str(fleet_path)]
         argv += ["--listen", self.options.ext_proc]
+        if self.options.metrics:
+            argv += ["--metrics-listen", self.options.metrics]
+        if self.options.admin_api:
+            argv += ["--admin-listen", self.options.admin_api]
         if self.options.mode:
             argv += ["--mode", self.options.mode]
         await self._spawn("ace-extproc", *argv)
@@ -299,6 +307,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin", default="127.0.0.1:9901", help="Envoy's admin address")
     parser.add_argument("--ext-proc", default="127.0.0.1:50051", help="ace-extproc's gRPC address")
     parser.add_argument(
+        "--metrics", help='ace-extproc\'s Prometheus /metrics: host:port or "off" (default :9090)'
+    )
+    parser.add_argument(
+        "--admin-api", help='ace-extproc\'s admin API (ctl): host:port or "off" (default :9091)'
+    )
+    parser.add_argument(
         "--processing-mode", choices=["buffered", "full_duplex"], default="buffered"
     )
     parser.add_argument("--mode", choices=["off", "shadow", "prod"], help="default routing mode")
@@ -319,6 +333,8 @@ def run(args: argparse.Namespace) -> int:
         listen=args.listen,
         admin=args.admin,
         ext_proc=args.ext_proc,
+        metrics=args.metrics,
+        admin_api=args.admin_api,
         processing_mode=args.processing_mode,
         mode=args.mode,
         upstream_mode=args.upstream_mode,

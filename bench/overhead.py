@@ -10,12 +10,15 @@ engine pod (no sleeping, one output token):
   direct           client -> Envoy -> engine, no ext_proc filter: the baseline
   trivial          + bench/trivial_extproc.py: the floor for a Python ext_proc doing
                    the same exchanges (headers SEND, body BUFFERED, body rewritten)
-  ace-buffered     + ace-extproc, buffered body (2 exchanges)
+  ace-buffered     + ace-extproc, buffered body (2 exchanges), as shipped: with the
+                   observe-only filter (each response reported on a second stream,
+                   without waiting for an answer)
+  ace-no-observe   the same without the observe filter: what observing costs
   ace-full-duplex  + ace-extproc, FULL_DUPLEX_STREAMED body (1 round trip)
   sglang           client -> SGLang Model Gateway -> engine (no Envoy), --peer-policy
   vllm             client -> vLLM Router -> engine (no Envoy); its cache_aware policy
                    also POSTs every body to the engine's render endpoint first
-The default is the four Envoy variants; ``--variants all`` adds the peers that are
+The default is the five Envoy variants; ``--variants all`` adds the peers that are
 installed (``bench/peers.py``), a peer named but not installed is skipped with the reason.
 For the peers, the "envoy" CPU column is the peer router's process (the proxy).
 
@@ -74,12 +77,15 @@ from ace_extproc.config import Config
 from ace_extproc.stack import SERVED_BY, StackError, StackOptions, envoy_binary
 from bench import peers
 
-# (ext_proc server, processing mode) per Envoy variant: the default set.
-VARIANTS: dict[str, tuple[str | None, str]] = {
-    "direct": (None, "buffered"),
-    "trivial": ("trivial", "buffered"),
-    "ace-buffered": ("ace", "buffered"),
-    "ace-full-duplex": ("ace", "full_duplex"),
+# (ext_proc server, processing mode, observe filter) per Envoy variant: the default set.
+# ace as shipped has the observe-only filter (a second stream a request, off the path);
+# ace-no-observe shows what that costs. The trivial floor has the routing exchange only.
+VARIANTS: dict[str, tuple[str | None, str, bool]] = {
+    "direct": (None, "buffered", False),
+    "trivial": ("trivial", "buffered", False),
+    "ace-buffered": ("ace", "buffered", True),
+    "ace-no-observe": ("ace", "buffered", False),
+    "ace-full-duplex": ("ace", "full_duplex", True),
 }
 # Peer routers in front of the same engine, without Envoy: named by ``--variants``.
 ALL_VARIANTS = (*VARIANTS, *peers.PEERS)
@@ -270,7 +276,7 @@ class Bench(peers.PeerStack):
                 self.procs[pod.id].pid,
                 pod.base_url,
             )
-        server, mode = VARIANTS[name]
+        server, mode, observe = VARIANTS[name]
         listen, admin, grpc_addr = (f"127.0.0.1:{p}" for p in ports)
         if server == "trivial":
             argv = [str(TRIVIAL), "--listen", grpc_addr, "--cluster", pod.cluster]
@@ -278,11 +284,13 @@ class Bench(peers.PeerStack):
         elif server == "ace":
             fleet = str(self.workdir / "fleet.yaml")
             argv = ["-m", "ace_extproc.cli", "serve", "--fleet", fleet, "--listen", grpc_addr]
+            argv += ["--metrics-listen", "off", "--admin-listen", "off"]  # several variants
             await self._spawn(f"{name}-server", sys.executable, *argv)
         if server:
             await self._wait_tcp(f"{name}-server", "127.0.0.1", ports[2])
         # The ext_proc cluster is rendered from settings.listen.
-        cfg = replace(config, settings=replace(config.settings, listen=grpc_addr))
+        settings = replace(config.settings, listen=grpc_addr, observe_responses=observe)
+        cfg = replace(config, settings=settings)
         rendered = envoy_config.render_yaml(
             cfg, listen=listen, admin=admin, processing_mode=mode, ext_proc=server is not None
         )

@@ -5,6 +5,13 @@ from pathlib import Path
 
 import pytest
 
+# gRPC's fork handlers restart its threads in each child this process forks, and a
+# child that then closes its inherited descriptors before exec (as subprocess does)
+# can abort in gRPC's poller ("epoll_wait error: Bad file descriptor", SIGABRT). The
+# tests use gRPC in process and then fork servers and pods; no forked child uses
+# gRPC before exec, so they run without fork support. Set before grpc is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -30,13 +30,15 @@ KEYS = {"key-acme": "acme", "key-globex": "globex"}
 
 def options(**kw: Any) -> StackOptions:
     # Consecutive pod ports below the ephemeral range, so no client socket takes them.
-    ports = free_ports(7)
+    ports = free_ports(9)
     return StackOptions(
         pods=4,
         first_pod_port=ports[0],
         listen=f"127.0.0.1:{ports[4]}",
         admin=f"127.0.0.1:{ports[5]}",
         ext_proc=f"127.0.0.1:{ports[6]}",
+        metrics=f"127.0.0.1:{ports[7]}",
+        admin_api=f"127.0.0.1:{ports[8]}",
         time_scale=0.001,
         sim_args=["--record", "200"],
         env={"ACE_SALT_SECRET": "e2e-secret"},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,48 @@ def test_pinned_route_first_then_fail_open_default(default: cfg.Config) -> None:
     assert fallback["route"]["cluster"] == default.fleet.default.cluster == "ace_default.sim"
     for route in (pinned, fallback):
         assert route["route"]["timeout"] == "0s"
-        assert route["route"]["retry_policy"]["num_retries"] == 1
+    assert fallback["route"]["retry_policy"]["num_retries"] == 1
+    # A pinned request whose pod is down retries on its cluster's standby pods.
+    retry = pinned["route"]["retry_policy"]
+    assert retry["num_retries"] == 2
+    assert retry["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
+
+
+def test_each_pod_cluster_has_the_other_pods_on_standby(default: cfg.Config) -> None:
+    clusters = {c["name"]: c for c in ec.render(default)["static_resources"]["clusters"]}
+    pods = default.fleet.pods
+    for pod in pods:
+        primary, standby = clusters[pod.cluster]["load_assignment"]["endpoints"]
+        assert [
+            e["endpoint"]["address"]["socket_address"]["port_value"]
+            for e in primary["lb_endpoints"]
+        ] == [pod.port]
+        assert standby["priority"] == 1
+        assert sorted(
+            e["endpoint"]["address"]["socket_address"]["port_value"]
+            for e in standby["lb_endpoints"]
+        ) == sorted(p.port for p in pods if p != pod)
+
+
+def test_the_observe_filter_only_watches_responses(default: cfg.Config) -> None:
+    def observe(doc: dict[str, Any]) -> dict[str, Any] | None:
+        found = [f for f in _hcm(doc)["http_filters"] if f["name"] == "ace.observe"]
+        return found[0]["typed_config"] if found else None
+
+    obs = observe(ec.render(default))
+    assert obs is not None and obs["observability_mode"] is True
+    assert obs["failure_mode_allow"] is True
+    mode = obs["processing_mode"]
+    assert (mode["request_header_mode"], mode["request_body_mode"]) == ("SKIP", "NONE")
+    assert (mode["response_header_mode"], mode["response_body_mode"]) == ("SEND", "NONE")
+    assert obs["metadata_options"]["forwarding_namespaces"]["untyped"] == ["ace"]
+    assert "upstream.address" in obs["response_attributes"]
+    usage = cfg.Config(default.fleet, replace(default.settings, usage_capture=True))
+    streamed = observe(ec.render(usage))
+    assert streamed is not None
+    assert streamed["processing_mode"]["response_body_mode"] == "STREAMED"
+    off = cfg.Config(default.fleet, replace(default.settings, observe_responses=False))
+    assert observe(ec.render(off)) is None
 
 
 def test_client_routing_headers_are_stripped_before_routing(default: cfg.Config) -> None:
@@ -129,7 +171,7 @@ def test_client_routing_headers_are_stripped_before_routing(default: cfg.Config)
 def test_ext_proc_filter_fails_open_and_receives_metadata(default: cfg.Config) -> None:
     doc = ec.render(default, message_timeout_s=0.25)
     filters = [f["name"] for f in _hcm(doc)["http_filters"]]
-    assert filters == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    assert filters == ["envoy.filters.http.ext_proc", "ace.observe", "envoy.filters.http.router"]
     ext = _ext_proc(doc)
     assert ext["grpc_service"] == {"envoy_grpc": {"cluster_name": "ace_extproc"}}
     assert ext["failure_mode_allow"] is True
@@ -164,18 +206,41 @@ def test_response_headers_come_from_dynamic_metadata(default: cfg.Config) -> Non
     assert not any(a.get("keep_empty_value") for a in added)
 
 
-def test_access_log_has_trace_upstream_and_flags(default: cfg.Config) -> None:
+def test_access_log_is_json_with_the_decision_upstream_and_flags(default: cfg.Config) -> None:
     (log,) = _hcm(ec.render(default))["access_log"]
-    fmt = log["typed_config"]["log_format"]["text_format_source"]["inline_string"]
-    for field in (
-        "%DYNAMIC_METADATA(ace:trace)%",
-        "%UPSTREAM_CLUSTER%",
-        "%UPSTREAM_HOST%",
-        "%RESPONSE_CODE%",
-        "%RESPONSE_FLAGS%",
-        "%DURATION%",
-    ):
-        assert field in fmt
+    assert log["name"] == "envoy.access_loggers.stdout"
+    fmt = log["typed_config"]["log_format"]["json_format"]
+    assert {
+        "ace_prefix_key": "%DYNAMIC_METADATA(ace:prefix_key)%",
+        "ace_pod": "%DYNAMIC_METADATA(ace:pod)%",
+        "ace_action": "%DYNAMIC_METADATA(ace:action)%",
+        "ace_mode": "%DYNAMIC_METADATA(ace:mode)%",
+        "ace_trace": "%DYNAMIC_METADATA(ace:trace)%",
+        "status": "%RESPONSE_CODE%",
+        "duration_ms": "%DURATION%",
+        "upstream_host": "%UPSTREAM_HOST%",
+        "upstream_cluster": "%UPSTREAM_CLUSTER%",
+        "response_flags": "%RESPONSE_FLAGS%",
+    }.items() <= fmt.items()
+    # Every ace key the access log names is one ext_proc returns (mutate.py).
+    ace_keys = {v[len("%DYNAMIC_METADATA(ace:") : -2] for v in fmt.values() if "(ace:" in v}
+    assert ace_keys == {"prefix_key", "pod", "action", "mode", "trace", "served_by"}
+
+
+def test_access_log_target(default: cfg.Config) -> None:
+    def logger(**kw: Any) -> list[dict[str, Any]]:
+        loggers: list[dict[str, Any]] = _hcm(ec.render(default, **kw))["access_log"]
+        return loggers
+
+    (err,) = logger(access_log="stderr")
+    assert err["typed_config"]["@type"].endswith("stream.v3.StderrAccessLog")
+    (file,) = logger(access_log="/var/log/envoy/access.json")
+    assert file["name"] == "envoy.access_loggers.file"
+    assert file["typed_config"]["path"] == "/var/log/envoy/access.json"
+    assert "json_format" in file["typed_config"]["log_format"]
+    assert logger(access_log="off") == []
+    with pytest.raises(cfg.ConfigError, match="access log"):
+        ec.render(default, access_log="stdot")
 
 
 def test_buffer_limit_comes_from_settings(default: cfg.Config) -> None:
@@ -205,7 +270,8 @@ def test_hostname_pods_use_strict_dns(tmp_path: Path) -> None:
     clusters = _clusters(ec.render(config))
     assert clusters["ace_pod.chat.a"]["type"] == "STRICT_DNS"
     assert _addresses(clusters["ace_pod.chat.a"]) == [("chat-0.chat.svc.cluster.local", 8000)]
-    assert clusters["ace_pod.chat.b"]["type"] == "STATIC"
+    # b is an IP, but its cluster holds pod a on standby: a hostname needs DNS.
+    assert clusters["ace_pod.chat.b"]["type"] == "STRICT_DNS"
     assert clusters["ace_default.chat"]["type"] == "STRICT_DNS"  # mixed: DNS accepts IPs too
 
 
@@ -259,14 +325,18 @@ def test_rendered_field_names_match_the_envoy_protos(tmp_path: Path) -> None:
         "envoy.extensions.filters.http.router.v3.router_pb2",
         "envoy.extensions.http.early_header_mutation.header_mutation.v3.header_mutation_pb2",
         "envoy.extensions.access_loggers.stream.v3.stream_pb2",
+        "envoy.extensions.access_loggers.file.v3.file_pb2",
         "envoy.extensions.upstreams.http.v3.http_protocol_options_pb2",
         "envoy.extensions.retry.host.previous_hosts.v3.previous_hosts_pb2",
+        "envoy.extensions.retry.priority.previous_priorities.v3.previous_priorities_config_pb2",
     ):
         importlib.import_module(module)  # registers the types the Any fields name
     config = cfg.load(_fleet_file(tmp_path, HOSTNAME_FLEET), env={})
     for mode in ec.PROCESSING_MODES:
         doc = ec.render(config, processing_mode=mode, ext_proc_uds="/tmp/x.sock")
         json_format.ParseDict(doc, bootstrap_pb2.Bootstrap())
+    for target in ("stderr", "/tmp/access.json"):
+        json_format.ParseDict(ec.render(config, access_log=target), bootstrap_pb2.Bootstrap())
 
 
 # ---------------------------------------------------------------- shipped files
@@ -379,6 +449,8 @@ _VARIANTS: dict[str, dict[str, Any]] = {
     "full_duplex": {"processing_mode": "full_duplex"},
     "uds": {"ext_proc_uds": "/tmp/ace-extproc.sock", "listen": "0.0.0.0:18080"},
     "full_duplex_uds": {"processing_mode": "full_duplex", "ext_proc_uds": "@ace-extproc"},
+    "access_log_stderr": {"access_log": "stderr"},
+    "access_log_file": {"access_log": "/dev/null"},
 }
 
 
@@ -532,8 +604,8 @@ def test_endpoint_mode_routes_straight_to_the_destination_and_retries_down_the_l
         "x-ace-destination",
     }
     assert "envoy.lb" in _ext_proc(doc)["metadata_options"]["receiving_namespaces"]["untyped"]
-    fmt = hcm["access_log"][0]["typed_config"]["log_format"]["text_format_source"]
-    assert "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%" in fmt["inline_string"]
+    fmt = hcm["access_log"][0]["typed_config"]["log_format"]["json_format"]
+    assert fmt["ace_endpoints"] == "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%"
 
 
 def test_endpoint_mode_comes_from_settings_unless_overridden(

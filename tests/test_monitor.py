@@ -89,6 +89,7 @@ def test_vllm_text_is_summed_over_label_sets() -> None:
     assert s.capacity_tokens == 16 * (8192 + 4096)  # braces inside a label value
     assert (s.prompt_tokens, s.cache_queries, s.cache_hits) == (50_000, 2000, 1500)
     assert s.hit_rate == pytest.approx(0.75)
+    assert s.cached_prompt_tokens == 99  # vllm:prompt_tokens_cached_total, not prompt_tokens
     assert s.start_time == pytest.approx(1.71234e9)
     assert s.usable
     assert "NaN" in s.reason and "not-a-number" in s.reason
@@ -108,6 +109,7 @@ def test_sglang_text() -> None:
     assert s.hit_rate == pytest.approx(0.6)
     assert s.capacity_tokens == 2 * 161721
     assert (s.prompt_tokens, s.cache_hits, s.cache_queries) == (8128902, 4_000_000, None)
+    assert s.cached_prompt_tokens == 4_000_000  # sglang:cached_tokens_total
     assert s.reason == ""
 
 

@@ -4,6 +4,12 @@ int bitmask, and each destination's pods are a mask picked from by model.
 Membership changes (discovery) go through ``add_pod`` / ``remove_pod``. A slot is
 never freed: a removed pod keeps its slot (its bits cleared, so it gets nothing new),
 and the same pod coming back takes that slot again, so every bitmask stays valid.
+
+Three things keep a pod from new requests, each its own bitmask: leaving the fleet
+(``members``), failing health checks (``healthy``, set by the monitor through
+``set_available``) and an operator's drain (``drained``, the admin API). Pickers read
+only ``available``, recomputed from the three whenever one changes, so a health change
+never undrains a pod and an undrain never brings back one that is down.
 """
 
 from __future__ import annotations
@@ -41,7 +47,10 @@ class FleetState:
         self.seeds: list[tuple[int, float]] = [
             (rendezvous.pod_seed(p.key), p.weight) for p in self.pods
         ]
-        self.available = (1 << len(self.pods)) - 1  # not draining, not down
+        # Slots that may take new requests: members & healthy & ~drained (_refresh).
+        self.available = (1 << len(self.pods)) - 1
+        self.healthy = (1 << len(self.pods)) - 1  # the health checks' verdict
+        self.drained = 0  # drained by an operator: no new requests until undrained
         self.load: list[PodLoad] = [PodLoad() for _ in self.pods]
         # Each pod's KV cache in tokens, once its /metrics has told (None: not yet).
         self.capacity_tokens: list[int | None] = [None] * len(self.pods)
@@ -71,11 +80,48 @@ class FleetState:
         return self._dest_masks.get(destination.id, 0) & self.available
 
     def set_available(self, slot: int, available: bool) -> None:
+        """Record the health checks' verdict on a pod. It takes new requests only
+        while it is also in the fleet and not drained."""
         if available:
-            if (self.members >> slot) & 1:  # a pod that left stays out
-                self.available |= 1 << slot
+            self.healthy |= 1 << slot
         else:
-            self.available &= ~(1 << slot)
+            self.healthy &= ~(1 << slot)
+        self._refresh()
+
+    def drain(self, slot: int) -> bool:
+        """Send a pod no new requests (requests in flight are not touched, nor its
+        index, so an undrain finds its prefixes warm). Health checks go on. The drain
+        holds until ``undrain``, through health changes and the pod leaving and
+        rejoining. Returns whether anything changed."""
+        bit = 1 << slot
+        if self.drained & bit:
+            return False
+        self.drained |= bit
+        self._refresh()
+        return True
+
+    def undrain(self, slot: int) -> bool:
+        """Lift a drain: the pod takes new requests again once healthy and in the
+        fleet. Returns whether anything changed."""
+        bit = 1 << slot
+        if not self.drained & bit:
+            return False
+        self.drained &= ~bit
+        self._refresh()
+        return True
+
+    def is_drained(self, slot: int) -> bool:
+        return bool((self.drained >> slot) & 1)
+
+    def is_healthy(self, slot: int) -> bool:
+        return bool((self.healthy >> slot) & 1)
+
+    def is_available(self, slot: int) -> bool:
+        return bool((self.available >> slot) & 1)
+
+    def _refresh(self) -> None:
+        # One assignment: a reader sees the old mask or the new, never a mix.
+        self.available = self.members & self.healthy & ~self.drained
 
     # ------------------------------------------------------------ membership
 
@@ -111,19 +157,20 @@ class FleetState:
         bit = 1 << slot
         self._dest_masks[pod.destination] = self._dest_masks.get(pod.destination, 0) | bit
         self.members |= bit
-        self.available |= bit
+        self.healthy |= bit  # a new process, until the health checks say otherwise
+        self._refresh()  # a drained pod that rejoins stays drained
         self._notify(slot, ADDED)
         return slot
 
     def remove_pod(self, slot: int) -> None:
-        """Take a pod out of the fleet (it left, or is draining): it gets nothing new.
+        """Take a pod out of the fleet (it left, or is terminating): it gets nothing new.
         Its slot is kept, so bitmasks stay valid. Removing twice changes nothing."""
         bit = 1 << slot
         if not self.members & bit:
             return
         clear = ~bit
         self.members &= clear
-        self.available &= clear
+        self._refresh()
         dest = self.pods[slot].destination
         self._dest_masks[dest] = self._dest_masks.get(dest, 0) & clear
         self._notify(slot, REMOVED)

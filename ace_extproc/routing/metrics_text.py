@@ -32,6 +32,9 @@ _VLLM = {
     b"vllm:prefix_cache_queries_total": "cache_queries",
     b"vllm:prefix_cache_hits_total": "cache_hits",
     b"vllm:prompt_tokens_total": "prompt_tokens",
+    # Prompt tokens served from a cache (local prefix cache or a KV connector), counted
+    # per finished request: what the engine really reused.
+    b"vllm:prompt_tokens_cached_total": "cached_prompt_tokens",
     b"vllm:cache_config_info": "cache_config",
 }
 _SGLANG = {
@@ -40,7 +43,7 @@ _SGLANG = {
     b"sglang:token_usage": "kv_usage",
     b"sglang:cache_hit_rate": "hit_rate",
     b"sglang:prompt_tokens_total": "prompt_tokens",
-    b"sglang:cached_tokens_total": "cache_hits",
+    b"sglang:cached_tokens_total": "cache_hits",  # also its cached_prompt_tokens
     b"sglang:max_total_num_tokens": "capacity",
 }
 # prometheus-client's process collector: a new value means a new process.
@@ -87,6 +90,9 @@ class EngineStats:
     prompt_tokens: float | None = None  # counters: never decrease while the engine lives
     cache_queries: float | None = None
     cache_hits: float | None = None
+    # Prompt tokens the engine served from cache (vllm:prompt_tokens_cached_total;
+    # SGLang: sglang:cached_tokens_total, the same series as cache_hits).
+    cached_prompt_tokens: float | None = None
     start_time: float | None = None  # process_start_time_seconds, where exposed
     reason: str = ""  # why some of the text was not used ("" when all was)
 
@@ -154,6 +160,9 @@ def parse(text: bytes | str) -> EngineStats:
     queries, hits = total("cache_queries"), total("cache_hits")
     if hit_rate is None and queries and hits is not None:
         hit_rate = hits / queries
+    cached = total("cached_prompt_tokens")
+    if cached is None and engine == "sglang":
+        cached = hits
     start = total("start_time")
     if start is not None and counts["start_time"] > 1:
         start = None  # several processes in one exposition: no single start
@@ -167,6 +176,7 @@ def parse(text: bytes | str) -> EngineStats:
         prompt_tokens=total("prompt_tokens"),
         cache_queries=queries,
         cache_hits=hits,
+        cached_prompt_tokens=cached,
         start_time=start,
         reason="; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""),
     )

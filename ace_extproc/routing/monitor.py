@@ -21,10 +21,10 @@ Failures counted: a failed probe, a scrape that cannot reach the pod (or gets a
 serves ``/metrics`` when its engine is dead and ``/health`` says 500. A ``/metrics``
 that answers 4xx or text without the engine's series only loses load figures.
 
-Passive marking (``report_failure`` / ``report_success``, the same thresholds) is a
-hook: ace-extproc skips Envoy's response phase, so it never sees a pod's answer. It
-needs the response-header phase, or Envoy's own outlier detection does that job;
-the shipped configuration relies on the active probes.
+Passive marking (``report_failure`` / ``report_success``, the same thresholds) comes
+from the responses Envoy's observe-only filter reports (``observe.py``): a pod's 5xx,
+or Envoy failing to reach it, counts as a failed probe would; any answer as a good
+one. With probes every second and scrapes every 100 ms, whichever sees it first wins.
 
 Each pod's scrape or probe runs as its own task, and a pod whose previous one is
 still running is skipped that round, so one slow pod never delays the others.
@@ -144,8 +144,8 @@ class FleetMonitor:
     # ---------------------------------------------------------- passive hooks
 
     def report_failure(self, slot: int) -> None:
-        """A response from this pod that says it is unwell (a 5xx or a reset, as a
-        later response-phase hook would see it)."""
+        """A response that says this pod is unwell (its 5xx, or Envoy could not reach
+        it), as the observe filter saw it."""
         self._failed(slot, "failed requests")
 
     def report_success(self, slot: int) -> None:

@@ -31,6 +31,7 @@ class RequestRecord:
     output_tokens: int
     action: str = ""  # the router's trace action: hit, miss, bypass_<reason>, ...
     would_pick: int = -1  # the router's decision (slot), in any mode; -1 for none
+    estimated_saved_tokens: int = 0  # the router's estimate for its pick, in any mode
 
 
 @dataclass

@@ -134,7 +134,8 @@ class _Run:
         self.next_scrape = 0.0
         self.scrapes = 0
         self.records: list[RequestRecord] = []
-        self.actions: dict[int, tuple[str, int]] = {}  # request index -> (action, would_pick)
+        # request index -> (action, would_pick, the router's estimate of saved tokens)
+        self.actions: dict[int, tuple[str, int, int]] = {}
         self.bypassed = self.rejected = self.rerouted = 0
         self.fallback_rr = 0
         self.tick: Callable[[], None] = lambda: None
@@ -213,7 +214,11 @@ class _Run:
             self._reject()
             return
         would = outcome.would_pick
-        self.actions[index] = (outcome.action, self.slot_of[would.key] if would else -1)
+        self.actions[index] = (
+            outcome.action,
+            self.slot_of[would.key] if would else -1,
+            outcome.saved_tokens,
+        )
         if outcome.pod is not None:
             slot = self.slot_of[outcome.pod.key]
         else:
@@ -338,7 +343,7 @@ class _Run:
         slot = job.slot
         self.procs[job.replica].fleet.load[slot].inflight -= 1
         r = self.workload.requests[job.index]
-        action, would = self.actions.pop(job.index, ("", -1))
+        action, would, estimated = self.actions.pop(job.index, ("", -1, 0))
         self.records.append(
             RequestRecord(
                 arrival_s=r.arrival_s,
@@ -353,6 +358,7 @@ class _Run:
                 output_tokens=job.output_tokens,
                 action=action,
                 would_pick=would,
+                estimated_saved_tokens=estimated,
             )
         )
         self.tick()

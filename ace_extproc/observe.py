@@ -1,0 +1,181 @@
+"""What became of each request, seen after routing by an observe-only ext_proc filter.
+
+A second ext_proc filter runs in Envoy's observability mode: Envoy sends it the
+response headers (and, with ``usage_capture``, the response body) without waiting
+for answers, so nothing the client receives is delayed. The routing filter's
+decision reaches it as the forwarded ``ace`` dynamic metadata, and the host that
+really answered as the ``upstream.address`` attribute. From those, per response:
+
+* **passive health**: a pod's own 5xx, or Envoy's report that it timed out, reset or
+  could not be reached, counts a failure against it; any other answer a success; a
+  pinned pod that Envoy retried away from counts a failure too. Envoy's own refusals
+  (overflow, no route) count for nothing. The monitor applies its thresholds, as
+  for active probes.
+* **reuse, estimated and reported**: the router's estimate of the prefill it saved
+  against ``usage.prompt_tokens_details.cached_tokens`` as the engine reported it,
+  per mode, so shadow mode shows what default routing really reused next to what
+  the router predicts it would have (``Ledger``).
+
+The request path never waits on any of this.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
+
+from ace_extproc.routing.fleet import FleetState
+
+if TYPE_CHECKING:
+    from ace_extproc.routing.monitor import FleetMonitor
+
+log = logging.getLogger("ace_extproc.observe")
+
+ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"  # where Envoy puts requested attributes
+# Usage sits at the end of a JSON completion and in the last SSE chunks: keep a tail.
+TAIL_BYTES = 8192
+# Envoy's response flags that mean the pod failed the request: upstream request
+# timeout (UT), remote reset (UR), connection failure (UF), connection termination
+# (UC). Others (overflow, no route, rate limits) are Envoy's verdicts, not the pod's.
+POD_FAULTS = (1 << 2) | (1 << 4) | (1 << 5) | (1 << 6)
+_PROMPT = re.compile(rb'"prompt_tokens":\s*(\d+)')
+_CACHED = re.compile(rb'"cached_tokens":\s*(\d+)')
+
+
+@dataclass(slots=True)
+class Totals:
+    """One mode's responses since start."""
+
+    responses: int = 0
+    failed: int = 0  # 5xx, Envoy's own included
+    estimated_saved_tokens: int = 0  # the router's estimate (prod: did; shadow: would)
+    with_usage: int = 0  # responses whose usage the engine reported
+    prompt_tokens: int = 0  # from those responses' usage
+    cached_tokens: int = 0  # the engine's cached_tokens, same responses
+    estimated_saved_with_usage: int = 0  # the router's estimate, same responses
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(slots=True)
+class Ledger:
+    """Responses by mode, and by the pod that answered (pod key -> Totals)."""
+
+    by_mode: dict[str, Totals] = field(default_factory=dict)
+    by_pod: dict[str, Totals] = field(default_factory=dict)
+
+    def add(self, obs: Observation, pod_key: str | None) -> None:
+        for totals in (
+            self.by_mode.setdefault(obs.mode or "none", Totals()),
+            self.by_pod.setdefault(pod_key, Totals()) if pod_key else None,
+        ):
+            if totals is None:
+                continue
+            totals.responses += 1
+            totals.failed += obs.status >= 500
+            totals.estimated_saved_tokens += obs.saved_tokens
+            if obs.cached_tokens is not None and obs.prompt_tokens:
+                totals.with_usage += 1
+                totals.prompt_tokens += obs.prompt_tokens
+                totals.cached_tokens += obs.cached_tokens
+                totals.estimated_saved_with_usage += obs.saved_tokens
+
+
+@dataclass(slots=True)
+class Observation:
+    """One response as the observe filter saw it."""
+
+    mode: str = ""
+    action: str = ""
+    pinned: str = ""  # the pod key ace-extproc pinned (prod), else ""
+    would_pick: str = ""  # the pod key it picked, in any mode
+    saved_tokens: int = 0  # its estimate of the prefill the pick saves
+    upstream: str = ""  # ip:port of the host that answered last, if any
+    status: int = 0
+    flags: int = 0  # Envoy's response flags bitmask
+    prompt_tokens: int = 0  # from the engine's usage
+    cached_tokens: int | None = None
+    tail: bytearray = field(default_factory=bytearray)
+
+    def on_headers(self, msg: ProcessingRequest) -> None:
+        ace = msg.metadata_context.filter_metadata.get("ace")
+        if ace is not None:
+            f = ace.fields
+            self.mode = f["mode"].string_value if "mode" in f else ""
+            self.action = f["action"].string_value if "action" in f else ""
+            self.pinned = f["served_by"].string_value if "served_by" in f else ""
+            self.would_pick = f["pod"].string_value if "pod" in f else ""
+            self.saved_tokens = int(f["saved_tokens"].number_value) if "saved_tokens" in f else 0
+        attrs = msg.attributes.get(ATTRIBUTES_KEY)
+        if attrs is not None:
+            a = attrs.fields
+            self.upstream = a["upstream.address"].string_value if "upstream.address" in a else ""
+            self.flags = int(a["response.flags"].number_value) if "response.flags" in a else 0
+        for h in msg.response_headers.headers.headers:
+            if h.key == ":status":
+                self.status = int(h.raw_value or b"0")
+                break
+
+    def on_body(self, chunk: bytes) -> None:
+        tail = self.tail
+        tail += chunk
+        if len(tail) > TAIL_BYTES:
+            del tail[: len(tail) - TAIL_BYTES]
+
+    def read_usage(self) -> None:
+        """The last usage in the kept tail: a JSON completion's, or the final SSE chunk's."""
+        if not self.tail:
+            return
+        prompt = list(_PROMPT.finditer(self.tail))
+        cached = list(_CACHED.finditer(self.tail))
+        if prompt:
+            self.prompt_tokens = int(prompt[-1].group(1))
+            # An engine that found nothing cached may omit the details (cached = 0).
+            self.cached_tokens = int(cached[-1].group(1)) if cached else 0
+        self.tail = bytearray()
+
+
+class Observer:
+    """Turns finished observations into health reports and ledger entries."""
+
+    def __init__(self, fleet: FleetState) -> None:
+        self.fleet = fleet
+        self.monitor: FleetMonitor | None = None  # set by server.start
+        self.ledger = Ledger()
+        self._by_address: dict[str, int] = {}
+        self._seen: tuple[int, int] = (-1, -1)
+
+    def slot_at(self, address: str) -> int | None:
+        """The slot of the member pod at ``ip:port`` (pods given by hostname never match)."""
+        fleet = self.fleet
+        if self._seen != (len(fleet.pods), fleet.members):
+            self._seen = (len(fleet.pods), fleet.members)
+            self._by_address = {
+                p.address: slot for slot, p in enumerate(fleet.pods) if fleet.is_member(slot)
+            }
+        return self._by_address.get(address)
+
+    def finish(self, obs: Observation) -> None:
+        obs.read_usage()
+        fleet = self.fleet
+        answered = self.slot_at(obs.upstream) if obs.upstream else None
+        pinned = fleet.slot_of(obs.pinned) if obs.pinned else None
+        if answered is None and obs.status and pinned is not None and not obs.upstream:
+            answered = pinned  # no attribute: trust the pin
+        monitor = self.monitor
+        if monitor is not None and obs.status:
+            faulted = bool(obs.flags & POD_FAULTS)
+            if answered is not None:
+                if obs.status < 500:
+                    monitor.report_success(answered)
+                elif faulted or not obs.flags:  # the pod's own 5xx, or it failed
+                    monitor.report_failure(answered)
+            if pinned is not None and pinned != answered and (faulted or answered is not None):
+                monitor.report_failure(pinned)  # Envoy retried away from it
+        pod_key = fleet.pods[answered].key if answered is not None else None
+        self.ledger.add(obs, pod_key)
