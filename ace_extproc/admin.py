@@ -18,9 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import time
 import weakref
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -29,6 +27,7 @@ import yaml
 from ace_extproc import __version__
 from ace_extproc.config import Config, Settings, fleet_to_dict
 from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.placements import PrefixPlacements
 
 try:
     from ace_extproc._proto.ace.admin.v1 import admin_pb2 as pb
@@ -58,53 +57,6 @@ _PREFIX_KEY = re.compile(r"[0-9a-fA-F]{16}")
 _CACHE_PREFIX_ID = re.compile(
     r"ace-kv-(?P<tenant>[A-Za-z0-9][A-Za-z0-9_.-]*)-(?P<key>[0-9a-fA-F]{16})"
 )
-
-
-# ------------------------------------------------------------ prefix placements
-
-
-class PrefixPlacements:
-    """Where this process sent each recent prefix: ``prefix_key`` -> the pods picked
-    for it, for ``LookupPrefix``. The index cannot answer that (it knows block hashes,
-    and a prefix key is a hash of them, not a way back), so whoever picks notes each
-    pick here. A bounded LRU of the last ``capacity`` prefixes (about 300 bytes each);
-    ``note`` runs on the request path and costs well under a microsecond.
-    """
-
-    __slots__ = ("_entries", "capacity")
-
-    def __init__(self, capacity: int = 16384) -> None:
-        self.capacity = max(1, capacity)
-        # prefix_key -> [slots bitmask, picks, last slot, last pick (monotonic)]. An
-        # OrderedDict: evicting from the front of a plain dict slows down as deleted
-        # entries pile up there.
-        self._entries: OrderedDict[str, list[Any]] = OrderedDict()
-
-    def note(self, prefix_key: str, slot: int) -> None:
-        """A pod was picked for this prefix."""
-        entries = self._entries
-        entry = entries.get(prefix_key)
-        if entry is None:
-            if len(entries) >= self.capacity:
-                entries.popitem(last=False)  # the least recently picked
-            entries[prefix_key] = [1 << slot, 1, slot, time.monotonic()]
-            return
-        entries.move_to_end(prefix_key)
-        entry[0] |= 1 << slot
-        entry[1] += 1
-        entry[2] = slot
-        entry[3] = time.monotonic()
-
-    def get(self, prefix_key: str) -> tuple[int, int, int, float] | None:
-        """``(slots bitmask, picks, last slot, seconds since the last pick)``, or None."""
-        entry = self._entries.get(prefix_key.lower())
-        if entry is None:
-            return None
-        mask, picks, last, at = entry
-        return mask, picks, last, max(0.0, time.monotonic() - at)
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 def parse_prefix_ref(ref: str) -> tuple[str, str]:
@@ -305,7 +257,7 @@ def _slots(mask: int) -> list[int]:
 
 
 def _placements(processor: Processor) -> PrefixPlacements | None:
-    """The processor's pick log, once ``processor.py`` keeps one (``placements``)."""
+    """The processor's pick log (None: this processor keeps none)."""
     placements = getattr(processor, "placements", None)
     return placements if isinstance(placements, PrefixPlacements) else None
 

@@ -21,6 +21,7 @@ from ace_extproc.latency import get_model
 from ace_extproc.observe import Observer
 from ace_extproc.prefix import cache_prefix_id, hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, Picker, RoutingRequest, policies
+from ace_extproc.routing.placements import PrefixPlacements
 from ace_extproc.routing.policies import PickerFactory
 from ace_extproc.telemetry import Telemetry
 from ace_extproc.tenants import MissingKey, Tenants, UnknownKey
@@ -99,6 +100,8 @@ class Processor:
         # Decisions and step times, read by the metrics endpoint (telemetry.py).
         self.telemetry = Telemetry(config.settings, self.fleet, self.index, lambda: self.monitor)
         self.telemetry.ledger = self.observer.ledger
+        # Where each recent prefix was sent: the admin API's LookupPrefix.
+        self.placements: PrefixPlacements | None = PrefixPlacements()
         # Set by server.start: the loops that add and remove pods at run time.
         self.discoveries: list[Discovery] = []
 
@@ -241,6 +244,8 @@ class Processor:
         pick = self.picker.pick(routing, self.fleet.candidates(destination))
         if pick is None:
             return _bypass(mode, "no_pod")
+        if self.placements is not None:
+            self.placements.note(hashes.prefix_key, pick.slot)
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
         if self.monitor is not None:
             # What this replica sent since the pods' last scrape. Prefill counts as

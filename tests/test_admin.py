@@ -19,7 +19,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
 from ace_extproc import cli, server
-from ace_extproc.admin import PrefixPlacements, parse_prefix_ref, resolve_pod
+from ace_extproc.admin import parse_prefix_ref, resolve_pod
 from ace_extproc.config import (
     Config,
     ConfigError,
@@ -33,24 +33,8 @@ from ace_extproc.config import (
 )
 from ace_extproc.processor import Processor
 from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.placements import PrefixPlacements
 from tests.conftest import free_port
-
-
-class Recording(Processor):
-    """A processor that notes each pick for LookupPrefix, as ``processor.py`` is to
-    (``self.placements.note(prefix_key, slot)``); a no-op shim once it does."""
-
-    def __init__(self, config: Config) -> None:
-        super().__init__(config)
-        self._shim = not isinstance(getattr(self, "placements", None), PrefixPlacements)
-        if self._shim:
-            self.placements = PrefixPlacements()
-
-    def on_body(self, ctx, body):
-        outcome = super().on_body(ctx, body)
-        if self._shim and outcome.would_pick is not None:
-            self.placements.note(outcome.prefix_key, self.fleet.slot_of(outcome.would_pick.key))
-        return outcome
 
 
 class NotRecording(Processor):
@@ -109,7 +93,7 @@ Scenario = Callable[[str, str, Processor], Awaitable[Any]]
 
 
 def with_server(cfg: Config, scenario: Scenario, processor: Processor | None = None) -> Any:
-    processor = processor or Recording(cfg)
+    processor = processor or Processor(cfg)
 
     async def main() -> Any:
         srv, _health = await server.start(cfg, processor)
