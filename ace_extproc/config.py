@@ -170,6 +170,10 @@ class Settings:
     index_blocks_per_pod: int = 200_000
     ttft_model: str = DEFAULT_MODEL
     policy: str = "cost"  # the picking policy (routing.policies)
+    # cost policy: a warm match covering less than this share of the prompt (a system
+    # prompt many conversations share) does not steer the pick (routing/pipeline.py);
+    # 0 lets any match steer. Measured in bench/RESULTS.md ("Shallow matches").
+    min_match: float = 0.25
     upstream_mode: str = "cluster"  # "cluster": per-pod Envoy clusters; "endpoint": ip:port
     scrape_interval_s: float = 0.1  # pods' /metrics
     probe_interval_s: float = 1.0  # pods' /health
@@ -439,6 +443,7 @@ _SETTING_TYPES: dict[str, type] = {
     "index_blocks_per_pod": int,
     "ttft_model": str,
     "policy": str,
+    "min_match": float,
     "upstream_mode": str,
     "scrape_interval_s": float,
     "probe_interval_s": float,
@@ -486,6 +491,8 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("router.block_bytes: expected 16..65536")
     if settings.max_body_bytes <= 0 or settings.index_blocks_per_pod <= 0:
         raise ConfigError("router: max_body_bytes and index_blocks_per_pod must be positive")
+    if not 0.0 <= settings.min_match <= 1.0:
+        raise ConfigError("router.min_match: expected a share of the prompt, 0 to 1")
     if settings.upstream_mode not in ("cluster", "endpoint"):
         raise ConfigError("router.upstream_mode: expected cluster or endpoint")
     check_admin_listen(settings.admin_listen, "router.admin_listen")

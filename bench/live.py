@@ -58,6 +58,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import uvloop
+import yaml
 
 from ace_extproc.sim.app import POD_HEADER
 from ace_extproc.stack import Stack, StackError, StackOptions
@@ -85,6 +86,7 @@ class LiveOptions:
     peer_policy: str = "cache_aware"
     sim_args: tuple[str, ...] = ()
     request_timeout_s: float = 300.0
+    router: tuple[tuple[str, object], ...] = ()  # ace-extproc's `router:` settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,6 +372,7 @@ async def run_router(name: str, requests: Sequence[Prepared], options: LiveOptio
         ext_proc=f"127.0.0.1:{ports[-1]}",
         time_scale=options.time_scale,
         sim_args=list(options.sim_args),
+        router=dict(options.router),
         env={"ACE_SALT_SECRET": SALT_SECRET},
     )
     stack = Stack(stack_options) if name == "ace" else peers.PeerStack(stack_options)
@@ -544,6 +547,13 @@ def _routers(text: str) -> list[str]:
     return names
 
 
+def _router_setting(item: str, ap: argparse.ArgumentParser) -> tuple[str, object]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        ap.error(f"--router-setting {item!r}: expected KEY=VALUE")
+    return key, yaml.safe_load(value)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.live", description=(__doc__ or "").splitlines()[0]
@@ -564,6 +574,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     ap.add_argument("--out", help="default: bench/results/live-<workload>.json")
     ap.add_argument("--records", help="write per-request records here (JSON lines)")
+    ap.add_argument(
+        "--router-setting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an ace-extproc `router:` setting for the ace run (YAML value); repeatable",
+    )
     return ap
 
 
@@ -582,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         peer_policy=args.peer_policy,
         sim_args=tuple(shlex.split(args.sim_args)),
         request_timeout_s=args.request_timeout,
+        router=tuple(_router_setting(item, ap) for item in args.router_setting),
     )
     try:
         workload = load_workload(args.workload, args.limit, args.rate)

@@ -81,6 +81,7 @@ def test_registry_names_and_special_settings():
         "ace",
         "ace_affinity",
         "ace_balanced",
+        "ace_any_match",
         "bound_pooled",
         "bound_unbounded",
     }

@@ -109,3 +109,34 @@ def test_a_full_pod_is_priced_for_what_it_would_evict() -> None:
     pick = picker.pick(request(doc), fleet.available)
     assert pick is not None and pick.slot != first.slot  # the pod with room wins
     assert pick.action == "spill"
+
+
+def test_conversations_sharing_only_a_short_system_prompt_spread_over_the_pods() -> None:
+    """A warm match on less than ``min_match`` of the prompt does not steer: 40
+    conversations that share a 2-block system prompt (of 16 blocks) land on every
+    pod, while with any match steering they all follow the system prompt."""
+    from collections import Counter
+
+    system = PROMPT[:1024]
+
+    def place(min_match: float) -> Counter[int]:
+        fleet = FleetState(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(4)]))
+        picker = policies.cost_policy(Settings(), min_match=min_match)(fleet, BlockIndex(10_000))
+        slots: Counter[int] = Counter()
+        for i in range(40):
+            convo = system + bytes([i % 256, i // 256]) * 3584  # 7 KB of its own
+            pick = picker.pick(request(convo), fleet.available)
+            assert pick is not None
+            slots[pick.slot] += 1
+        return slots
+
+    assert len(place(0.0)) == 1  # every conversation followed the system prompt
+    spread = place(0.25)
+    assert len(spread) == 4 and max(spread.values()) <= 20
+    # A conversation's next turn still sticks: its own history is most of the prompt.
+    fleet, _, picker = setup()
+    turn1 = system + b"x" * 7000
+    first = picker.pick(request(turn1), fleet.available)
+    again = picker.pick(request(turn1 + b"y" * 1500), fleet.available)
+    assert first is not None and again is not None
+    assert again.slot == first.slot and again.action == "hit"

@@ -95,6 +95,7 @@ class Pipeline:
         fallbacks: int = 2,
         balance_new: bool = False,
         eviction_weight: float = 0.5,
+        min_match: float = 0.0,
     ) -> None:
         self.fleet = fleet
         self.index = index
@@ -108,6 +109,11 @@ class Pipeline:
         # bench/RESULTS.md), so it is off by default.
         self.balance_new = balance_new
         self.eviction_weight = eviction_weight
+        # A match covering less than this share of the prompt (a system prompt that many
+        # conversations share) neither lowers a pod's price nor steers the pick: the
+        # request is placed as new, by its own key, so conversations that share only a
+        # short prefix spread over the pods instead of piling onto the one holding it.
+        self.min_match = min_match
         self._slot_lists: dict[int, tuple[int, ...]] = {}
         for slot in range(len(fleet.pods)):
             index.add_pod(slot)
@@ -133,6 +139,13 @@ class Pipeline:
         n = len(blocks)
         index = self.index
         depths = index.match_depths(blocks, candidates)
+        held = depths  # what the pods hold, for the trace; ``depths`` is what steers
+        route_key = request.hashes.route_key
+        if self.min_match and depths:
+            shallow = self.min_match * n
+            depths = {slot: d for slot, d in depths.items() if d >= shallow}
+            if not depths:
+                route_key = blocks[-1]  # this prompt's own key, not the shared prefix's
         scorer, load = self.scorer, fleet.load
         a_ms = scorer.model.a_ms
         # Placing new blocks on a full pod costs later: the prefixes they evict must be
@@ -172,11 +185,11 @@ class Pipeline:
         chosen = (
             near_mask.bit_length() - 1
             if not near_mask & (near_mask - 1)
-            else rendezvous.best(request.hashes.route_key, fleet.seeds, near_mask)
+            else rendezvous.best(route_key, fleet.seeds, near_mask)
         )
-        depth = depths.get(chosen, 0)
+        depth = held.get(chosen, 0)
         index.record(chosen, blocks)
-        best_depth = max(depths.values(), default=0)
+        best_depth = max(held.values(), default=0)
         action = "miss" if not best_depth else ("hit" if depth == best_depth else "spill")
         backups = tuple(slot for _, slot in priced if slot != chosen)[: self.fallbacks]
         return Pick(fleet.pods[chosen], chosen, depth, action, backups)

@@ -22,13 +22,19 @@ from ace_extproc.routing.pipeline import EstimatedTTFT, NotSaturated, Pipeline
 PickerFactory = Callable[[FleetState, BlockIndex], Picker]
 
 
-def cost_policy(settings: Settings, *, balance_new: bool = False) -> PickerFactory:
+def cost_policy(
+    settings: Settings, *, balance_new: bool = False, min_match: float | None = None
+) -> PickerFactory:
+    """The cost pipeline; ``min_match`` overrides ``settings.min_match``."""
+    share = settings.min_match if min_match is None else min_match
     scorer = EstimatedTTFT(
         get_model(settings.ttft_model), settings.block_bytes / settings.bytes_per_token
     )
 
     def build(fleet: FleetState, index: BlockIndex) -> Picker:
-        return Pipeline(fleet, index, [NotSaturated()], scorer, balance_new=balance_new)
+        return Pipeline(
+            fleet, index, [NotSaturated()], scorer, balance_new=balance_new, min_match=share
+        )
 
     return build
 
