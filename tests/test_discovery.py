@@ -402,6 +402,27 @@ def test_kubernetes_discovery_list_watch_relist(tmp_path: Any) -> None:
     assert len(fs.pods) == 4  # 10.2.0.1, .2, .3 and .5: slots are never freed
 
 
+def test_engines_sharing_an_ip_are_told_apart_by_port() -> None:
+    """Host-networked engines on one node share its IP; slices give them different ports."""
+    fleet = Fleet((Destination("a", "vllm", "http://llm.ns.svc:8000", 1.0, ()),))
+    fs = FleetState(fleet)
+    d = KubernetesDiscovery(fs, BlockIndex(10), "a", "http://unused", "ns", "llm", port_name="http")
+    one = _slice("s1", 1, [("10.4.0.1", True, False), ("10.4.0.2", True, False)])
+    other = _slice("s2", 1, [("10.4.0.1", True, False)])
+    other["ports"] = [{"name": "http", "port": 8001, "protocol": "TCP"}]
+    d._set_slice(one)
+    d._set_slice(other)
+    d._apply()
+    members = sorted(
+        (fs.pods[s].id, fs.pods[s].address) for s in range(len(fs.pods)) if fs.is_member(s)
+    )
+    assert members == [
+        ("10-4-0-1-8000", "10.4.0.1:8000"),
+        ("10-4-0-1-8001", "10.4.0.1:8001"),
+        ("10-4-0-2", "10.4.0.2:8000"),
+    ]
+
+
 def test_kubernetes_watch_http_410_and_errors_recover() -> None:
     fleet = Fleet((Destination("a", "vllm", "http://llm.ns.svc:8000", 1.0, ()),))
     fs = FleetState(fleet)

@@ -26,6 +26,7 @@ import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
@@ -226,7 +227,16 @@ class KubernetesDiscovery(Discovery):
         return pods
 
     def _apply(self) -> None:
-        self.sync(p for pods in self.slices.values() for p in pods)
+        pods = [p for pods in self.slices.values() for p in pods]
+        ports: dict[str, set[int]] = {}
+        for pod in pods:
+            ports.setdefault(pod.id, set()).add(pod.port)
+        # Engines sharing one IP (host networking) differ only by port: name them by both,
+        # or they would collapse into one pod and all but one would never be routed to.
+        self.sync(
+            replace(pod, id=f"{pod.id}-{pod.port}") if len(ports[pod.id]) > 1 else pod
+            for pod in pods
+        )
 
     def _set_slice(self, obj: Mapping[str, Any]) -> None:
         name = str((obj.get("metadata") or {}).get("name", ""))
