@@ -70,12 +70,10 @@ class Ledger:
     by_pod: dict[str, Totals] = field(default_factory=dict)
 
     def add(self, obs: Observation, pod_key: str | None) -> None:
-        for totals in (
-            self.by_mode.setdefault(obs.mode or "none", Totals()),
-            self.by_pod.setdefault(pod_key, Totals()) if pod_key else None,
-        ):
-            if totals is None:
-                continue
+        tallies = [self.by_mode.setdefault(obs.mode or "none", Totals())]
+        if pod_key:
+            tallies.append(self.by_pod.setdefault(pod_key, Totals()))
+        for totals in tallies:
             totals.responses += 1
             totals.failed += obs.status >= 500
             totals.estimated_saved_tokens += obs.saved_tokens

@@ -9,10 +9,10 @@ from ace_extproc.routing.pipeline import EstimatedTTFT
 PROMPT = bytes(range(256)) * 64  # 16 KB: 32 blocks, ~4K tokens
 
 
-def setup(pods: int = 4):
+def setup(pods: int = 4, **policy: float):
     fleet = FleetState(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(pods)]))
     index = BlockIndex(10_000)
-    return fleet, index, policies.build(Settings())(fleet, index)
+    return fleet, index, policies.cost_policy(Settings(), **policy)(fleet, index)
 
 
 def request(data: bytes = PROMPT, seed: int = 1) -> RoutingRequest:
@@ -97,7 +97,9 @@ def test_the_price_is_queue_plus_uncached_prefill() -> None:
 
 
 def test_a_full_pod_is_priced_for_what_it_would_evict() -> None:
-    fleet, index, picker = setup(2)
+    # The shared prefix is short here, so let any match steer: eviction pricing alone
+    # must move the document off the full pod.
+    fleet, index, picker = setup(2, min_match=0.0)
     for slot in (0, 1):
         index.set_capacity(slot, 40)
     shared = b"S" * 1024  # a 2-block prefix every document starts with

@@ -139,7 +139,7 @@ class Pipeline:
         n = len(blocks)
         index = self.index
         depths = index.match_depths(blocks, candidates)
-        held = depths  # what the pods hold, for the trace; ``depths`` is what steers
+        held = depths  # what the pods hold; ``depths`` is what may steer
         route_key = request.hashes.route_key
         if self.min_match and depths:
             shallow = self.min_match * n
@@ -187,9 +187,12 @@ class Pipeline:
             if not near_mask & (near_mask - 1)
             else rendezvous.best(route_key, fleet.seeds, near_mask)
         )
-        depth = held.get(chosen, 0)
         index.record(chosen, blocks)
-        best_depth = max(held.values(), default=0)
-        action = "miss" if not best_depth else ("hit" if depth == best_depth else "spill")
+        # The action names what steered: a shallow match placed as new is a miss. The
+        # depth reported is what the chosen pod really holds (the saved-prefill estimate).
+        best_depth = max(depths.values(), default=0)
+        hit = depths.get(chosen, 0) == best_depth
+        action = "miss" if not best_depth else ("hit" if hit else "spill")
+        depth = held.get(chosen, 0)
         backups = tuple(slot for _, slot in priced if slot != chosen)[: self.fallbacks]
         return Pick(fleet.pods[chosen], chosen, depth, action, backups)
