@@ -58,7 +58,12 @@ def wait_for(client: Client, check: object, timeout: float = 5.0) -> Samples:
 
 
 def test_decisions_bypasses_steps_and_reuse_move_as_they_should(stack: Client) -> None:
-    before = scrape(stack)
+    # Start from a settled count: the stack's own readiness request may still be on its
+    # way through the observe filter on a busy machine.
+    before = wait_for(
+        stack,
+        lambda s: value(s, "ace_responses_total") >= value(s, "ace_decisions_total") > 0,
+    )
     reported = 0
     for turn in range(3):
         status, _, body = stack.chat(conversation(turn, "metrics"))
