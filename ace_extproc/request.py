@@ -132,13 +132,13 @@ def _parse_chat(path: str, req: ChatBody) -> ParsedRequest:
         _add_message(add, msg)
     if newest_user < 0:  # no user turn (e.g. a lone system prompt): all of it is the prefix
         newest_user = len(parts)
-    head = b"".join(parts[:newest_user])
-    prompt = head + b"".join(parts[newest_user:])
+    # One join (one copy of the prompt); the prefix's length is summed, not copied.
+    head = sum(map(len, parts[:newest_user]))
     return ParsedRequest(
         path,
         req.model,
-        prompt,
-        len(head),
+        b"".join(parts),
+        head,
         req.has_router_fields,
         req.stream,
         req.stream_options is not msgspec.UNSET,
