@@ -40,6 +40,7 @@ from ace_extproc import execute, mutate
 from ace_extproc import telemetry as tm
 from ace_extproc.admin import serve_admin
 from ace_extproc.config import Config, ConfigError, Mode
+from ace_extproc.logs import configure_logging
 from ace_extproc.observe import Observation
 from ace_extproc.processor import Outcome, Processor, RequestContext
 from ace_extproc.procs import die_with_parent
@@ -399,7 +400,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    tm.configure_logging(args.log_level.upper(), json=cfg.settings.log_format == "json")
+    configure_logging(args.log_level.upper(), json=cfg.settings.log_format == "json")
     if args.workers > 1:
         if cfg.settings.uds:
             print("error: --workers needs TCP; a Unix socket cannot be shared", file=sys.stderr)

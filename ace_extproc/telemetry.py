@@ -1,4 +1,4 @@
-"""Operability: the router's own metrics and logs.
+"""Operability: the router's own metrics (its logs are ``logs.py``).
 
 **Metrics.** The request path records into plain Python ints (a dict probe and a few
 additions per decision, a ``bisect`` per latency step); nothing there takes a lock or
@@ -17,22 +17,12 @@ never go backwards.
 with ``router.metrics_tenant_label``: the tenants the configuration names are labels,
 others get one while fewer than ``metrics_max_tenants`` are labelled, the rest fold
 into ``other``.
-
-**Logs.** ``configure_logging`` installs one JSON object a line (or text). Each
-decision is one line at debug (``ace_extproc.decision``); each anomaly (a bypass a
-well-formed client would not cause, a rejected key, no pod) one line at info, at most
-``ANOMALY_BURST`` a second for each action. Lines carry mode, action, tenant, pod,
-token counts and latency: never prompt text, API keys, salts or prefix keys (the
-formatter drops fields of those names even if a caller passes them).
 """
 
 from __future__ import annotations
 
-import json as _json
 import logging
-import sys
 import threading
-import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -49,6 +39,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from ace_extproc.config import Settings, check_listen
+from ace_extproc.logs import ANOMALY_BURST, RateLimit, log_decision
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -143,7 +134,7 @@ class Telemetry(Collector):
         self._hist: list[list[int]] = [[0] * len(_LE) for _ in range(len(STEPS) + 1)]
         self._hist_sum: list[int] = [0] * (len(STEPS) + 1)
         self._decision_log = logging.getLogger("ace_extproc.decision")
-        self._anomalies = _RateLimit(ANOMALY_BURST, 1.0)
+        self._anomalies = RateLimit(ANOMALY_BURST, 1.0)
         # What became of the requests (observe.Ledger): set by the processor.
         self.ledger: Ledger | None = None
         self.registry = CollectorRegistry(auto_describe=False)
@@ -684,167 +675,6 @@ def worker_listen(listen: str, worker: int) -> str:
         return listen
     host = f"[{host}]" if ":" in host else host
     return f"{host}:{port + worker}"
-
-
-# ------------------------------------------------------------------ logging
-
-# Fields never written by the formatters, whoever passes them.
-FORBIDDEN_FIELDS = frozenset(
-    {
-        "prompt",
-        "messages",
-        "body",
-        "text",
-        "content",
-        "prefix_key",
-        "cache_prefix_id",
-        "cache_salt",
-        "salt",
-        "key",
-        "api_key",
-        "authorization",
-        "trace",
-        "hashes",
-    }
-)
-# The attribute ``extra={FIELDS_ATTR: {...}}`` puts structured fields under.
-FIELDS_ATTR = "ace_fields"
-ANOMALY_BURST = 5  # anomaly lines a second, per action; the rest are counted
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def _fields(record: logging.LogRecord) -> dict[str, Any]:
-    fields = getattr(record, FIELDS_ATTR, None)
-    if not isinstance(fields, dict):
-        return {}
-    return {k: v for k, v in fields.items() if k not in FORBIDDEN_FIELDS}
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object a line: ``time`` (UTC, ISO 8601, ms), ``level``, ``logger``,
-    ``message``, the record's structured fields (``extra={"ace_fields": {...}}``,
-    less ``FORBIDDEN_FIELDS``), and ``exception`` when there is one."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        t = time.gmtime(record.created)
-        out: dict[str, Any] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", t) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        for k, v in _fields(record).items():
-            out.setdefault(k, v)
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        elif record.exc_text:
-            out["exception"] = record.exc_text
-        if record.stack_info:
-            out["stack"] = self.formatStack(record.stack_info)
-        return _json.dumps(out, default=str, separators=(",", ":"))
-
-
-class TextFormatter(logging.Formatter):
-    """The text format, with the structured fields appended as ``key=value``."""
-
-    def __init__(self) -> None:
-        super().__init__(TEXT_FORMAT)
-
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
-        fields = _fields(record)
-        if not fields:
-            return line
-        head, sep, tail = line.partition("\n")  # a traceback stays below the fields
-        extra = " ".join(f"{k}={v}" for k, v in fields.items())
-        return f"{head} {extra}{sep}{tail}"
-
-
-def configure_logging(level: str | int = "INFO", json: bool = True) -> None:
-    """Route every logger to stderr in JSON lines (or text), replacing the root
-    logger's handlers. ``level``: a name or number. Decision lines need DEBUG (or
-    the ``ace_extproc.decision`` logger set to DEBUG alone)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if json else TextFormatter())
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(level.upper() if isinstance(level, str) else level)
-
-
-def log_decision(
-    logger: logging.Logger,
-    mode: str,
-    action: str,
-    tenant: str,
-    pod: str,
-    prompt_tokens: int,
-    cached_tokens: int,
-    latency_ns: int,
-    *,
-    level: int = logging.DEBUG,
-    event: str = "decision",
-    suppressed: int = 0,
-) -> None:
-    """One decision as one line. Only these fields: no prompt, key or hash."""
-    if not logger.isEnabledFor(level):
-        return
-    fields: dict[str, Any] = {
-        "event": event,
-        "mode": str(mode),
-        "action": action,
-        "tenant": tenant,
-        "pod": pod,
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached_tokens,
-        "latency_us": round(latency_ns / 1000, 1),
-    }
-    if suppressed:
-        fields["suppressed"] = suppressed  # like lines not written in the last second
-    logger.log(level, "%s %s", event, action, extra={FIELDS_ATTR: fields})
-
-
-def log_anomaly(logger: logging.Logger, event: str, message: str, **fields: Any) -> None:
-    """An anomaly outside a decision (a pod, a scrape) at info, with fields."""
-    logger.info(message, extra={FIELDS_ATTR: {"event": event, **fields}})
-
-
-class _RateLimit:
-    """At most ``burst`` per ``window_s`` for each key; the rest are counted."""
-
-    __slots__ = ("_state", "burst", "clock", "window_s")
-
-    def __init__(
-        self, burst: int, window_s: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.burst = burst
-        self.window_s = window_s
-        self.clock = clock
-        self._state: dict[str, list[float]] = {}  # key -> [window start, used, suppressed]
-
-    def allow(self, key: str) -> bool:
-        now = self.clock()
-        st = self._state.get(key)
-        if st is None:
-            if len(self._state) > 1024:
-                self._state.clear()
-            st = self._state[key] = [now, 0, 0]
-        if now - st[0] >= self.window_s:
-            st[0], st[1] = now, 0
-        if st[1] < self.burst:
-            st[1] += 1
-            return True
-        st[2] += 1
-        return False
-
-    def take_suppressed(self, key: str) -> int:
-        st = self._state.get(key)
-        if st is None:
-            return 0
-        n = int(st[2])
-        st[2] = 0
-        return n
 
 
 def iter_families(telemetry: Telemetry) -> Iterable[Metric]:

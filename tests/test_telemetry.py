@@ -20,6 +20,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ace_extproc import logs
 from ace_extproc import telemetry as tm
 from ace_extproc.config import ConfigError, Settings, TenantConfig, parse_settings, sim_fleet
 from ace_extproc.routing import BlockIndex, FleetState
@@ -419,7 +420,7 @@ def json_lines() -> Iterator[io.StringIO]:
     """The decision logger's output, as JsonFormatter writes it."""
     out = io.StringIO()
     handler = logging.StreamHandler(out)
-    handler.setFormatter(tm.JsonFormatter())
+    handler.setFormatter(logs.JsonFormatter())
     log = logging.getLogger("ace_extproc.decision")
     old_level, old_propagate = log.level, log.propagate
     log.addHandler(handler)
@@ -475,11 +476,11 @@ def test_anomalies_at_info_rate_limited(
     monkeypatch.setattr(fx.telemetry._anomalies, "clock", lambda: clock[0])
     fx.telemetry.decision("prod", "hit", "", 0, 10, 5)  # routine: no line at info
     fx.telemetry.bypass("prod", "unknown_path")  # routine bypass: none either
-    for _ in range(tm.ANOMALY_BURST + 7):
+    for _ in range(logs.ANOMALY_BURST + 7):
         fx.telemetry.decision("prod", "bypass_bad_json", "acme")
     fx.telemetry.decision("prod", "bypass_no_pod")  # counted apart from bad_json
     lines = _lines(json_lines)
-    assert [line["action"] for line in lines] == ["bypass_bad_json"] * tm.ANOMALY_BURST + [
+    assert [line["action"] for line in lines] == ["bypass_bad_json"] * logs.ANOMALY_BURST + [
         "bypass_no_pod"
     ]
     assert all(line["level"] == "info" and line["event"] == "anomaly" for line in lines)
@@ -488,7 +489,7 @@ def test_anomalies_at_info_rate_limited(
     last = _lines(json_lines)[-1]
     assert (last["action"], last["suppressed"]) == ("bypass_bad_json", 7)
     # Every one of them is counted, logged or not.
-    assert fx.value("ace_bypasses_total", reason="bad_json") == tm.ANOMALY_BURST + 8
+    assert fx.value("ace_bypasses_total", reason="bad_json") == logs.ANOMALY_BURST + 8
 
 
 def test_anomaly_vocabulary() -> None:
@@ -502,7 +503,7 @@ def test_formatters_drop_forbidden_fields_and_keep_exceptions() -> None:
     record = logging.LogRecord("ace_extproc", logging.WARNING, __file__, 1, "pod %s", ("a",), None)
     setattr(
         record,
-        tm.FIELDS_ATTR,
+        logs.FIELDS_ATTR,
         {"pod": "sim/pod-0", "prompt": "secret text", "prefix_key": "abcd", "key": "sk-1"},
     )
     try:
@@ -511,11 +512,11 @@ def test_formatters_drop_forbidden_fields_and_keep_exceptions() -> None:
         import sys
 
         record.exc_info = sys.exc_info()
-    line = json.loads(tm.JsonFormatter().format(record))
+    line = json.loads(logs.JsonFormatter().format(record))
     assert line["message"] == "pod a" and line["pod"] == "sim/pod-0"
     assert "ValueError: boom" in str(line["exception"])
     assert not {"prompt", "prefix_key", "key"} & set(line)
-    text = tm.TextFormatter().format(record)
+    text = logs.TextFormatter().format(record)
     assert "pod=sim/pod-0" in text.splitlines()[0]
     assert "secret" not in text and "sk-1" not in text and "abcd" not in text
 
@@ -524,14 +525,14 @@ def test_configure_logging_json_and_text(capsys: pytest.CaptureFixture[str]) -> 
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
     try:
-        tm.configure_logging("debug", json=True)
+        logs.configure_logging("debug", json=True)
         assert root.level == logging.DEBUG
         logging.getLogger("ace_extproc.x").info("hello %d", 3)
-        tm.log_anomaly(logging.getLogger("ace_extproc.x"), "pod_down", "pod down", pod="p")
+        logs.log_anomaly(logging.getLogger("ace_extproc.x"), "pod_down", "pod down", pod="p")
         lines = [json.loads(x) for x in capsys.readouterr().err.splitlines()]
         assert lines[0]["message"] == "hello 3" and lines[0]["level"] == "info"
         assert (lines[1]["event"], lines[1]["pod"]) == ("pod_down", "p")
-        tm.configure_logging(logging.INFO, json=False)
+        logs.configure_logging(logging.INFO, json=False)
         logging.getLogger("ace_extproc.x").info("plain")
         err = capsys.readouterr().err
         assert " INFO ace_extproc.x: plain" in err
@@ -544,7 +545,7 @@ def test_configure_logging_json_and_text(capsys: pytest.CaptureFixture[str]) -> 
 def test_log_decision_helper_has_no_room_for_secrets(json_lines: io.StringIO) -> None:
     log = logging.getLogger("ace_extproc.decision")
     log.setLevel(logging.DEBUG)
-    tm.log_decision(log, "prod", "hit", "acme", "sim/pod-0", 10, 5, 1000)
+    logs.log_decision(log, "prod", "hit", "acme", "sim/pod-0", 10, 5, 1000)
     (line,) = _lines(json_lines)
     assert set(line) == {
         "time",
