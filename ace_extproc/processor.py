@@ -96,7 +96,6 @@ class Processor:
         self.monitor: FleetMonitor | None = None
         # What became of the requests (the observe-only filter's reports).
         self.observer = Observer(self.fleet)
-        self.observes_bodies = config.settings.usage_capture  # else only response headers
         # Decisions and step times, read by the metrics endpoint (telemetry.py).
         self.telemetry = Telemetry(config.settings, self.fleet, self.index, lambda: self.monitor)
         self.telemetry.ledger = self.observer.ledger

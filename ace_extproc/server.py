@@ -198,7 +198,8 @@ class _Stream:
             if kind == "response_headers":
                 self.observed = Observation()
                 self.observed.on_headers(msg)
-                if msg.response_headers.end_of_stream or not self.processor.observes_bodies:
+                # Without usage capture Envoy sends no body: the headers are all there is.
+                if msg.response_headers.end_of_stream or not self.processor.settings.usage_capture:
                     self.close()
             elif kind == "response_body" and self.observed is not None:
                 self.observed.on_body(msg.response_body.body)

@@ -40,6 +40,7 @@ from ace_extproc.config import Config, Destination, Fleet, Pod
 from ace_extproc.stack import Stack, StackOptions, envoy_binary
 from tests.conftest import free_ports
 from tests.test_discovery import FakeApi, _serve, _slice
+from tests.test_e2e import conversation
 
 try:
     envoy_binary()
@@ -50,7 +51,6 @@ pytestmark = pytest.mark.envoy
 
 GIE = "x-gateway-destination-endpoint"  # what the pod was sent: primary,fallback,...
 CHAT = "/v1/chat/completions"
-SYSTEM = "You are a meticulous assistant for the ACME support desk. " * 40  # ~2.4 KB
 TIMEOUT = aiohttp.ClientTimeout(total=20)
 
 # The monitor's intervals, set explicitly (they are also the defaults): /metrics every
@@ -66,16 +66,6 @@ ROUTER: dict[str, object] = {
     "unhealthy_after": UNHEALTHY_AFTER,
     "healthy_after": 2,
 }
-
-
-def conversation(turns: int, topic: str) -> list[dict[str, Any]]:
-    # The topic leads, so each conversation is a prefix of its own from block 0.
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": f"[{topic}] {SYSTEM}"}]
-    for i in range(turns):
-        msgs.append({"role": "user", "content": f"{topic}: question {i} " * 20})
-        msgs.append({"role": "assistant", "content": f"answer {i} " * 30})
-    msgs.append({"role": "user", "content": f"{topic}: the last question"})
-    return msgs
 
 
 @dataclass(frozen=True, slots=True)
@@ -541,7 +531,7 @@ def test_cluster_mode_requests_pinned_to_a_killed_pod_retry_on_a_standby_pod() -
     """The default upstream mode names a pod's own cluster; its other pods stand by at
     priority 1, so a request pinned to a pod that has just died is retried on one of
     them instead of failing, until the monitor takes the pod out."""
-    from tests.test_e2e import conversation, options
+    from tests.test_e2e import options
     from tests.test_e2e import running as running_e2e
 
     router = {"probe_interval_s": 3600.0, "scrape_interval_s": 0.0}  # passive health only
