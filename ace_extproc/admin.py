@@ -110,7 +110,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; this is for readers and type checkers
-        placements = _placements(self.processor)
+        placements = self.processor.placements  # None: this processor keeps no log
         out = pb.LookupPrefixResponse(prefix_key=key, tenant=tenant)
         if placements is None:
             return out
@@ -254,12 +254,6 @@ def _slots(mask: int) -> list[int]:
         out.append(low.bit_length() - 1)
         mask ^= low
     return out
-
-
-def _placements(processor: Processor) -> PrefixPlacements | None:
-    """The processor's pick log (None: this processor keeps none)."""
-    placements = getattr(processor, "placements", None)
-    return placements if isinstance(placements, PrefixPlacements) else None
 
 
 def config_document(config: Config) -> dict[str, Any]:
