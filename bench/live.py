@@ -63,6 +63,7 @@ import yaml
 from ace_extproc.sim.app import POD_HEADER
 from ace_extproc.stack import Stack, StackError, StackOptions
 from bench import peers
+from bench.ceiling import ceiling
 from bench.overhead import free_ports, metric_sums, percentile
 from bench.workloads.base import Workload
 
@@ -473,6 +474,7 @@ def result_doc(
     command: str,
     wall_s: float,
 ) -> dict[str, Any]:
+    bound = ceiling(workload.requests)
     routers: dict[str, Any] = {}
     for run in runs:
         entry: dict[str, Any] = dict(run.summary or {})
@@ -497,6 +499,8 @@ def result_doc(
             "requests": len(workload.requests),
             "sessions": len({r.session for r in workload.requests}),
             "fleet_events_ignored": len(workload.events),
+            # The most any router could serve from cache (bench/ceiling.py).
+            "cached_share_ceiling": round(bound.share, 4),
         },
         "options": asdict(options),
         "replay": (
@@ -622,6 +626,11 @@ def main(argv: list[str] | None = None) -> int:
         + (", streamed" if options.stream else ", not streamed")
     )
     print(format_table(runs))
+    bound = ceiling(workload.requests)
+    print(
+        f"ceiling: {bound.share:.1%} of prompt tokens, the most any router could serve from"
+        " cache (one cache holding every earlier prompt; python -m bench.ceiling)"
+    )
     command = shlex.join(["python", "-m", "bench.live", *argv])
     doc = result_doc(workload, runs, options, command, wall)
     out = Path(args.out or f"bench/results/live-{workload.name}.json")

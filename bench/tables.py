@@ -77,6 +77,30 @@ def live_table(live: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def live_summary(lives: list[dict[str, Any]]) -> str:
+    """One row per workload: each router's share of prompt tokens from cache (as the
+    engines reported it) next to the most any router could get (``bench.ceiling``)."""
+    routers = list(dict.fromkeys(name for live in lives for name in live["routers"]))
+    rows = [
+        "| workload | ceiling | " + " | ".join(routers) + " |",
+        "| --- | ---: | " + " | ".join("---:" for _ in routers) + " |",
+    ]
+    for live in lives:
+        w = live["workload"]
+        bound = w.get("cached_share_ceiling")
+        shares = [live["routers"].get(name, {}).get("cached_share") for name in routers]
+        shown = [None if x is None else f"{x:.1%}" for x in shares]
+        best = max((x for x in shares if x is not None), default=None)
+        top = None if best is None else f"{best:.1%}"  # ties at the shown precision: all bold
+        cells = ["-" if x is None else (f"**{x}**" if x == top else x) for x in shown]
+        rows.append(
+            f"| {w['name']} ({w['requests']}) | {'-' if bound is None else f'{bound:.1%}'} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(rows)
+
+
 def overhead_table(data: dict[str, Any]) -> str:
     rows = [
         f"`{data['command']}`",
@@ -102,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     for path in sorted(folder.glob("report-*.json")):
         print(table(json.loads(path.read_text())))
         print()
-    for path in sorted(folder.glob("live-*.json")):
-        print(live_table(json.loads(path.read_text())))
+    lives = [json.loads(path.read_text()) for path in sorted(folder.glob("live-*.json"))]
+    if lives:
+        print(live_summary(lives))
+        print()
+    for live in lives:
+        print(live_table(live))
         print()
     for path in sorted(folder.glob("overhead*.json")):
         print(overhead_table(json.loads(path.read_text())))

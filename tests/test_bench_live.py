@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
 from bench import live, peers
+from bench.ceiling import ceiling
 from bench.workloads.base import Request, Workload
 
 # ---------------------------------------------------------------- inputs
@@ -162,7 +164,8 @@ def test_table_and_doc_name_skipped_and_failed_routers() -> None:
     ]
     table = live.format_table(runs)
     assert "skipped: the sglang_router module" in table and "FAILED: vllm exited" in table
-    doc = live.result_doc(tiny_workload(), runs, live.LiveOptions(), "cmd", 1.0)
+    workload = tiny_workload()
+    doc = live.result_doc(workload, runs, live.LiveOptions(), "cmd", 1.0)
     assert doc["routers"]["ace"]["hit_ratio"] == 1.0
     assert doc["routers"]["sglang"]["skipped"].startswith("the sglang_router")
     assert doc["routers"]["vllm"]["peer"]["package"] == "vllm-router"
@@ -172,6 +175,7 @@ def test_table_and_doc_name_skipped_and_failed_routers() -> None:
         "requests": 9,
         "sessions": 3,
         "fleet_events_ignored": 0,
+        "cached_share_ceiling": round(ceiling(workload.requests).share, 4),
     }
 
 
@@ -211,3 +215,26 @@ def test_live_smoke_through_every_installed_router(tmp_path: Path) -> None:
     assert ace is not None
     # Every later turn extends a prefix ace-extproc has placed: all of them hit.
     assert ace["hit_ratio"] >= 6 / 9 and ace["cached_share"] > 0.5
+
+
+def test_live_summary_puts_each_router_next_to_the_ceiling() -> None:
+    from bench.tables import live_summary
+
+    def doc(name: str, bound: float | None, shares: dict[str, float]) -> dict[str, Any]:
+        workload: dict[str, Any] = {"name": name, "requests": 800}
+        if bound is not None:
+            workload["cached_share_ceiling"] = bound
+        return {
+            "workload": workload,
+            "routers": {k: {"cached_share": v} for k, v in shares.items()},
+        }
+
+    table = live_summary(
+        [
+            doc("seed800", 0.892, {"ace": 0.8904, "sglang": 0.8911, "vllm": 0.889}),
+            doc("burst32k", None, {"ace": 0.0071, "vllm": 0.0072}),
+        ]
+    ).splitlines()
+    assert table[0] == "| workload | ceiling | ace | sglang | vllm |"
+    assert table[2] == "| seed800 (800) | 89.2% | 89.0% | **89.1%** | 88.9% |"
+    assert table[3] == "| burst32k (800) | - | **0.7%** | - | **0.7%** |"  # a tie, shown as one
