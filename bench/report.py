@@ -276,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown policies {unknown}; known: {', '.join(POLICIES)}", file=sys.stderr)
         return 2
+    slots = [e.slot for e in workload.events] + list(workload.initially_absent)
+    if slots and max(slots) >= args.pods:
+        print(f"error: {name} needs --pods {max(slots) + 1} or more", file=sys.stderr)
+        return 2
     settings = SimSettings()
     if args.num_gpu_blocks:
         settings = replace(settings, num_gpu_blocks=args.num_gpu_blocks)

@@ -158,6 +158,14 @@ def test_a_removed_pod_gets_nothing_after_it_leaves() -> None:
     assert any(r.pod == home for r in result.records)
 
 
+def test_fleet_events_on_slots_the_run_lacks_are_refused() -> None:
+    requests = [completion(0.0, "x" * 100)]
+    with pytest.raises(ValueError, match="needs at least 4 pods, not 3"):
+        run(requests, pods=3, events=[FleetEvent(1.0, "remove", 3)])
+    with pytest.raises(ValueError, match="needs at least 6 pods"):
+        run(requests, pods=3, initially_absent=(5,))
+
+
 def test_a_pod_absent_until_added_takes_nothing_before() -> None:
     requests = [
         completion(i * 0.5, f"session {i % 5} " * 50, session=str(i % 5)) for i in range(40)

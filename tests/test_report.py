@@ -37,3 +37,5 @@ def test_report_rejects_unknown_policy_and_bad_trace(tmp_path: Path) -> None:
     bad = tmp_path / "t.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}\n')
     assert report.main(["--trace", str(bad), "--out", str(tmp_path)]) == 2
+    # churn removes and adds pod slots up to 7: 4 pods cannot replay it
+    assert report.main(["--workload", "churn", "--pods", "4", "--out", str(tmp_path)]) == 2

@@ -42,6 +42,12 @@ def simulate(
     """Run ``workload`` over ``pods`` simulated pods routed by ``picker``."""
     if pods < 1 or replicas < 1:
         raise ValueError("pods and replicas must be at least 1")
+    slots = [e.slot for e in workload.events] + list(workload.initially_absent)
+    if slots and max(slots) >= pods:
+        raise ValueError(
+            f"{workload.name} adds and removes pod slots up to {max(slots)}: "
+            f"it needs at least {max(slots) + 1} pods, not {pods}"
+        )
     begin = time.perf_counter()
     sim = _Run(workload, picker, pods, settings, Mode.parse(mode), salt_secret, replicas)
     with _progress(len(workload.requests), workload.name, progress) as tick:
