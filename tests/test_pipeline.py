@@ -142,3 +142,23 @@ def test_conversations_sharing_only_a_short_system_prompt_spread_over_the_pods()
     again = picker.pick(request(turn1 + b"y" * 1500), fleet.available)
     assert first is not None and again is not None
     assert again.slot == first.slot and again.action == "hit"
+
+
+def test_replicas_place_a_new_conversation_the_same_way_on_every_turn() -> None:
+    """A conversation sharing only a short system prompt is placed by its first block
+    past that prefix, which every turn carries: a replica that never saw turn 1 puts
+    turn 2 where another replica put turn 1 (placing by the prompt's last block, which
+    changes every turn, scattered them)."""
+    system = PROMPT[:1024]
+    for i in range(20):
+        a_fleet, _, replica_a = setup(8)
+        b_fleet, _, replica_b = setup(8)
+        for fleet, picker in ((a_fleet, replica_a), (b_fleet, replica_b)):
+            assert picker.pick(request(system + b"warm" * 2000), fleet.available)  # both know it
+        turn1 = system + bytes([i]) * 6000 + b"first question"
+        turn2 = turn1 + b"an answer" * 300 + b"second question"
+        first = replica_a.pick(request(turn1), a_fleet.available)
+        second = replica_b.pick(request(turn2), b_fleet.available)
+        assert first is not None and second is not None
+        assert first.action == second.action == "miss"  # the system prompt alone does not steer
+        assert second.slot == first.slot

@@ -145,7 +145,10 @@ class Pipeline:
             shallow = self.min_match * n
             depths = {slot: d for slot, d in depths.items() if d >= shallow}
             if not depths:
-                route_key = blocks[-1]  # this prompt's own key, not the shared prefix's
+                # Its own key, not the shared prefix's: its first block past the shared
+                # prefix, the same for every turn of a conversation, so a replica that has
+                # not seen the earlier turns still places it where they went.
+                route_key = blocks[min(max(held.values()), n - 1)]
         scorer, load = self.scorer, fleet.load
         a_ms = scorer.model.a_ms
         # Placing new blocks on a full pod costs later: the prefixes they evict must be
