@@ -296,6 +296,25 @@ def test_summarize_on_a_hand_made_result() -> None:
     assert buckets["1K"]["p50_ms"] == pytest.approx(60.0)
     assert s["throughput_rps"] == 1.0 and s["throughput_tok_s"] == 10.0
     assert s["imbalance"] == 1.5 and s["evictions"] == 12
+    # The second pod was in the fleet for a quarter of the run: as busy, for its time.
+    result.present_s = [4.0, 1.0]
+    assert summarize(result)["imbalance"] == pytest.approx(4 / 3.5)
+
+
+def test_a_pod_counts_only_the_time_it_was_in_the_fleet() -> None:
+    requests = [
+        completion(i * 0.5, f"session {i % 5} " * 50, session=str(i % 5)) for i in range(40)
+    ]
+    result = run(
+        requests,
+        pods=3,
+        initially_absent=(2,),
+        events=[FleetEvent(5.0, "remove", 0), FleetEvent(10.0, "add", 2)],
+    )
+    assert result.present_s is not None
+    assert result.present_s[0] == pytest.approx(5.0)
+    assert result.present_s[1] == pytest.approx(result.duration_s)
+    assert result.present_s[2] == pytest.approx(result.duration_s - 10.0)
 
 
 def test_replayed_trace_reuse_matches_its_hash_ids() -> None:

@@ -48,6 +48,8 @@ class RunResult:
     rerouted: int = 0  # routed again because their pod left before admitting them
     replicas: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    # per pod: time it was in the fleet (None: all of the run, for every pod)
+    present_s: list[float] | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -92,7 +94,10 @@ def summarize(result: RunResult) -> dict[str, Any]:
     by_bucket: dict[str, list[float]] = {name: [] for name, _ in BUCKETS}
     for r in records:
         by_bucket[bucket(r.prompt_tokens)].append(r.ttft_s)
-    busy = result.busy_s
+    # Imbalance compares how busy each pod was while it was in the fleet: a pod that
+    # joined two thirds of the way through is not "idle" for the time before.
+    present = result.present_s or [result.duration_s] * len(result.busy_s)
+    busy = [b / p for b, p in zip(result.busy_s, present, strict=True) if p > 0]
     mean_busy = sum(busy) / len(busy) if busy else 0.0
     duration = result.duration_s
     return {

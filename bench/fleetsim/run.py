@@ -53,11 +53,15 @@ def simulate(
     with _progress(len(workload.requests), workload.name, progress) as tick:
         sim.tick = tick
         sim.run()
+    for pod in sim.pods:  # those still in the fleet at the end
+        if pod.present:
+            sim.present_s[pod.slot] += sim.now - sim.joined_at[pod.slot]
     return RunResult(
         workload=workload.name,
         pods=pods,
         records=sim.records,
         busy_s=[p.busy_s for p in sim.pods],
+        present_s=sim.present_s,
         evictions=[p.evictions for p in sim.pods],
         duration_s=sim.now,
         wall_s=time.perf_counter() - begin,
@@ -137,6 +141,9 @@ class _Run:
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.now = 0.0
+        # Time each pod spent in the fleet, for load balance over the pods present.
+        self.joined_at = [0.0] * n_pods
+        self.present_s = [0.0] * n_pods
         self.next_scrape = 0.0
         self.scrapes = 0
         self.records: list[RequestRecord] = []
@@ -317,6 +324,8 @@ class _Run:
             proc.fleet.set_available(slot, False)
             proc.index.drop_pod(slot)
         pod = self.pods[slot]
+        if pod.present:
+            self.present_s[slot] += self.now - self.joined_at[slot]
         pod.present = False
         for job in pod.take_waiting():
             self._unroute(slot, job)
@@ -330,6 +339,7 @@ class _Run:
         if not self.settings.pooled_cache:
             pod.cache = self._new_cache(1)  # draining requests release into their own
         pod.present = True
+        self.joined_at[slot] = self.now
         for proc in self.procs:
             proc.index.add_pod(slot)
             proc.fleet.set_available(slot, True)
