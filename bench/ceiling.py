@@ -6,7 +6,7 @@ simulated engine's own blocks (16 tokens, the same keys as its prefix cache), th
 token recomputed as vLLM does. No router can do better on the same requests in the same
 order, so when routers reach this figure they tie at it, and differ only in latency.
 
-    python -m bench.ceiling [--workload all] [--limit 800]
+    python -m bench.ceiling [--workload all] [--limit 800] [--seed 0]
 """
 
 from __future__ import annotations
@@ -65,11 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.ceiling", description=__doc__)
     ap.add_argument("--workload", default="all", help=f"one of {', '.join(workloads.NAMES)}")
     ap.add_argument("--limit", type=int, help="only the first N requests (as bench.live)")
+    ap.add_argument("--seed", type=int, default=0, help="the workload generator's seed")
     args = ap.parse_args(argv)
     names = workloads.NAMES if args.workload == "all" else [args.workload]
     print(f"{'workload':<12}{'requests':>9}{'prompt tokens':>15}{'ceiling':>9}")
     for name in names:
-        kwargs = {} if args.limit is None else {"limit": args.limit}
+        kwargs: dict[str, int] = {"seed": args.seed}
+        if args.limit is not None:
+            kwargs["limit"] = args.limit
         requests = workloads.get(name, **kwargs).requests[: args.limit]
         c = ceiling(requests)
         print(f"{name:<12}{len(requests):>9}{c.prompt_tokens:>15,}{c.share:>9.1%}")

@@ -1,7 +1,7 @@
 """Live runs: one workload replayed over real HTTP through each router, each in front of
 its own fresh simulated engine pods; hit ratios come from what the engines report.
 
-    python -m bench.live --workload seed800 [--limit N] [--rate R] [--pods 4]
+    python -m bench.live --workload seed800 [--limit N] [--rate R] [--seed S] [--pods 4]
                          [--routers ace,envoy_rr,sglang,vllm] [--time-scale 0.01]
                          [--concurrency 16] [--speed 0] [--no-stream] [--records FILE]
 
@@ -525,14 +525,15 @@ def write_records(path: Path, runs: Sequence[RouterRun]) -> None:
 # ------------------------------------------------------------------ CLI
 
 
-def load_workload(name: str, limit: int | None, rate: float | None) -> Workload:
-    """``bench.workloads.get(name, limit=..., rate=...)``, cut to ``limit`` requests."""
+def load_workload(name: str, limit: int | None, rate: float | None, seed: int = 0) -> Workload:
+    """``bench.workloads.get(name, limit=..., rate=..., seed=...)``, cut to ``limit``
+    requests."""
     from bench import workloads
 
     get: Callable[..., Workload] | None = getattr(workloads, "get", None)
     if get is None:
         raise ValueError("bench.workloads.get is not available (the workload generators)")
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"seed": seed} if seed else {}
     if limit is not None:
         kwargs["limit"] = limit
     if rate is not None:
@@ -565,6 +566,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--workload", required=True, help="a name bench.workloads.get knows")
     ap.add_argument("--limit", type=int, help="at most this many requests")
     ap.add_argument("--rate", type=float, help="passed to the workload generator (requests/s)")
+    ap.add_argument(
+        "--seed", type=int, default=0, help="the workload generator's seed (as bench.report)"
+    )
     ap.add_argument("--pods", type=int, default=4, help="simulated pods per router (default 4)")
     ap.add_argument("--routers", type=_routers, default=list(ROUTERS), help=",".join(ROUTERS))
     ap.add_argument("--time-scale", type=float, default=0.01, help="pods' clock (default 0.01)")
@@ -606,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         router=tuple(_router_setting(item, ap) for item in args.router_setting),
     )
     try:
-        workload = load_workload(args.workload, args.limit, args.rate)
+        workload = load_workload(args.workload, args.limit, args.rate, args.seed)
     except (ValueError, KeyError, OSError) as exc:
         print(f"error: workload {args.workload!r}: {exc}", file=sys.stderr)
         return 2
@@ -633,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     command = shlex.join(["python", "-m", "bench.live", *argv])
     doc = result_doc(workload, runs, options, command, wall)
-    out = Path(args.out or f"bench/results/live-{workload.name}.json")
+    suffix = f"-seed{args.seed}" if args.seed else ""
+    out = Path(args.out or f"bench/results/live-{workload.name}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"\nwrote {out} ({wall:.0f} s)")

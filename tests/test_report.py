@@ -39,3 +39,23 @@ def test_report_rejects_unknown_policy_and_bad_trace(tmp_path: Path) -> None:
     assert report.main(["--trace", str(bad), "--out", str(tmp_path)]) == 2
     # churn removes and adds pod slots up to 7: 4 pods cannot replay it
     assert report.main(["--workload", "churn", "--pods", "4", "--out", str(tmp_path)]) == 2
+
+
+def test_seeds_runs_every_policy_on_each_seeds_workload(tmp_path: Path) -> None:
+    from bench import seeds
+
+    out = tmp_path / "seeds.json"
+    code = seeds.main(
+        ["--workload", "seed800", "--seeds", "0,1", "--limit", "40", "--pods", "4",
+         "--policies", "ace,round_robin", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["seeds"] == [0, 1] and data["pods"] == 4
+    ace, rr = data["policies"]["ace"], data["policies"]["round_robin"]
+    assert [r["seed"] for r in ace] == [0, 1]
+    # Each seed is its own workload: the figures differ between seeds.
+    assert ace[0]["prefill_saved_ratio"] != ace[1]["prefill_saved_ratio"]
+    # Same requests per seed for every policy: prefix routing saves more than round-robin.
+    assert all(a["prefill_saved_ratio"] > r["prefill_saved_ratio"] for a, r in zip(ace, rr, strict=True))
+    assert seeds.main(["--workload", "churn", "--pods", "4", "--out", str(out)]) == 2

@@ -1,0 +1,108 @@
+"""The same comparison over several seeds of a workload: which policy wins on average,
+and by how much one seed's luck moves each of them.
+
+    python -m bench.seeds --workload seed800 [--seeds 0,1,2,3] [--pods 4]
+                          [--num-gpu-blocks 8192] [--policies ace,sglang_cache_aware]
+                          [--replicas 1] [--out bench/results/seeds-<workload>.json]
+
+One seed places a few dozen conversations on a few pods, so whether two of them collide
+on one pod's cache is partly luck, and a single run can favour any policy by a point or
+more. Each seed regenerates the workload (its sessions, lengths and arrivals); every
+policy sees the same requests per seed, as in ``bench.report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench import workloads
+from bench.baselines import POLICIES
+from bench.fleetsim import SimSettings
+from bench.report import run_policy
+
+FIGURES = ("prefill_saved_ratio", "ttft_p99_ms", "imbalance")
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seeds like 0,1,2, got {text!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError("expected at least one seed")
+    return seeds
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.seeds", description=__doc__)
+    ap.add_argument("--workload", required=True, help=", ".join(workloads.NAMES))
+    ap.add_argument("--seeds", type=_seeds, default=[0, 1, 2, 3])
+    ap.add_argument("--pods", type=int, default=8)
+    ap.add_argument("--num-gpu-blocks", type=int, help="KV blocks per pod (16 tokens each)")
+    ap.add_argument("--limit", type=int, help="replay only the first N requests")
+    ap.add_argument("--policies", default="ace,sglang_cache_aware,gie_scorers,session_hash")
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--out", help="default: bench/results/seeds-<workload>[-<pods>pods].json")
+    args = ap.parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or args.pods < 1 or args.replicas < 1:
+        ap.error(f"unknown policies {unknown}" if unknown else "pods and replicas must be >= 1")
+    settings = SimSettings()
+    if args.num_gpu_blocks:
+        settings = replace(settings, num_gpu_blocks=args.num_gpu_blocks)
+
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    for seed in args.seeds:
+        try:
+            workload = workloads.get(args.workload, seed=seed, limit=args.limit)
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        for p in policies:
+            print(f"seed {seed}: {p} ...", file=sys.stderr, flush=True)
+            try:
+                s = run_policy(workload, p, args.pods, settings, False, args.replicas)
+            except ValueError as exc:  # e.g. fleet events on slots this run lacks
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            runs[p].append({"seed": seed, **{k: s[k] for k in FIGURES}})
+
+    print(
+        f"{args.workload}, {args.pods} pods"
+        + (f" x {args.num_gpu_blocks} blocks" if args.num_gpu_blocks else "")
+        + (f", {args.replicas} replicas" if args.replicas > 1 else "")
+        + f", seeds {','.join(map(str, args.seeds))}"
+    )
+    print(f"{'policy':<20}{'prefill saved % by seed':<34}{'mean':>7}{'p99 ms mean':>13}{'imb':>6}")
+    for p, rs in runs.items():
+        saved = [r["prefill_saved_ratio"] * 100 for r in rs]
+        cells = " ".join(f"{x:5.1f}" for x in saved)
+        p99 = statistics.fmean(r["ttft_p99_ms"] for r in rs)
+        imb = statistics.fmean(r["imbalance"] for r in rs)
+        print(f"{p:<20}{cells:<34}{statistics.fmean(saved):>7.1f}{p99:>13.0f}{imb:>6.2f}")
+    shape = f"-{args.pods}pods" if args.pods != 8 or args.num_gpu_blocks else ""
+    out = Path(args.out or f"bench/results/seeds-{args.workload}{shape}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "command": "python -m bench.seeds " + " ".join(sys.argv[1:] if argv is None else argv),
+        "workload": args.workload,
+        "pods": args.pods,
+        "num_gpu_blocks": settings.num_gpu_blocks,
+        "replicas": args.replicas,
+        "seeds": args.seeds,
+        "policies": runs,
+    }
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
