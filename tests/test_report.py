@@ -57,5 +57,7 @@ def test_seeds_runs_every_policy_on_each_seeds_workload(tmp_path: Path) -> None:
     # Each seed is its own workload: the figures differ between seeds.
     assert ace[0]["prefill_saved_ratio"] != ace[1]["prefill_saved_ratio"]
     # Same requests per seed for every policy: prefix routing saves more than round-robin.
-    assert all(a["prefill_saved_ratio"] > r["prefill_saved_ratio"] for a, r in zip(ace, rr, strict=True))
+    assert all(
+        a["prefill_saved_ratio"] > r["prefill_saved_ratio"] for a, r in zip(ace, rr, strict=True)
+    )
     assert seeds.main(["--workload", "churn", "--pods", "4", "--out", str(out)]) == 2
