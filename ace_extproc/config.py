@@ -174,6 +174,9 @@ class Settings:
     # prompt many conversations share) does not steer the pick (routing/pipeline.py);
     # 0 lets any match steer. Measured in bench/RESULTS.md ("Shallow matches").
     min_match: float = 0.25
+    # cost policy: a session's (x-session-id / x-user-id) first request this replica
+    # sees is placed by the session, not drawn to a pod by a prefix other sessions share.
+    place_sessions: bool = True
     upstream_mode: str = "cluster"  # "cluster": per-pod Envoy clusters; "endpoint": ip:port
     scrape_interval_s: float = 0.1  # pods' /metrics
     probe_interval_s: float = 1.0  # pods' /health
@@ -444,6 +447,7 @@ _SETTING_TYPES: dict[str, type] = {
     "ttft_model": str,
     "policy": str,
     "min_match": float,
+    "place_sessions": bool,
     "upstream_mode": str,
     "scrape_interval_s": float,
     "probe_interval_s": float,

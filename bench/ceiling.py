@@ -70,10 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     names = workloads.NAMES if args.workload == "all" else [args.workload]
     print(f"{'workload':<12}{'requests':>9}{'prompt tokens':>15}{'ceiling':>9}")
     for name in names:
-        kwargs: dict[str, int] = {"seed": args.seed}
-        if args.limit is not None:
-            kwargs["limit"] = args.limit
-        requests = workloads.get(name, **kwargs).requests[: args.limit]
+        requests = workloads.get(name, seed=args.seed, limit=args.limit).requests[: args.limit]
         c = ceiling(requests)
         print(f"{name:<12}{len(requests):>9}{c.prompt_tokens:>15,}{c.share:>9.1%}")
     return 0

@@ -162,3 +162,61 @@ def test_replicas_place_a_new_conversation_the_same_way_on_every_turn() -> None:
         assert first is not None and second is not None
         assert first.action == second.action == "miss"  # the system prompt alone does not steer
         assert second.slot == first.slot
+
+
+def session_request(data: bytes, session: str) -> RoutingRequest:
+    h = hash_prompt(data, None, 512, 1)
+    return RoutingRequest(h, data, len(data) // 4, "t", "m", session)
+
+
+def test_sessions_sharing_a_large_prefix_spread_and_then_stick() -> None:
+    """Agents whose first request is 90% a shared tool prompt: each session's first
+    request goes where its session's key puts it, not to the pod holding the tools (with
+    place_sessions off they all pile onto that one); its later turns follow it there."""
+    from collections import Counter
+
+    tools = PROMPT[: 14 * 512]  # 14 of 16 blocks shared by every agent
+
+    def first_turns(place_sessions: bool) -> tuple[Counter[int], dict[str, int]]:
+        _, _, picker = setup(4, place_sessions=place_sessions)
+        where: dict[str, int] = {}
+        for i in range(40):
+            pick = picker.pick(session_request(tools + bytes([i]) * 1024, f"agent-{i}"), 15)
+            assert pick is not None
+            where[f"agent-{i}"] = pick.slot
+        return Counter(where.values()), where
+
+    piled, _ = first_turns(False)
+    assert len(piled) == 1  # every agent followed the tool prompt
+    spread, where = first_turns(True)
+    assert len(spread) == 4 and max(spread.values()) <= 16
+    # The same sessions again, on a fresh replica: same pods, and a session's next turn,
+    # seen by the replica that placed it, follows its own history.
+    fleet, _, picker = setup(4)
+    for i in range(40):
+        turn1 = tools + bytes([i]) * 1024
+        first = picker.pick(session_request(turn1, f"agent-{i}"), fleet.available)
+        again = picker.pick(session_request(turn1 + b"tool result" * 300, f"agent-{i}"), 15)
+        assert first is not None and again is not None
+        assert first.slot == where[f"agent-{i}"] and first.action == "miss"
+        assert again.slot == first.slot and again.action == "hit"
+
+
+def test_a_replica_joining_a_session_late_sends_it_where_the_session_went() -> None:
+    """Replica B never saw the session's first turn and holds the shared prefix on
+    another pod: it still sends turn 2 to the session's pod, not to that prefix."""
+    tools = PROMPT[: 14 * 512]
+    placed = set()
+    for i in range(20):
+        a_fleet, _, replica_a = setup(8)
+        b_fleet, _, replica_b = setup(8)
+        turn1 = tools + bytes([i]) * 1024
+        first = replica_a.pick(session_request(turn1, f"s{i}"), a_fleet.available)
+        # B has routed another session with the same tools (so holds them somewhere).
+        assert replica_b.pick(session_request(tools + b"other" * 300, "x"), b_fleet.available)
+        second = replica_b.pick(
+            session_request(turn1 + b"an answer" * 300, f"s{i}"), b_fleet.available
+        )
+        assert first is not None and second is not None and second.slot == first.slot
+        placed.add(first.slot)
+    assert len(placed) >= 4  # by session: spread, not all on the tools' pod

@@ -96,6 +96,8 @@ class Pipeline:
         balance_new: bool = False,
         eviction_weight: float = 0.5,
         min_match: float = 0.0,
+        place_sessions: bool = False,
+        sessions_remembered: int = 65_536,
     ) -> None:
         self.fleet = fleet
         self.index = index
@@ -114,6 +116,15 @@ class Pipeline:
         # request is placed as new, by its own key, so conversations that share only a
         # short prefix spread over the pods instead of piling onto the one holding it.
         self.min_match = min_match
+        # A session's first request seen by this replica is placed by the session, not
+        # drawn to the pod holding a prefix it shares with other sessions (a system
+        # prompt, tool schemas): this replica never routed the session, so any warm match
+        # is somebody else's. Sessions sharing a large prefix then spread over the pods
+        # instead of piling onto one whose cache cannot hold all their histories, and a
+        # replica that joins a session late sends it where the session's key put it.
+        self.place_sessions = place_sessions
+        self._sessions: dict[str, None] = {}  # seen here, oldest first (bounded)
+        self._sessions_remembered = sessions_remembered
         self._slot_lists: dict[int, tuple[int, ...]] = {}
         for slot in range(len(fleet.pods)):
             index.add_pod(slot)
@@ -129,6 +140,16 @@ class Pipeline:
             )
         return slots
 
+    def _first_sight(self, session: str) -> bool:
+        """Whether this replica sees ``session`` for the first time (it remembers it)."""
+        seen = self._sessions
+        if session in seen:
+            return False
+        seen[session] = None
+        if len(seen) > self._sessions_remembered:
+            del seen[next(iter(seen))]
+        return True
+
     def pick(self, request: RoutingRequest, candidates: int) -> Pick | None:
         if not candidates:
             return None
@@ -141,7 +162,11 @@ class Pipeline:
         depths = index.match_depths(blocks, candidates)
         held = depths  # what the pods hold; ``depths`` is what may steer
         route_key = request.hashes.route_key
-        if self.min_match and depths:
+        session = request.session
+        if self.place_sessions and session is not None and self._first_sight(session):
+            depths = {}
+            route_key = rendezvous.key_of(session)
+        elif self.min_match and depths:
             shallow = self.min_match * n
             depths = {slot: d for slot, d in depths.items() if d >= shallow}
             if not depths:

@@ -23,17 +23,28 @@ PickerFactory = Callable[[FleetState, BlockIndex], Picker]
 
 
 def cost_policy(
-    settings: Settings, *, balance_new: bool = False, min_match: float | None = None
+    settings: Settings,
+    *,
+    balance_new: bool = False,
+    min_match: float | None = None,
+    place_sessions: bool | None = None,
 ) -> PickerFactory:
-    """The cost pipeline; ``min_match`` overrides ``settings.min_match``."""
+    """The cost pipeline; ``min_match`` and ``place_sessions`` override the settings'."""
     share = settings.min_match if min_match is None else min_match
+    by_session = settings.place_sessions if place_sessions is None else place_sessions
     scorer = EstimatedTTFT(
         get_model(settings.ttft_model), settings.block_bytes / settings.bytes_per_token
     )
 
     def build(fleet: FleetState, index: BlockIndex) -> Picker:
         return Pipeline(
-            fleet, index, [NotSaturated()], scorer, balance_new=balance_new, min_match=share
+            fleet,
+            index,
+            [NotSaturated()],
+            scorer,
+            balance_new=balance_new,
+            min_match=share,
+            place_sessions=by_session,
         )
 
     return build

@@ -20,6 +20,11 @@ def pod_seed(pod_key: str) -> int:
     return _xxh3(pod_key.encode())
 
 
+def key_of(name: str) -> int:
+    """A placement key for a name (a session id), like a prefix's block hash."""
+    return _xxh3(name.encode())
+
+
 def score(key: int, seed: int, weight: float) -> float:
     u = (_xxh3(key.to_bytes(8, "little"), seed) + 0.5) * _SCALE
     return -weight / math.log(u)

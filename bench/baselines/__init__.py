@@ -44,7 +44,8 @@ POLICIES: dict[str, PickerFactory] = {
     # version (router.policy: affinity) to measure what load-aware pricing changes.
     "ace": policies.cost_policy(Settings()),
     "ace_balanced": policies.cost_balanced_policy(Settings()),
-    "ace_any_match": policies.cost_policy(Settings(), min_match=0.0),
+    "ace_any_match": policies.cost_policy(Settings(), min_match=0.0, place_sessions=False),
+    "ace_by_prefix": policies.cost_policy(Settings(), place_sessions=False),
     "ace_affinity": PrefixAffinityPicker,
     "bound_pooled": bound_pooled,
     "bound_unbounded": bound_unbounded,
