@@ -238,3 +238,33 @@ def test_live_summary_puts_each_router_next_to_the_ceiling() -> None:
     assert table[0] == "| workload | ceiling | ace | sglang | vllm |"
     assert table[2] == "| seed800 (800) | 89.2% | 89.0% | **89.1%** | 88.9% |"
     assert table[3] == "| burst32k (800) | - | **0.7%** | - | **0.7%** |"  # a tie, shown as one
+
+
+def test_live_seeds_summarizes_each_router_over_seeds_and_runs() -> None:
+    from bench.live_seeds import summarize
+
+    def doc(seed: int, shares: dict[str, float]) -> dict[str, Any]:
+        return {
+            "options": {"seed": seed},
+            "workload": {"cached_share_ceiling": 0.9 - seed / 100},
+            "routers": {k: {"cached_share": v} for k, v in shares.items()},
+        }
+
+    s = summarize(
+        [
+            doc(0, {"ace": 0.88, "vllm": 0.80}),
+            doc(0, {"ace": 0.86, "vllm": 0.60}),
+            doc(1, {"ace": 0.87, "vllm": 0.70}),
+            doc(1, {"ace": 0.85}),  # vllm failed this run: no cached_share
+        ]
+    )
+    assert s["seeds"] == [0, 1] and s["runs"] == 4
+    assert s["ceiling"] == {"0": 0.9, "1": 0.89}
+    assert s["routers"]["ace"] == {
+        "by_seed": {"0": 0.87, "1": 0.86},
+        "mean": 0.865,
+        "lowest": 0.85,
+        "highest": 0.88,
+    }
+    assert s["routers"]["vllm"]["by_seed"] == {"0": 0.7, "1": 0.7}
+    assert s["routers"]["vllm"]["lowest"] == 0.6

@@ -1,0 +1,99 @@
+"""``bench.live`` over several seeds of a workload, each replayed more than once: one live
+run moves a router's cached share by a few points (which conversations collide on which
+pod depends on timing), so a comparison between routers needs several.
+
+    python -m bench.live_seeds [--workload seed800] [--seeds 0,1,2,3] [--repeats 2]
+                               [--routers ace,sglang,vllm] [--limit 800]
+
+Each run is a plain ``bench.live`` run (fresh pods per router), written to
+``bench/results/live-seeds/<workload>-seed<S>-run<R>.json``; the summary (per router:
+each seed's mean, the mean over all runs, the lowest and highest run, and the ceiling of
+each seed from ``bench.ceiling``) goes to ``bench/results/seeds-live-<workload>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench import live
+
+RUNS = Path("bench/results/live-seeds")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def summarize(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per router: cached share by seed (mean of its runs), over all runs, and the range."""
+    seeds = sorted({d["options"]["seed"] for d in docs})
+    routers = list(dict.fromkeys(name for d in docs for name in d["routers"]))
+    out: dict[str, Any] = {"seeds": seeds, "runs": len(docs), "ceiling": {}, "routers": {}}
+    for d in docs:
+        out["ceiling"][str(d["options"]["seed"])] = d["workload"]["cached_share_ceiling"]
+    for name in routers:
+        shares = {
+            s: [
+                d["routers"][name]["cached_share"]
+                for d in docs
+                if d["options"]["seed"] == s and d["routers"].get(name, {}).get("cached_share")
+            ]
+            for s in seeds
+        }
+        every = [x for xs in shares.values() for x in xs]
+        if not every:
+            continue
+        out["routers"][name] = {
+            "by_seed": {str(s): round(statistics.fmean(xs), 4) for s, xs in shares.items() if xs},
+            "mean": round(statistics.fmean(every), 4),
+            "lowest": round(min(every), 4),
+            "highest": round(max(every), 4),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.live_seeds", description=__doc__)
+    ap.add_argument("--workload", default="seed800")
+    ap.add_argument("--seeds", type=_ints, default=[0, 1, 2, 3])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--routers", default="ace,sglang,vllm")
+    ap.add_argument("--limit", type=int, default=800)
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or not args.seeds:
+        ap.error("--repeats must be at least 1 and --seeds name one seed or more")
+    docs = []
+    for seed in args.seeds:
+        for run in range(args.repeats):
+            out = RUNS / f"{args.workload}-seed{seed}-run{run}.json"
+            code = live.main(
+                ["--workload", args.workload, "--limit", str(args.limit), "--seed", str(seed),
+                 "--routers", args.routers, "--out", str(out)]
+            )  # fmt: skip
+            if code == 0:
+                docs.append(json.loads(out.read_text()))
+    if not docs:
+        return 1
+    summary = summarize(docs)
+    print(f"\n{args.workload}: cached share over {len(docs)} live runs, seeds {args.seeds}")
+    print(f"{'router':<10}" + "".join(f"{'seed ' + str(s):>9}" for s in summary["seeds"])
+          + f"{'mean':>8}{'lowest':>8}{'highest':>8}")  # fmt: skip
+    ceiling = summary["ceiling"]
+    print(f"{'ceiling':<10}" + "".join(f"{ceiling[str(s)]:>9.1%}" for s in summary["seeds"]))
+    for name, r in summary["routers"].items():
+        cells = "".join(f"{r['by_seed'].get(str(s), float('nan')):>9.1%}" for s in summary["seeds"])
+        print(f"{name:<10}{cells}{r['mean']:>8.1%}{r['lowest']:>8.1%}{r['highest']:>8.1%}")
+    path = Path(f"bench/results/seeds-live-{args.workload}.json")
+    command = "python -m bench.live_seeds " + " ".join(sys.argv[1:] if argv is None else argv)
+    path.write_text(json.dumps({"command": command.strip(), **summary}, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
