@@ -88,6 +88,7 @@ class LiveOptions:
     sim_args: tuple[str, ...] = ()
     request_timeout_s: float = 300.0
     router: tuple[tuple[str, object], ...] = ()  # ace-extproc's `router:` settings
+    seed: int = 0  # the workload generator's
 
 
 @dataclass(frozen=True, slots=True)
@@ -608,9 +609,10 @@ def main(argv: list[str] | None = None) -> int:
         sim_args=tuple(shlex.split(args.sim_args)),
         request_timeout_s=args.request_timeout,
         router=tuple(_router_setting(item, ap) for item in args.router_setting),
+        seed=args.seed,
     )
     try:
-        workload = load_workload(args.workload, args.limit, args.rate, args.seed)
+        workload = load_workload(args.workload, args.limit, args.rate, options.seed)
     except (ValueError, KeyError, OSError) as exc:
         print(f"error: workload {args.workload!r}: {exc}", file=sys.stderr)
         return 2
@@ -637,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     command = shlex.join(["python", "-m", "bench.live", *argv])
     doc = result_doc(workload, runs, options, command, wall)
-    suffix = f"-seed{args.seed}" if args.seed else ""
+    suffix = f"-seed{options.seed}" if options.seed else ""
     out = Path(args.out or f"bench/results/live-{workload.name}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -93,8 +93,10 @@ def live_summary(lives: list[dict[str, Any]]) -> str:
         best = max((x for x in shares if x is not None), default=None)
         top = None if best is None else f"{best:.1%}"  # ties at the shown precision: all bold
         cells = ["-" if x is None else (f"**{x}**" if x == top else x) for x in shown]
+        seed = live.get("options", {}).get("seed", 0)
+        name = f"{w['name']}, seed {seed}" if seed else w["name"]
         rows.append(
-            f"| {w['name']} ({w['requests']}) | {'-' if bound is None else f'{bound:.1%}'} | "
+            f"| {name} ({w['requests']}) | {'-' if bound is None else f'{bound:.1%}'} | "
             + " | ".join(cells)
             + " |"
         )

@@ -397,6 +397,20 @@ def test_queued_prefill_drains_at_the_model_rate_and_clears_when_nothing_waits()
     assert load.queued_prefill_tokens == 0  # nothing waiting: nothing queued ahead
 
 
+def test_many_short_drains_drain_as_much_as_one_long_one() -> None:
+    """drain runs before every pick: at 10,000 picks a second each interval is worth
+    2.5 tokens, whose fractions must add up rather than be dropped."""
+    fleet = FleetState(sim_fleet(["127.0.0.1:1"]))
+    monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
+    load = fleet.load[0]
+    load.queued_prefill_tokens = 10_000
+    start = 1000.0
+    monitor.drain(start)
+    for i in range(1, 1001):
+        monitor.drain(start + i * 0.0001)  # 1,000 intervals of 0.1 ms: 100 ms in all
+    assert abs(load.queued_prefill_tokens - 7500) <= 1
+
+
 def test_picks_add_their_uncached_prompt_to_the_queue_when_monitored() -> None:
     cfg = Config(sim_fleet(["127.0.0.1:1"]), Settings(salt_secret=b"s"))
     proc = Processor(cfg)

@@ -77,6 +77,7 @@ class FleetMonitor:
         self.settings = settings
         self._ms_per_token = get_model(settings.ttft_model).a_ms  # prefill cost per token
         self._drained_at = time.monotonic()
+        self._drain_carry = 0.0  # tokens drained but not yet whole, kept for the next call
         self._providers = {d.id: d.provider for d in fleet.fleet.destinations}
         self.watched: list[int] = [
             slot
@@ -232,7 +233,11 @@ class FleetMonitor:
         self._drained_at = now
         if elapsed_ms <= 0:
             return
-        done = int(elapsed_ms / self._ms_per_token)
+        # Called before every pick, so the intervals are short: carry the fraction, or
+        # at a few thousand picks a second most of the drain would be rounded away.
+        due = elapsed_ms / self._ms_per_token + self._drain_carry
+        done = int(due + 1e-9)  # 2,499.9999 tokens of float error is 2,500
+        self._drain_carry = max(0.0, due - done)
         for load in self.fleet.load:
             if load.queued_prefill_tokens:
                 load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - done)
