@@ -4,11 +4,14 @@ pod depends on timing), so a comparison between routers needs several.
 
     python -m bench.live_seeds [--workload seed800] [--seeds 0,1,2,3] [--repeats 2]
                                [--routers ace,sglang,vllm] [--limit 800]
+                               [--router-setting KEY=VALUE ...] [--tag NAME]
 
 Each run is a plain ``bench.live`` run (fresh pods per router), written to
-``bench/results/live-seeds/<workload>-seed<S>-run<R>.json``; the summary (per router:
-each seed's mean, the mean over all runs, the lowest and highest run, and the ceiling of
-each seed from ``bench.ceiling``) goes to ``bench/results/seeds-live-<workload>.json``.
+``bench/results/live-seeds/<workload>[-<tag>]-seed<S>-run<R>.json``; the summary (per
+router: each seed's mean, the mean over all runs, the lowest and highest run, and the
+ceiling of each seed from ``bench.ceiling``) goes to
+``bench/results/seeds-live-<workload>[-<tag>].json``. ``--router-setting`` is passed to
+``bench.live`` (ace-extproc's ``router:`` settings); ``--tag`` names such a variant's files.
 """
 
 from __future__ import annotations
@@ -64,16 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--routers", default="ace,sglang,vllm")
     ap.add_argument("--limit", type=int, default=800)
+    ap.add_argument("--router-setting", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--tag", default="", help="a suffix for this variant's files")
     args = ap.parse_args(argv)
     if args.repeats < 1 or not args.seeds:
         ap.error("--repeats must be at least 1 and --seeds name one seed or more")
+    name = f"{args.workload}-{args.tag}" if args.tag else args.workload
+    settings = [x for item in args.router_setting for x in ("--router-setting", item)]
     docs = []
     for seed in args.seeds:
         for run in range(args.repeats):
-            out = RUNS / f"{args.workload}-seed{seed}-run{run}.json"
+            out = RUNS / f"{name}-seed{seed}-run{run}.json"
             code = live.main(
                 ["--workload", args.workload, "--limit", str(args.limit), "--seed", str(seed),
-                 "--routers", args.routers, "--out", str(out)]
+                 "--routers", args.routers, "--out", str(out), *settings]
             )  # fmt: skip
             if code == 0:
                 docs.append(json.loads(out.read_text()))
@@ -88,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in summary["routers"].items():
         cells = "".join(f"{r['by_seed'].get(str(s), float('nan')):>9.1%}" for s in summary["seeds"])
         print(f"{name:<10}{cells}{r['mean']:>8.1%}{r['lowest']:>8.1%}{r['highest']:>8.1%}")
-    path = Path(f"bench/results/seeds-live-{args.workload}.json")
+    path = Path(f"bench/results/seeds-live-{name}.json")
     command = "python -m bench.live_seeds " + " ".join(sys.argv[1:] if argv is None else argv)
     path.write_text(json.dumps({"command": command.strip(), **summary}, indent=2) + "\n")
     print(f"wrote {path}")

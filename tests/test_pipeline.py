@@ -220,3 +220,18 @@ def test_a_replica_joining_a_session_late_sends_it_where_the_session_went() -> N
         assert first is not None and second is not None and second.slot == first.slot
         placed.add(first.slot)
     assert len(placed) >= 4  # by session: spread, not all on the tools' pod
+
+
+def test_a_sessions_own_history_steers_however_short() -> None:
+    """A turn whose history is under min_match of its prompt (a long new message after a
+    short exchange) stays on the session's pod; a stranger's equally short match on that
+    pod does not draw an unrelated request."""
+    fleet, _, picker = setup(8)
+    history = PROMPT[: 2 * 512]
+    first = picker.pick(session_request(history, "conv"), fleet.available)
+    assert first is not None
+    long_turn = history + bytes(range(256))[::-1] * 60  # 2 of 32 blocks are history
+    again = picker.pick(session_request(long_turn, "conv"), fleet.available)
+    assert again is not None and again.slot == first.slot and again.action == "hit"
+    stranger = picker.pick(session_request(long_turn + b"x", "other"), fleet.available)
+    assert stranger is not None and stranger.action == "miss"

@@ -122,8 +122,11 @@ class Pipeline:
         # is somebody else's. Sessions sharing a large prefix then spread over the pods
         # instead of piling onto one whose cache cannot hold all their histories, and a
         # replica that joins a session late sends it where the session's key put it.
+        # Later, the session's own history on the pod it went to steers however short
+        # (min_match is for prefixes other sessions share).
         self.place_sessions = place_sessions
-        self._sessions: dict[str, None] = {}  # seen here, oldest first (bounded)
+        # Each session this replica routed -> the pod it last sent it to (oldest first).
+        self._sessions: dict[str, int] = {}
         self._sessions_remembered = sessions_remembered
         self._slot_lists: dict[int, tuple[int, ...]] = {}
         for slot in range(len(fleet.pods)):
@@ -140,15 +143,11 @@ class Pipeline:
             )
         return slots
 
-    def _first_sight(self, session: str) -> bool:
-        """Whether this replica sees ``session`` for the first time (it remembers it)."""
-        seen = self._sessions
-        if session in seen:
-            return False
-        seen[session] = None
-        if len(seen) > self._sessions_remembered:
-            del seen[next(iter(seen))]
-        return True
+    def _remember(self, session: str, slot: int) -> None:
+        sessions = self._sessions
+        sessions[session] = slot
+        if len(sessions) > self._sessions_remembered:
+            del sessions[next(iter(sessions))]
 
     def pick(self, request: RoutingRequest, candidates: int) -> Pick | None:
         if not candidates:
@@ -162,13 +161,15 @@ class Pipeline:
         depths = index.match_depths(blocks, candidates)
         held = depths  # what the pods hold; ``depths`` is what may steer
         route_key = request.hashes.route_key
-        session = request.session
-        if self.place_sessions and session is not None and self._first_sight(session):
+        session = request.session if self.place_sessions else None
+        home = -1 if session is None else self._sessions.get(session, -1)
+        if session is not None and home < 0:  # a session this replica never routed
             depths = {}
             route_key = rendezvous.key_of(session)
         elif self.min_match and depths:
+            # A session's own history, on the pod it went to, counts however short.
             shallow = self.min_match * n
-            depths = {slot: d for slot, d in depths.items() if d >= shallow}
+            depths = {slot: d for slot, d in depths.items() if d >= shallow or slot == home}
             if not depths:
                 # Its own key, not the shared prefix's: its first block past the shared
                 # prefix, the same for every turn of a conversation, so a replica that has
@@ -216,6 +217,8 @@ class Pipeline:
             else rendezvous.best(route_key, fleet.seeds, near_mask)
         )
         index.record(chosen, blocks)
+        if session is not None:
+            self._remember(session, chosen)
         # The action names what steered: a shallow match placed as new is a miss. The
         # depth reported is what the chosen pod really holds (the saved-prefill estimate).
         best_depth = max(depths.values(), default=0)
