@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
           + f"{'mean':>8}{'lowest':>8}{'highest':>8}")  # fmt: skip
     ceiling = summary["ceiling"]
     print(f"{'ceiling':<10}" + "".join(f"{ceiling[str(s)]:>9.1%}" for s in summary["seeds"]))
-    for name, r in summary["routers"].items():
+    for router, r in summary["routers"].items():
         cells = "".join(f"{r['by_seed'].get(str(s), float('nan')):>9.1%}" for s in summary["seeds"])
-        print(f"{name:<10}{cells}{r['mean']:>8.1%}{r['lowest']:>8.1%}{r['highest']:>8.1%}")
+        print(f"{router:<10}{cells}{r['mean']:>8.1%}{r['lowest']:>8.1%}{r['highest']:>8.1%}")
     path = Path(f"bench/results/seeds-live-{name}.json")
     command = "python -m bench.live_seeds " + " ".join(sys.argv[1:] if argv is None else argv)
     path.write_text(json.dumps({"command": command.strip(), **summary}, indent=2) + "\n")
