@@ -235,3 +235,21 @@ def test_a_sessions_own_history_steers_however_short() -> None:
     assert again is not None and again.slot == first.slot and again.action == "hit"
     stranger = picker.pick(session_request(long_turn + b"x", "other"), fleet.available)
     assert stranger is not None and stranger.action == "miss"
+
+
+def test_sessions_are_remembered_per_tenant() -> None:
+    """Session ids are the clients': another tenant's "s1" is a session this replica
+    has never routed, placed by its key as a first request is."""
+    fleet, _, picker = setup(8)
+
+    def tenant_request(data: bytes, tenant: str) -> RoutingRequest:
+        return RoutingRequest(
+            hash_prompt(data, None, 512, 7), data, len(data) // 4, tenant, "m", "s1"
+        )
+
+    first = picker.pick(tenant_request(PROMPT, "a"), fleet.available)
+    again = picker.pick(tenant_request(PROMPT, "a"), fleet.available)
+    other = picker.pick(tenant_request(PROMPT, "b"), fleet.available)
+    assert first is not None and again is not None and other is not None
+    assert again.action == "hit"  # tenant a's session continues on its pod
+    assert other.action == "miss"  # tenant b's "s1" is new here: the match does not steer

@@ -125,8 +125,9 @@ class Pipeline:
         # Later, the session's own history on the pod it went to steers however short
         # (min_match is for prefixes other sessions share).
         self.place_sessions = place_sessions
-        # Each session this replica routed -> the pod it last sent it to (oldest first).
-        self._sessions: dict[str, int] = {}
+        # (tenant, session) this replica routed -> the pod it last sent it to; bounded,
+        # the first seen forgotten first. Scoped by tenant: session ids are the clients'.
+        self._sessions: dict[tuple[str, str], int] = {}
         self._sessions_remembered = sessions_remembered
         self._slot_lists: dict[int, tuple[int, ...]] = {}
         for slot in range(len(fleet.pods)):
@@ -143,7 +144,7 @@ class Pipeline:
             )
         return slots
 
-    def _remember(self, session: str, slot: int) -> None:
+    def _remember(self, session: tuple[str, str], slot: int) -> None:
         sessions = self._sessions
         sessions[session] = slot
         if len(sessions) > self._sessions_remembered:
@@ -161,11 +162,12 @@ class Pipeline:
         depths = index.match_depths(blocks, candidates)
         held = depths  # what the pods hold; ``depths`` is what may steer
         route_key = request.hashes.route_key
-        session = request.session if self.place_sessions else None
+        sid = request.session if self.place_sessions else None
+        session = None if sid is None else (request.tenant, sid)
         home = -1 if session is None else self._sessions.get(session, -1)
-        if session is not None and home < 0:  # a session this replica never routed
+        if sid is not None and home < 0:  # a session this replica never routed
             depths = {}
-            route_key = rendezvous.key_of(session)
+            route_key = rendezvous.key_of(sid)
         elif self.min_match and depths:
             # A session's own history, on the pod it went to, counts however short.
             shallow = self.min_match * n
