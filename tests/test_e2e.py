@@ -175,6 +175,36 @@ def test_new_prefixes_spread_over_the_fleet(prod: Client) -> None:
     assert len(pods) >= 3
 
 
+def test_sessions_sharing_a_large_prefix_spread_and_each_stays_warm(prod: Client) -> None:
+    """Agents whose first request is mostly a shared tool prompt, each with its own
+    x-session-id: through Envoy, their first requests spread over the pods (not all to
+    the pod holding the tools), and each session's next turn goes back to its pod and
+    hits what the engine cached there."""
+    tools = "TOOL search(query) returns documents. TOOL fetch(url) returns a page. " * 60
+
+    def agent(i: int, turn: int) -> list[dict[str, Any]]:
+        msgs: list[dict[str, Any]] = [
+            {"role": "system", "content": tools},
+            {"role": "user", "content": f"task {i}: find the report"},
+        ]
+        for k in range(turn):
+            msgs.append({"role": "assistant", "content": f"calling search for task {i} " * 10})
+            msgs.append({"role": "user", "content": f"result {k} of task {i} " * 40})
+        return msgs
+
+    first: dict[int, str] = {}
+    for i in range(12):
+        status, headers, body = prod.chat(agent(i, 0), **{"x-session-id": f"agent-e2e-{i}"})
+        assert status == 200, body
+        first[i] = headers["x-ace-served-by"]
+    assert len(set(first.values())) >= 3  # spread, not piled onto the tools' pod
+    for i in range(12):
+        status, headers, body = prod.chat(agent(i, 1), **{"x-session-id": f"agent-e2e-{i}"})
+        assert status == 200, body
+        assert headers["x-ace-served-by"] == first[i]
+        assert trace(headers)["action"] == "hit" and cached(body) > 800
+
+
 def test_body_is_rewritten_with_prefix_id_and_salt_and_client_salt_is_dropped(prod: Client) -> None:
     prod.clear_records()
     msgs = conversation(1, "salts")

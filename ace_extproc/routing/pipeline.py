@@ -209,7 +209,9 @@ class Pipeline:
                 deepest, near_mask = depth, 1 << slot
             elif depth == deepest:
                 near_mask |= 1 << slot
-        if not deepest and self.balance_new:  # a new prefix: the least busy first
+        if home >= 0 and (near_mask >> home) & 1:
+            near_mask = 1 << home  # a session stays on its pod among equals
+        elif not deepest and self.balance_new:  # a new prefix: the least busy first
             near = self._slots(near_mask)
             least = min(load[slot].inflight for slot in near)
             near_mask = sum(1 << slot for slot in near if load[slot].inflight == least)
