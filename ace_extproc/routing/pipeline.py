@@ -10,8 +10,10 @@ to the cheapest other pod, which warms up too (the hot prefix is replicated). A 
 pod is also charged for the prefixes its new blocks would evict.
 
 Among pods priced within a small slack of the cheapest, the deepest match wins, then
-the prefix's rendezvous order, so replicas still agree on where new prefixes go and
-a conversation does not flap between two nearly equal pods.
+the pod a session last went to, then the prefix's rendezvous order, so replicas still
+agree on where new prefixes go and a conversation does not flap between two nearly equal
+pods. A session's first request is placed by its session: a warm match is then some
+other session's prefix, and following it would pile sessions onto one pod.
 """
 
 from __future__ import annotations
