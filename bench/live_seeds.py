@@ -44,7 +44,8 @@ def summarize(docs: list[dict[str, Any]]) -> dict[str, Any]:
             s: [
                 d["routers"][name]["cached_share"]
                 for d in docs
-                if d["options"]["seed"] == s and d["routers"].get(name, {}).get("cached_share")
+                if d["options"]["seed"] == s
+                and d["routers"].get(name, {}).get("cached_share") is not None
             ]
             for s in seeds
         }

@@ -243,7 +243,7 @@ def test_live_summary_puts_each_router_next_to_the_ceiling() -> None:
 def test_live_seeds_summarizes_each_router_over_seeds_and_runs() -> None:
     from bench.live_seeds import summarize
 
-    def doc(seed: int, shares: dict[str, float]) -> dict[str, Any]:
+    def doc(seed: int, shares: dict[str, float | None]) -> dict[str, Any]:
         return {
             "options": {"seed": seed},
             "workload": {"cached_share_ceiling": 0.9 - seed / 100},
@@ -255,16 +255,17 @@ def test_live_seeds_summarizes_each_router_over_seeds_and_runs() -> None:
             doc(0, {"ace": 0.88, "vllm": 0.80}),
             doc(0, {"ace": 0.86, "vllm": 0.60}),
             doc(1, {"ace": 0.87, "vllm": 0.70}),
-            doc(1, {"ace": 0.85}),  # vllm failed this run: no cached_share
+            doc(1, {"ace": 0.85, "vllm": None}),  # vllm failed this run: no cached_share
+            doc(2, {"ace": 0.0, "vllm": 0.0}),  # nothing reused is a figure too
         ]
     )
-    assert s["seeds"] == [0, 1] and s["runs"] == 4
-    assert s["ceiling"] == {"0": 0.9, "1": 0.89}
+    assert s["seeds"] == [0, 1, 2] and s["runs"] == 5
+    assert s["ceiling"] == {"0": 0.9, "1": 0.89, "2": 0.88}
     assert s["routers"]["ace"] == {
-        "by_seed": {"0": 0.87, "1": 0.86},
-        "mean": 0.865,
-        "lowest": 0.85,
+        "by_seed": {"0": 0.87, "1": 0.86, "2": 0.0},
+        "mean": 0.692,
+        "lowest": 0.0,
         "highest": 0.88,
     }
-    assert s["routers"]["vllm"]["by_seed"] == {"0": 0.7, "1": 0.7}
-    assert s["routers"]["vllm"]["lowest"] == 0.6
+    assert s["routers"]["vllm"]["by_seed"] == {"0": 0.7, "1": 0.7, "2": 0.0}
+    assert s["routers"]["vllm"]["lowest"] == 0.0
