@@ -632,13 +632,13 @@ def main(argv: list[str] | None = None) -> int:
         + (", streamed" if options.stream else ", not streamed")
     )
     print(format_table(runs))
-    bound = ceiling(workload.requests)
-    print(
-        f"ceiling: {bound.share:.1%} of prompt tokens, the most any router could serve from"
-        " cache (one cache holding every earlier prompt; python -m bench.ceiling)"
-    )
     command = shlex.join(["python", "-m", "bench.live", *argv])
     doc = result_doc(workload, runs, options, command, wall)
+    print(
+        f"ceiling: {doc['workload']['cached_share_ceiling']:.1%} of prompt tokens, the most"
+        " any router could serve from cache (one cache holding every earlier prompt;"
+        " python -m bench.ceiling)"
+    )
     suffix = f"-seed{options.seed}" if options.seed else ""
     out = Path(args.out or f"bench/results/live-{workload.name}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
