@@ -233,7 +233,9 @@ def test_a_sessions_own_history_steers_however_short() -> None:
     long_turn = history + bytes(range(256))[::-1] * 60  # 2 of 32 blocks are history
     again = picker.pick(session_request(long_turn, "conv"), fleet.available)
     assert again is not None and again.slot == first.slot and again.action == "hit"
-    stranger = picker.pick(session_request(long_turn + b"x", "other"), fleet.available)
+    # Without a session the short match is someone else's prefix: min_match holds.
+    other_turn = history + bytes(range(256)) * 60  # shares only the 2 history blocks
+    stranger = picker.pick(request(other_turn, seed=1), fleet.available)
     assert stranger is not None and stranger.action == "miss"
 
 
