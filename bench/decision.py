@@ -4,9 +4,10 @@
 
 Steps, timed separately on the same requests: parse (body to canonical prompt),
 hash (chained block hashes), pick (index lookup and placement), rewrite (body
-splice and the Envoy protobuf answer); "total" times the whole header + body
-phase as the server runs it. Prompts of 1K/4K/16K/32K tokens (~4 bytes a token),
-as multi-turn chats whose prefixes are already indexed, so picks are warm hits.
+splice and the Envoy protobuf answer, serialized); "total" times the whole header
++ body phase as the server runs it, up to the answer's wire bytes. Prompts of
+1K/4K/16K/32K tokens (~4 bytes a token), as multi-turn chats whose prefixes are
+already indexed, so picks are warm hits.
 Writes bench/results/decision.json. Also compares JSON decoders on the same bodies.
 """
 
@@ -123,14 +124,15 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
 
         return measure(call, iterations)
 
+    # Both end with the answer's wire bytes: gRPC serializes it on the same thread.
     def total(k: int) -> None:
         c = proc.on_headers(HEADERS, False)
         out = proc.on_body(c, bodies[k])
-        mutate.body_decided(out, c.client_upstream)
+        mutate.body_decided(out, c.client_upstream).SerializeToString()
 
     def rewrite(k: int) -> None:
         outcome.body = rewrite_body(bodies[k], fields, False)
-        mutate.body_decided(outcome, False)
+        mutate.body_decided(outcome, False).SerializeToString()
 
     steps = {
         "parse": step(lambda k: req.parse(req.CHAT_PATH, bodies[k])),
@@ -143,8 +145,8 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
     }
     typed = msgspec.json.Decoder(req.ChatBody)
     json_cmp = {
-        "msgspec_typed": statistics.median(measure(lambda: typed.decode(bodies[0]), 300)),
-        "orjson_dict": statistics.median(measure(lambda: orjson.loads(bodies[0]), 300)),
+        "msgspec_typed": statistics.median(measure(lambda: typed.decode(bodies[0]), iterations)),
+        "orjson_dict": statistics.median(measure(lambda: orjson.loads(bodies[0]), iterations)),
     }
     return {
         "tokens": tokens,

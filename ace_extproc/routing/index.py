@@ -103,9 +103,9 @@ class BlockIndex:
             return
         # Touch the tail first so the head ends most recent: like the engine, evict a
         # conversation's newest blocks before the prefix every later turn needs.
+        pop = lru.pop
         for h in reversed(blocks):
-            if h in lru:
-                del lru[h]  # re-inserted below: now the most recent
+            pop(h, None)  # re-inserted below: now the most recent
             lru[h] = None
         roots = self._roots
         root = blocks[0]

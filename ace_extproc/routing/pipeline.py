@@ -67,12 +67,10 @@ class EstimatedTTFT:
     model: TTFTModel
     tokens_per_block: float  # router block bytes / bytes per token
 
-    def cached(self, request: RoutingRequest, depth: int) -> int:
-        return min(int(depth * self.tokens_per_block), request.prompt_tokens - 1)
-
     def prefill_ms(self, request: RoutingRequest, depth: int) -> float:
-        cached = self.cached(request, depth) if depth else 0
-        return self.model.prefill_ms(request.prompt_tokens - cached, cached)
+        tokens = request.prompt_tokens
+        cached = min(int(depth * self.tokens_per_block), tokens - 1) if depth else 0
+        return self.model.prefill_ms(tokens - cached, cached)
 
     def queue_ms(self, load: PodLoad) -> float:
         queued = load.queued_prefill_tokens
@@ -186,15 +184,15 @@ class Pipeline:
         # of their prefill (not all of them come back).
         evict_ms = self.eviction_weight * a_ms * scorer.tokens_per_block
         # Most pods hold nothing of the prompt: price each distinct depth's prefill once.
+        cold = scorer.prefill_ms(request, 0)
         prefill = {depth: scorer.prefill_ms(request, depth) for depth in set(depths.values())}
-        prefill[0] = scorer.prefill_ms(request, 0)
+        room = index.room
         priced = []
         for slot in self._slots(candidates):
             depth = depths.get(slot, 0)
-            cost = prefill[depth]
-            adding = n - depth
-            if evict_ms and (overflow := adding - index.room(slot)) > 0:
-                cost += evict_ms * min(overflow, adding)
+            cost = prefill[depth] if depth else cold
+            if evict_ms and (overflow := n - depth - room(slot)) > 0:
+                cost += evict_ms * min(overflow, n - depth)
             queued = load[slot].queued_prefill_tokens
             if queued > 0:
                 cost += a_ms * queued
@@ -231,5 +229,5 @@ class Pipeline:
         hit = depths.get(chosen, 0) == best_depth
         action = "miss" if not best_depth else ("hit" if hit else "spill")
         depth = held.get(chosen, 0)
-        backups = tuple(slot for _, slot in priced if slot != chosen)[: self.fallbacks]
+        backups = tuple([slot for _, slot in priced if slot != chosen][: self.fallbacks])
         return Pick(fleet.pods[chosen], chosen, depth, action, backups)
