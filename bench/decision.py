@@ -31,6 +31,7 @@ from ace_extproc.config import Config, Settings, sim_fleet
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.processor import Processor, rewrite_body
 from ace_extproc.routing import RoutingRequest
+from ace_extproc.routing.monitor import FleetMonitor
 
 SIZES = (1024, 4096, 16384, 32768)  # prompt tokens
 TARGETS_US = {4096: 30.0, 32768: 200.0}  # total p50 targets from the issue
@@ -86,6 +87,9 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
     rng = random.Random(tokens)
     fleet = sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(pods)])
     proc = Processor(Config(fleet, Settings(salt_secret=b"bench")))
+    # As the server has one (not started: no probes or scrapes here): its queue drain
+    # and the load accounting run on every pick.
+    proc.monitor = FleetMonitor(proc.fleet, proc.index, proc.settings)
     bodies = [chat_body(rng, tokens) for _ in range(16)]
     s = proc.settings
     # Warm the index: every conversation has been seen, plus unrelated traffic.
