@@ -129,12 +129,7 @@ def _parse_chat(path: str, req: ChatBody) -> ParsedRequest:
     for msg in req.messages:
         if msg.role == "user":
             newest_user = len(parts)
-        content = msg.content
-        if type(content) is str and not (msg.name or msg.tool_calls or msg.tool_call_id):
-            add(_role_prefix(msg.role))  # the common message, in two appends
-            add(content.encode())
-        else:
-            _add_message(add, msg)
+        _add_message(add, msg)
     if newest_user < 0:  # no user turn (e.g. a lone system prompt): all of it is the prefix
         newest_user = len(parts)
     # One join (one copy of the prompt); the prefix's length is summed, not copied.
@@ -150,21 +145,10 @@ def _parse_chat(path: str, req: ChatBody) -> ParsedRequest:
     )
 
 
-_role_prefixes: dict[str, bytes] = {}
-
-
-def _role_prefix(role: str) -> bytes:
-    """A message's opening bytes: separator, role, separator (roles repeat: cached)."""
-    prefix = _role_prefixes.get(role)
-    if prefix is None:
-        prefix = _MSG + role.encode() + _FIELD
-        if len(_role_prefixes) < 64:  # clients choose roles: keep only the common few
-            _role_prefixes[role] = prefix
-    return prefix
-
-
 def _add_message(add: Callable[[bytes], None], msg: Message) -> None:
-    add(_role_prefix(msg.role))
+    add(_MSG)
+    add(msg.role.encode())
+    add(_FIELD)
     if msg.name:
         add(msg.name.encode())
         add(_FIELD)
