@@ -2,12 +2,12 @@
 
     python -m bench.decision [--iterations 2000] [--pods 8]
 
-Steps, timed separately on the same requests: parse (body to canonical prompt),
-hash (chained block hashes), pick (index lookup and placement), rewrite (body
-splice and the Envoy protobuf answer, serialized); "total" times the whole header
-+ body phase as the server runs it, up to the answer's wire bytes. Prompts of
-1K/4K/16K/32K tokens (~4 bytes a token), as multi-turn chats whose prefixes are
-already indexed, so picks are warm hits.
+Steps, timed in turn within each iteration on the same requests: parse (body to
+canonical prompt), hash (chained block hashes), pick (index lookup and placement),
+rewrite (body splice and the Envoy protobuf answer, serialized); "total" times the
+whole header + body phase as the server runs it, up to the answer's wire bytes.
+Prompts of 1K/4K/16K/32K tokens (~4 bytes a token), as multi-turn chats whose
+prefixes are already indexed, so picks are warm hits (checked: ``hit_share``).
 Writes bench/results/decision.json. Also compares JSON decoders on the same bodies.
 """
 
