@@ -12,8 +12,9 @@ STAMP  := $(VENV)/.installed
 
 PROTOS := $(shell find protos -name '*.proto')
 
-# Reinstalling also recompiles protos/ into ace_extproc/_proto (setup.py).
-$(STAMP): pyproject.toml setup.py $(PROTOS)
+# Reinstalling also recompiles protos/ into ace_extproc/_proto and rebuilds the C fast
+# path ace_extproc/_speedups.c (setup.py).
+$(STAMP): pyproject.toml setup.py $(PROTOS) ace_extproc/_speedups.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'

@@ -1,4 +1,6 @@
-"""Build step: compile ``protos/**/*.proto`` into ``ace_extproc/_proto`` with grpcio-tools.
+"""Build steps: compile ``protos/**/*.proto`` into ``ace_extproc/_proto`` with grpcio-tools,
+and the C fast path ``ace_extproc/_speedups.c`` (optional: without a C compiler the
+package runs on its pure-Python path, which gives the same results, slower).
 
 Everything else about the package is in pyproject.toml. This runs as part of
 ``build_py``, which every build runs: a wheel, an sdist's wheel, and an editable
@@ -18,7 +20,7 @@ import shutil
 import tomllib
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -116,4 +118,12 @@ class BuildPyWithProtos(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos})
+SPEEDUPS = Extension(
+    "ace_extproc._speedups",
+    sources=["ace_extproc/_speedups.c"],
+    include_dirs=["third_party/xxhash"],  # xxHash's single header, BSD-2-Clause
+    extra_compile_args=["-O3"],
+    optional=True,
+)
+
+setup(cmdclass={"build_py": BuildPyWithProtos}, ext_modules=[SPEEDUPS])

@@ -6,7 +6,10 @@ the engine's prompt (tool definitions, roles, names, text, tool calls and result
 in conversation order, separated by control bytes that cannot occur in JSON text
 unescaped, so two requests share a canonical prefix exactly as far as their
 conversations agree. Decoding is one typed ``msgspec`` pass (measured faster than
-``orjson`` into dicts, and it validates as it goes).
+``orjson`` into dicts, and it validates as it goes); a plain chat body (text
+messages, no tools) goes through the C fast path instead when it was built
+(``speedups.py``), which checks the JSON and unescapes its text straight into the
+canonical bytes, and hands anything else to this path.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from ace_extproc.speedups import native
 
 # Separators: record (message), unit (field), group (tools / extras).
 _MSG = b"\x1e"
@@ -100,8 +105,21 @@ class ParsedRequest:
     stream_options: bool = False  # the client chose its own stream_options
 
 
+_chat_prompt = native.chat_prompt if native is not None else None
+
+
 def parse(path: str, body: bytes) -> ParsedRequest:
     """Parse a chat or completions body. Raises ``RequestError`` on anything else."""
+    if path == CHAT_PATH and _chat_prompt is not None:
+        fast = _chat_prompt(body)
+        if fast is not None:
+            return ParsedRequest(path, *fast)
+    return parse_pure(path, body)
+
+
+def parse_pure(path: str, body: bytes) -> ParsedRequest:
+    """``parse`` in Python alone: the reference, and the path for every body the
+    C parser leaves to it."""
     if not body.strip():
         raise RequestError("empty_body", "request body is empty")
     try:

@@ -36,7 +36,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ace_extproc import config as config_mod
-from ace_extproc import execute, mutate
+from ace_extproc import execute, mutate, speedups
 from ace_extproc import telemetry as tm
 from ace_extproc.admin import serve_admin
 from ace_extproc.config import Config, ConfigError, Mode
@@ -322,7 +322,10 @@ async def serve(config: Config) -> None:
     if metrics is not None:
         where += f"; metrics on {metrics.url}"
     # One write: worker processes share stdout, and a pipe keeps a short write whole.
-    sys.stdout.write(f"ace-extproc serving ext_proc on {where} (mode={s.mode.value})\n")
+    sys.stdout.write(
+        f"ace-extproc serving ext_proc on {where} "
+        f"(mode={s.mode.value}, fast path: {speedups.describe()})\n"
+    )
     sys.stdout.flush()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

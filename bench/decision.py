@@ -8,16 +8,23 @@ rewrite (body splice and the Envoy protobuf answer, serialized); "total" times t
 whole header + body phase as the server runs it, up to the answer's wire bytes.
 Prompts of 1K/4K/16K/32K tokens (~4 bytes a token), as multi-turn chats whose
 prefixes are already indexed, so picks are warm hits (checked: ``hit_share``).
-Writes bench/results/decision.json. Also compares JSON decoders on the same bodies.
+Writes bench/results/decision.json. Also compares the C chat parser with JSON
+decoders on the same bodies, and (unless ``--no-compare``) the whole benchmark on
+the C fast path against pure Python (``ACE_EXTPROC_PURE_PYTHON=1``), run alternately
+in subprocesses so both see the same machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +32,7 @@ from typing import Any
 import msgspec
 import orjson
 
-from ace_extproc import mutate, server
+from ace_extproc import mutate, server, speedups
 from ace_extproc import request as req
 from ace_extproc.config import Config, Settings, sim_fleet
 from ace_extproc.prefix import hash_prompt, scope_seed
@@ -150,6 +157,9 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
     actions = [proc.on_body(proc.on_headers(HEADERS, False), b).action for b in bodies]
     typed = msgspec.json.Decoder(req.ChatBody)
     json_cmp = {
+        "c_chat_prompt": statistics.median(measure(lambda: chat_prompt(bodies[0]), iterations))
+        if (chat_prompt := speedups.native and speedups.native.chat_prompt)
+        else float("nan"),
         "msgspec_typed": statistics.median(measure(lambda: typed.decode(bodies[0]), iterations)),
         "orjson_dict": statistics.median(measure(lambda: orjson.loads(bodies[0]), iterations)),
     }
@@ -188,18 +198,59 @@ def block_size_costs(iterations: int) -> dict[int, dict[str, float]]:
     return out
 
 
+def run_subprocess(pure: bool, iterations: int, pods: int) -> list[dict[str, Any]]:
+    """This benchmark's rows from a fresh process, on pure Python or the C fast path."""
+    env = {k: v for k, v in os.environ.items() if k != "ACE_EXTPROC_PURE_PYTHON"}
+    if pure:
+        env["ACE_EXTPROC_PURE_PYTHON"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "decision.json"
+        cmd = [sys.executable, "-m", "bench.decision", "--no-compare", "--out", str(out)]
+        cmd += ["--iterations", str(iterations), "--pods", str(pods)]
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        rows: list[dict[str, Any]] = json.loads(out.read_text())["sizes"]
+    return rows
+
+
+def compare_paths(
+    first: list[dict[str, Any]], iterations: int, pods: int
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Total and per-step p50s on the C fast path and on pure Python, side by side.
+    Runs alternate (C: this process, pure, C, pure) so a drifting machine hits both;
+    each path's figure is the mean of its two runs."""
+    runs: dict[str, list[list[dict[str, Any]]]] = {"c": [first], "pure": []}
+    runs["pure"].append(run_subprocess(True, iterations, pods))
+    runs["c"].append(run_subprocess(False, iterations, pods))
+    runs["pure"].append(run_subprocess(True, iterations, pods))
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for i, row in enumerate(first):
+        cells: dict[str, dict[str, float]] = {}
+        for step in row["steps_us"]:
+            c, pure = (
+                statistics.mean(r[i]["steps_us"][step]["p50"] for r in runs[path])
+                for path in ("c", "pure")
+            )
+            cells[step] = {"c": round(c, 2), "pure": round(pure, 2), "ratio": round(pure / c, 2)}
+        out[str(row["tokens"])] = cells
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--iterations", type=int, default=2000)
     ap.add_argument("--pods", type=int, default=8)
     ap.add_argument("--out", default="bench/results/decision.json")
+    ap.add_argument(
+        "--no-compare", action="store_true", help="skip the C fast path vs pure Python runs"
+    )
     args = ap.parse_args(argv)
 
     rows = [bench_size(t, args.iterations, args.pods) for t in SIZES]
     blocks = block_size_costs(args.iterations // 4)
     names = ["parse", "hash", "pick", "rewrite", "total"]
     print(
-        f"decision cost in microseconds, p50 / p99 ({args.iterations} iterations, {args.pods} pods)"
+        f"decision cost in microseconds, p50 / p99 ({args.iterations} iterations, "
+        f"{args.pods} pods, {speedups.describe()} path)"
     )
     print(
         f"{'tokens':>7} {'blocks':>6} "
@@ -221,9 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         ", ".join(f"{r['tokens']}: {r['other_p50_us']:.1f} us" for r in rows),
     )
     print(
-        "json decode p50 us (msgspec typed vs orjson to dict):",
+        "chat body decode p50 us (C chat_prompt to canonical bytes vs msgspec typed vs orjson "
+        "to dict):",
         ", ".join(
-            f"{r['tokens']}: {r['json_decode_p50_us']['msgspec_typed']:.1f} vs "
+            f"{r['tokens']}: {r['json_decode_p50_us']['c_chat_prompt']:.1f} vs "
+            f"{r['json_decode_p50_us']['msgspec_typed']:.1f} vs "
             f"{r['json_decode_p50_us']['orjson_dict']:.1f}"
             for r in rows
         ),
@@ -232,15 +285,30 @@ def main(argv: list[str] | None = None) -> int:
         "hash step at 32K tokens by block size (us p50, blocks):",
         ", ".join(f"{b} B: {v['p50_us']:.1f} ({v['blocks']})" for b, v in blocks.items()),
     )
+    paths = None
+    if not args.no_compare and speedups.native is not None:
+        paths = compare_paths(rows, args.iterations, args.pods)
+        print("C fast path vs pure Python, p50 us (mean of 2 alternating runs each), pure / C:")
+        for tokens, by_step in paths.items():
+            print(
+                f"{tokens:>7} "
+                + "  ".join(
+                    f"{n} {by_step[n]['c']:.1f} vs {by_step[n]['pure']:.1f} "
+                    f"({by_step[n]['ratio']:.2f}x)"
+                    for n in names
+                )
+            )
     result = {
         "command": "python -m bench.decision",
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "path": speedups.describe(),
         "iterations": args.iterations,
         "pods": args.pods,
         "targets_total_p50_us": {str(k): v for k, v in TARGETS_US.items()},
         "sizes": rows,
         "hash_32k_by_block_bytes": blocks,
+        "c_vs_pure_p50_us": paths,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,24 @@ import sys
 from collections.abc import Sequence
 from itertools import islice
 
+from ace_extproc.speedups import native
+
 # The bytes a tracked block's hash int object takes (64-bit values need 3 digits).
 _INT_BYTES = sys.getsizeof(2**63)
+
+
+def _refresh_pure(lru: dict[int, None], blocks: Sequence[int]) -> None:
+    """Move ``blocks`` to the most recent end of ``lru``, the tail first so the head
+    ends most recent: like the engine, evict a conversation's newest blocks before the
+    prefix every later turn needs."""
+    pop = lru.pop
+    for h in reversed(blocks):
+        pop(h, None)
+        lru[h] = None  # re-inserted: now the most recent
+
+
+# One C call for the whole prompt where the extension was built (speedups.py).
+_refresh = native.refresh if native is not None else _refresh_pure
 
 
 class BlockIndex:
@@ -101,12 +117,7 @@ class BlockIndex:
         lru = self._lru.get(slot)
         if lru is None or not blocks:
             return
-        # Touch the tail first so the head ends most recent: like the engine, evict a
-        # conversation's newest blocks before the prefix every later turn needs.
-        pop = lru.pop
-        for h in reversed(blocks):
-            pop(h, None)  # re-inserted below: now the most recent
-            lru[h] = None
+        _refresh(lru, blocks)
         roots = self._roots
         root = blocks[0]
         roots[root] = roots.get(root, 0) | (1 << slot)
