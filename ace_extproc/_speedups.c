@@ -48,6 +48,10 @@
 typedef struct {
     const uint8_t *p;
     const uint8_t *end;
+    /* Inside a field msgspec decodes into Python values (cache_salt, cache_prefix_id,
+     * stream_options), where a number must fit a float or a 4300-digit int: leave any
+     * number with an exponent or over 300 digits to it. Elsewhere it only checks them. */
+    int decoded;
 } Cursor;
 
 /* A JSON string's raw bytes in the body, between its quotes. */
@@ -236,12 +240,15 @@ static int skip_number(Cursor *c)
         p++;
     if (p >= end)
         return -1;
+    const uint8_t *digits = p;
     if (*p == '0')
         p++;
     else if (*p >= '1' && *p <= '9')
         while (p < end && *p >= '0' && *p <= '9')
             p++;
     else
+        return -1;
+    if (c->decoded && p - digits > 300)
         return -1;
     if (p < end && *p == '.') {
         p++;
@@ -251,6 +258,8 @@ static int skip_number(Cursor *c)
             p++;
     }
     if (p < end && (*p == 'e' || *p == 'E')) {
+        if (c->decoded)
+            return -1;
         p++;
         if (p < end && (*p == '+' || *p == '-'))
             p++;
@@ -552,11 +561,15 @@ static int chat_body(Cursor *c, Out *out, Chat *chat)
             }
         }
         else if (key_is(&key, "stream_options", 14)) {
+            c->decoded = 1;
             TRY(skip_value(c, 1));
+            c->decoded = 0;
             chat->stream_options = 1;
         }
         else if (key_is(&key, "cache_salt", 10) || key_is(&key, "cache_prefix_id", 15)) {
+            c->decoded = 1;
             TRY(skip_value(c, 1));
+            c->decoded = 0;
             chat->router_fields = 1;
         }
         else if (key_is(&key, "tools", 5))
@@ -602,7 +615,7 @@ static PyObject *chat_prompt(PyObject *Py_UNUSED(module), PyObject *body)
         PyBuffer_Release(&view);
         return NULL;
     }
-    Cursor cursor = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len};
+    Cursor cursor = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len, 0};
     Out out = {(uint8_t *)PyBytes_AS_STRING(prompt), 0, view.len};
     Chat chat = {.newest_user = -1};
     PyObject *result = NULL;

@@ -133,6 +133,8 @@ def parse_pure(path: str, body: bytes) -> ParsedRequest:
     except msgspec.DecodeError as exc:
         reason = "not_utf8" if "UTF-8" in str(exc) else "bad_json"
         raise RequestError(reason, str(exc)) from None
+    except RecursionError:  # nested deeper than the decoder's stack allows
+        raise RequestError("bad_json", "JSON is nested too deeply") from None
 
 
 def _parse_chat(path: str, req: ChatBody) -> ParsedRequest:

@@ -1,0 +1,774 @@
+"""The native fast path (``ace_extproc._speedups``) against the pure-Python reference.
+
+Its contract: ``chain`` equals ``prefix.chain_pure`` exactly, and for ANY bytes
+``chat_prompt`` returns either None (the pure path decides) or exactly the fields
+``request.parse_pure`` returns, never accepting what the pure path rejects. It must
+also accept the plain shape, or the fast path is never taken.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import random
+import tracemalloc
+from types import ModuleType
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ace_extproc import request
+from ace_extproc.prefix import chain_pure
+from ace_extproc.request import CHAT_PATH, RequestError, parse_pure
+
+
+def _load_speedups() -> ModuleType:
+    # A pure-Python build opts out explicitly; anywhere else a missing extension fails.
+    if os.environ.get("ACE_EXTPROC_PURE_PYTHON") == "1":
+        module: ModuleType = pytest.importorskip("ace_extproc._speedups")
+        return module
+    return importlib.import_module("ace_extproc._speedups")
+
+
+speedups = _load_speedups()
+
+Fields = tuple[str, bytes, int, bool, bool, bool]
+
+
+def pure_fields(body: bytes) -> Fields | None:
+    """``parse_pure``'s fields, or None where it rejects the body."""
+    try:
+        p = parse_pure(CHAT_PATH, body)
+    except (RequestError, RecursionError):  # msgspec raises RecursionError on deep nesting
+        return None
+    assert p.cacheable_end is not None
+    return (p.model, p.prompt, p.cacheable_end, p.has_router_fields, p.stream, p.stream_options)
+
+
+def check(body: bytes) -> Fields | None:
+    """Assert the invariant for ``body``; returns the native result."""
+    native: Fields | None = speedups.chat_prompt(body)
+    if native is not None:
+        expected = pure_fields(body)
+        assert native == expected, body
+        assert expected is not None
+        # == says True == 1; the types must match too.
+        assert [type(x) for x in native] == [type(x) for x in expected], body
+    return native
+
+
+def body(*messages: dict[str, Any], **top: Any) -> bytes:
+    return json.dumps({"messages": list(messages), **top}).encode()
+
+
+M = b'"messages":[{"role":"user","content":"x"}]'
+
+
+def _in_content(raw: bytes) -> bytes:
+    return b'{"messages":[{"role":"user","content":"' + raw + b'"}]}'
+
+
+def _top(key: bytes, value: bytes) -> bytes:
+    return b'{"' + key + b'":' + value + b"," + M + b"}"
+
+
+# ---------------------------------------------------------------------------- chain
+
+BLOCK_SIZES = (1, 7, 64, 512, 4096)
+SEEDS = (0, 1, 2**63, 2**64 - 1, random.Random(7).getrandbits(64))
+
+
+@pytest.mark.parametrize("block", BLOCK_SIZES)
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s:x}")
+def test_chain_equals_pure(block: int, seed: int) -> None:
+    rng = random.Random(block * 31 + seed)
+    # Empty, shorter than a block, exact multiples, a multiple plus one (an unhashed tail).
+    for n in sorted({0, max(block - 1, 0), block, 3 * block, 3 * block + 1, 5000}):
+        data = rng.randbytes(n)
+        native = speedups.chain(data, block, seed)
+        assert type(native) is list
+        assert native == chain_pure(data, block, seed)
+        assert len(native) == n // block
+
+
+def test_chain_of_less_than_a_block_is_empty() -> None:
+    assert speedups.chain(b"", 512, 1) == []
+    assert speedups.chain(b"x" * 511, 512, 1) == []
+    assert speedups.chain(b"x" * 512, 513, 1) == []
+
+
+@pytest.mark.parametrize("block", [0, -1, -512])
+def test_chain_rejects_nonpositive_block_size(block: int) -> None:
+    with pytest.raises(ValueError):
+        speedups.chain(b"abc", block, 0)
+
+
+def test_chain_takes_any_buffer_but_not_text() -> None:
+    data = random.Random(3).randbytes(1000)
+    for buf in (bytearray(data), memoryview(data)):
+        assert speedups.chain(buf, 64, 5) == chain_pure(data, 64, 5)
+    with pytest.raises(TypeError):
+        speedups.chain("abc", 1, 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.binary(max_size=3000),
+    block=st.integers(1, 700),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_chain_property(data: bytes, block: int, seed: int) -> None:
+    assert speedups.chain(data, block, seed) == chain_pure(data, block, seed)
+
+
+# ------------------------------------------------------- chat_prompt: the plain shape
+
+U = {"role": "user", "content": "hi"}
+
+# Bodies of the plain shape, written out byte for byte: the native path must take them.
+PLAIN: list[tuple[str, bytes]] = [
+    ("minimal", b'{"messages":[{"role":"user","content":"hi"}]}'),
+    ("model_system_user", body({"role": "system", "content": "Be terse."}, U, model="m")),
+    (
+        "unicode_raw",
+        json.dumps(
+            {"model": "m\u00e9", "messages": [{"role": "user", "content": "é 日本語 😀 \x7f"}]},
+            ensure_ascii=False,
+        ).encode(),
+    ),
+    (
+        "unicode_escaped",
+        b'{"messages":[{"role":"user","content":"\\u00e9 \\u65e5\\u672c\\u8a9e \\ud83d\\ude00'
+        b' \\uD83D\\uDE00 \\u0000 \\uffff \\udbff\\udfff"}]}',
+    ),
+    (
+        "every_escape",
+        b'{"model":"a\\/b","messages":[{"role":"us\\u0065r",'
+        b'"content":"q\\"b\\\\s\\/f\\bb\\ff\\nn\\rr\\tt\\u001f\\u007f"}]}',
+    ),
+    (
+        "whitespace_everywhere",
+        b' \t\r\n{ \t"messages" \r: \n[ \t{ "role" : "user" ,\r\n"content"\t:\t"x" } ,'
+        b'{"role":"assistant","content":null}\n] , "model" :"m" ,"stream" : true ,'
+        b'"x" : [ 1 , { "a" : null } , [ ] , { } ] \n}\r\n\t ',
+    ),
+    (
+        "key_order_varied",
+        b'{"stream":false,"model":"m","messages":[{"content":"c","name":"n","role":"user"},'
+        b'{"tool_call_id":"t","content":"r","role":"tool"}],"cache_salt":"s"}',
+    ),
+    (
+        "unknown_top_level_keys",
+        b'{"temperature":0.7,"max_tokens":12E+2,"n":-1,"z":0,"nz":-0,"y":1.5e-3,"w":-0.0e0,'
+        b'"big":18446744073709551616,"huge":1e308,"tiny":5e-324,"long":1' + b"0" * 300 + b","
+        b'"meta":{"a":[1,{"b":null}],"c":true,"d":false,"e":"\\ud83d\\ude00\\n"},"t":true,'
+        b'"f":false,"nil":null,"s":"}]\\"{[","":"empty key","arr":[[[[]]]],'
+        b'"messages":[{"role":"user","content":"x"}],"after":{"k":"v"}}',
+    ),
+    (
+        "number_forms",
+        b'{"a":[1e01,0e0,-0.0E+00,1E-0,1e-05,123456789012345678901234567890],'
+        # In the fields msgspec decodes, exponents are left to it (range checks).
+        b'"cache_salt":[0,-0.0,-12.5,123456789012345678901234567890],'
+        b'"stream_options":{"n":1,"m":-12.5},"messages":[{"role":"user","x":-0}]}',
+    ),
+    (
+        "utf8_boundaries",  # the first and last code point of each UTF-8 length
+        b'{"messages":[{"role":"user","content":"\xc2\x80\xdf\xbf\xe0\xa0\x80\xed\x9f\xbf'
+        b'\xee\x80\x80\xef\xbf\xbf","name":"\xf0\x90\x80\x80\xf4\x8f\xbf\xbf"}]}',
+    ),
+    (
+        "near_miss_keys",  # prefixes / extensions of known keys are unknown keys
+        b'{"models":1,"model_":2,"mode":3,"message":4,"messages_":5,"streams":6,'
+        b'"stream_option":7,"stream_options_x":8,"cache_salts":9,"cache_prefix":10,"tool":11,'
+        b'"toolsx":12,"messages":[{"rol":1,"roles":2,"role":"user","contents":3,"conten":4,'
+        b'"content":"x","names":5,"tool_call":6,"tool_call_ids":7,"tool_callss":8}]}',
+    ),
+    (
+        "unknown_message_keys",
+        body(
+            {
+                "role": "user",
+                "extra": {"k": [1, 2.5, {"z": "w"}], "n": None},
+                "content": "x",
+                "weight": 0,
+                "flag": True,
+                "list": [],
+            }
+        ),
+    ),
+    ("content_null", body({"role": "system", "content": None}, {"role": "assistant"}, U)),
+    ("content_empty", body({"role": "user", "content": ""}, {"role": "system", "content": ""})),
+    ("name_set", body({"role": "user", "name": "alice", "content": "x"})),
+    ("name_empty", body({"role": "user", "name": "", "content": "x"})),
+    ("name_null", body({"role": "user", "name": None, "content": "x"})),
+    (
+        "tool_call_id",
+        body(
+            {"role": "assistant", "content": None, "tool_calls": None},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "", "content": "e"},
+            {"role": "tool", "tool_call_id": None, "content": "n"},
+            U,
+        ),
+    ),
+    (
+        "several_user_messages",
+        body(
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "two"},
+            {"role": "user", "content": "three"},
+            {"role": "assistant", "content": "four"},
+        ),
+    ),
+    ("no_user_message", body({"role": "system", "content": "only"}, {"role": "assistant"})),
+    ("model_missing", body(U)),
+    ("model_escaped", b'{"model":"m\\u00e9\\/x\\"y","messages":[{"role":"user","content":"x"}]}'),
+    ("model_empty", body(U, model="")),
+    ("stream_true", body(U, stream=True)),
+    ("stream_false", body(U, stream=False)),
+    ("stream_options_null", body(U, stream=True, stream_options=None)),
+    ("stream_options_object", body(U, stream=True, stream_options={"include_usage": True})),
+    ("stream_options_scalar", body(U, stream_options=[1, "a", {"b": [None]}])),
+    ("cache_salt", body(U, cache_salt="s")),
+    ("cache_salt_null", body(U, cache_salt=None)),
+    ("cache_prefix_id", body(U, cache_prefix_id={"nested": [1, 2]})),
+    ("tools_null", body(U, tools=None)),
+    ("roles_any_string", body({"role": "", "content": "a"}, {"role": "dév", "content": "b"})),
+    ("large_content", body({"role": "user", "content": "x\u00e9\n" * 40_000})),
+    (
+        "many_messages",
+        body(*({"role": ("user", "assistant")[i % 2], "content": str(i)} for i in range(2000))),
+    ),
+]
+
+
+@pytest.mark.parametrize("data", [b for _, b in PLAIN], ids=[i for i, _ in PLAIN])
+def test_plain_bodies_take_the_native_path(data: bytes) -> None:
+    assert pure_fields(data) is not None  # the case itself is valid
+    assert check(data) is not None
+
+
+def test_native_cacheable_end_is_where_the_newest_user_turn_starts() -> None:
+    data = body(
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "two"},
+        {"role": "user", "name": "u", "content": "three"},
+        {"role": "assistant", "content": "four"},
+    )
+    native = speedups.chat_prompt(data)
+    assert native is not None
+    _, prompt, end, *_ = native
+    assert prompt[:end] == b"\x1esystem\x1fsys\x1euser\x1fone\x1eassistant\x1ftwo"
+    assert prompt[end:] == b"\x1euser\x1fu\x1fthree\x1eassistant\x1ffour"
+    # No user turn: all of it is the prefix.
+    only = speedups.chat_prompt(body({"role": "system", "content": "s"}))
+    assert only is not None and only[2] == len(only[1]) == len(b"\x1esystem\x1fs")
+
+
+def test_native_fields() -> None:
+    native = speedups.chat_prompt(
+        b'{"model":"m\\u00e9","stream":true,"stream_options":null,"cache_salt":null,'
+        b'"messages":[{"role":"user","content":"a\\"\\ud83d\\ude00"}]}'
+    )
+    assert native == ("mé", '\x1euser\x1fa"😀'.encode(), 0, True, True, True)
+    assert speedups.chat_prompt(body(U)) == ("", b"\x1euser\x1fhi", 0, False, False, False)
+
+
+# ------------------------------------------------ chat_prompt: what it may leave to pure
+
+# Either answer is right here (None, or the pure one): duplicates, escaped keys, empty
+# lists, and values the pure path skips without validating.
+EITHER: list[tuple[str, bytes]] = [
+    ("dup_model", b'{"model":"a","messages":[{"role":"user","content":"x"}],"model":"b"}'),
+    ("dup_stream", b'{"stream":true,"messages":[{"role":"user","content":"x"}],"stream":false}'),
+    (
+        "dup_messages",
+        b'{"messages":[{"role":"user","content":"a"}],"messages":[{"role":"system","content":"b"}]}',
+    ),
+    ("dup_role", b'{"messages":[{"role":"user","content":"x","role":"system"}]}'),
+    ("dup_content", b'{"messages":[{"role":"user","content":"x","content":null}]}'),
+    ("dup_name", b'{"messages":[{"role":"user","name":"a","content":"x","name":""}]}'),
+    ("dup_cache_salt", b'{"cache_salt":1,"cache_salt":null,"messages":[{"role":"user"}]}'),
+    ("dup_unknown", b'{"x":1,"x":[2],"messages":[{"role":"user","y":1,"y":2}]}'),
+    # msgspec matches keys after unescaping them.
+    ("escaped_key_model", b'{"mod\\u0065l":"m","messages":[{"role":"user","content":"x"}]}'),
+    ("escaped_key_messages", b'{"\\u006dessages":[{"role":"user","content":"x"}]}'),
+    ("escaped_key_role", b'{"messages":[{"r\\u006fle":"user","content":"x"}]}'),
+    ("escaped_key_content", b'{"messages":[{"role":"user","c\\u006fntent":"x"}]}'),
+    ("escaped_key_stream", b'{"stre\\u0061m":true,"messages":[{"role":"user"}]}'),
+    ("escaped_key_salt", b'{"cache\\u005fsalt":null,"messages":[{"role":"user"}]}'),
+    ("escaped_key_tools", b'{"t\\u006fols":[{"a":1}],"messages":[{"role":"user"}]}'),
+    ("escaped_key_slash", b'{"m\\/odel":"m","messages":[{"role":"user"}]}'),
+    ("tools_empty", body(U, tools=[])),
+    ("tool_calls_empty", body({"role": "assistant", "tool_calls": []}, U)),
+    ("content_list_empty", body({"role": "user", "content": []})),
+    # The pure path skips unknown values without checking their UTF-8.
+    ("unknown_value_bad_utf8", b'{"x":"\xff\xc0\x80","messages":[{"role":"user"}]}'),
+    ("unknown_key_bad_utf8", b'{"\xff":1,"messages":[{"role":"user","\xed\xa0\x80":2}]}'),
+    # Values msgspec decodes (not skips) that are still in range.
+    ("salt_400_digit_integer", _top(b"cache_salt", b"1" + b"0" * 400)),
+    ("salt_max_double", _top(b"cache_salt", b"-1.7976931348623157e308")),
+    ("salt_tiny_double", _top(b"cache_salt", b"[1e-400, 0." + b"0" * 500 + b"1]")),
+    (
+        "stream_options_uint64",
+        _top(b"stream_options", b"[18446744073709551616, -9223372036854775809]"),
+    ),
+    (
+        "salt_in_range_edges",
+        _top(b"cache_salt", b"[1e-99999, 0e99999, -0.0e999, 0.0" + b"0" * 400 + b"1e400]"),
+    ),
+    ("salt_4300_char_integer", _top(b"cache_salt", b"-1" + b"0" * 4298)),
+    ("unknown_deep_ok", b'{"x":' + b"[" * 200 + b"]" * 200 + b',"messages":[{"role":"user"}]}'),
+]
+
+
+@pytest.mark.parametrize("data", [b for _, b in EITHER], ids=[i for i, _ in EITHER])
+def test_native_agrees_or_declines(data: bytes) -> None:
+    assert pure_fields(data) is not None  # all of these are valid
+    check(data)
+
+
+# The pure path handles these, the native one must not: the fallback matters.
+UNSUPPORTED: list[tuple[str, bytes]] = [
+    ("tools_list", body(U, tools=[{"type": "function", "function": {"name": "f"}}])),
+    ("tools_after_messages", b'{"messages":[{"role":"user"}],"tools":[{"a":1}]}'),
+    (
+        "content_list",
+        body({"role": "user", "content": [{"type": "text", "text": "hi"}]}),
+    ),
+    (
+        "content_list_late",
+        body(U, U, {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}),
+    ),
+    (
+        "tool_calls",
+        body(
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            U,
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("data", [b for _, b in UNSUPPORTED], ids=[i for i, _ in UNSUPPORTED])
+def test_unsupported_shapes_fall_back(data: bytes) -> None:
+    assert pure_fields(data) is not None
+    assert speedups.chat_prompt(data) is None
+
+
+# Bodies the pure path rejects: the native path must decline them all.
+REJECTED: list[tuple[str, bytes]] = [
+    ("empty", b""),
+    ("whitespace_only", b" \t\r\n"),
+    ("vertical_tab_only", b"\x0b"),
+    ("bom", b"\xef\xbb\xbf{" + M + b"}"),
+    ("form_feed_ws", b"\x0c{" + M + b"}"),
+    ("nbsp_ws", b"{\xc2\xa0" + M + b"}"),
+    ("lone_high_surrogate", _in_content(b"\\ud800")),
+    ("lone_low_surrogate", _in_content(b"\\udc00")),
+    ("high_then_non_low", _in_content(b"\\ud800\\u0041")),
+    ("high_then_char", _in_content(b"\\ud83dx")),
+    ("high_then_high", _in_content(b"\\ud83d\\ud83d")),
+    ("reversed_pair", _in_content(b"\\ude00\\ud83d")),
+    ("lone_surrogate_in_model", b'{"model":"\\udfff",' + M + b"}"),
+    ("lone_surrogate_in_key", b'{"\\ud800":1,' + M + b"}"),
+    ("lone_surrogate_in_unknown", _top(b"x", b'["\\ud800"]')),
+    ("lone_surrogate_in_salt", _top(b"cache_salt", b'"\\ud800"')),
+    ("lone_surrogate_in_message_extra", b'{"messages":[{"role":"user","x":"\\udc00"}]}'),
+    ("bad_utf8_ff", _in_content(b"\xff")),
+    ("bad_utf8_truncated", _in_content(b"\xe6\x97")),
+    ("bad_utf8_truncated_end", b'{"messages":[{"role":"user","content":"\xf0\x9f\x98'),
+    ("bad_utf8_lone_continuation", _in_content(b"a\x80b")),
+    ("bad_utf8_overlong", _in_content(b"\xc0\x80")),
+    ("bad_utf8_overlong_3", _in_content(b"\xe0\x80\xaf")),
+    ("bad_utf8_encoded_surrogate", _in_content(b"\xed\xa0\x80")),
+    ("bad_utf8_above_max", _in_content(b"\xf4\x90\x80\x80")),
+    ("bad_utf8_f5", _in_content(b"\xf5\x80\x80\x80")),
+    ("bad_utf8_in_role", b'{"messages":[{"role":"us\xc3","content":"x"}]}'),
+    ("bad_utf8_in_model", b'{"model":"\xfe",' + M + b"}"),
+    ("bad_utf8_in_name", b'{"messages":[{"role":"user","name":"\x80"}]}'),
+    ("bad_utf8_in_salt", _top(b"cache_salt", b'"\xff"')),
+    ("bad_utf8_in_stream_options", _top(b"stream_options", b'{"\xff":1}')),
+    ("raw_nul_in_content", _in_content(b"a\x00b")),
+    ("raw_0x1f_in_content", _in_content(b"\x1f")),
+    ("raw_newline_in_content", _in_content(b"a\nb")),
+    ("raw_tab_in_role", b'{"messages":[{"role":"us\ter"}]}'),
+    ("raw_control_in_key", b'{"mo\x01del":"m",' + M + b"}"),
+    ("raw_control_in_unknown", _top(b"x", b'"\x01"')),
+    ("bad_escape_x", _in_content(b"\\x41")),
+    ("bad_escape_upper_u", _in_content(b"\\U0041")),
+    ("bad_escape_short_u", _in_content(b"\\u12")),
+    ("bad_escape_hex", _in_content(b"\\uZZZZ")),
+    ("bad_escape_in_unknown", _top(b"x", b'"\\q"')),
+    ("bad_escape_trailing_backslash", b'{"messages":[{"role":"user","content":"\\'),
+    ("number_leading_zero", _top(b"x", b"01")),
+    ("number_trailing_dot", _top(b"x", b"1.")),
+    ("number_leading_dot", _top(b"x", b".5")),
+    ("number_negative_leading_zero", _top(b"x", b"-01")),
+    ("number_double_zero", _top(b"x", b"00")),
+    ("number_negative_trailing_dot", _top(b"x", b"-0.")),
+    ("number_two_exponent_signs", _top(b"x", b"1.0e+-1")),
+    ("number_fraction_after_exponent", _top(b"x", b"1e5.5")),
+    ("number_then_letter", _top(b"x", b"1x")),
+    ("number_then_literal", _top(b"x", b"[1true]")),
+    ("number_minus_space", _top(b"x", b"- 1")),
+    ("number_bad_in_salt", _top(b"cache_salt", b"[1.]")),
+    ("number_bad_in_stream_options", _top(b"stream_options", b'{"a":01}')),
+    ("number_plus", _top(b"x", b"+1")),
+    ("number_minus_only", _top(b"x", b"-")),
+    ("number_double_minus", _top(b"x", b"--1")),
+    ("number_bare_exponent", _top(b"x", b"1e")),
+    ("number_exponent_sign_only", _top(b"x", b"1e+")),
+    ("number_dot_exponent", _top(b"x", b"1.e5")),
+    ("number_hex", _top(b"x", b"0x10")),
+    ("number_nan", _top(b"x", b"NaN")),
+    ("number_infinity", _top(b"x", b"-Infinity")),
+    ("number_in_array", _top(b"x", b"[1,01]")),
+    ("literal_tru", _top(b"x", b"tru")),
+    ("literal_nul", _top(b"x", b"nul")),
+    ("literal_True", _top(b"x", b"True")),
+    ("literal_fals", _top(b"stream", b"fals")),
+    ("literal_truex", _top(b"x", b"truex")),
+    ("literal_nullx", _top(b"stream_options", b"nullx")),
+    # msgspec decodes these fields to Python values, so their numbers must fit a float.
+    ("salt_number_overflow", _top(b"cache_salt", b"1e999")),
+    ("salt_number_just_over", _top(b"cache_salt", b"1.8e308")),
+    ("salt_long_integer", _top(b"cache_salt", b"1" + b"0" * 4300)),  # Python's 4300 digits
+    ("stream_options_long_negative", _top(b"stream_options", b"[-1" + b"0" * 4300 + b"]")),
+    ("stream_options_overflow", _top(b"stream_options", b'{"a":[-1e400]}')),
+    ("salt_float_just_over", _top(b"cache_salt", b"1" + b"0" * 309 + b".0")),  # 1e309
+    ("salt_4301_char_integer", _top(b"cache_salt", b"-1" + b"0" * 4299)),
+    ("prefix_id_overflow", _top(b"cache_prefix_id", b"[1" + b"0" * 400 + b".5]")),
+    ("trailing_garbage", b"{" + M + b"} x"),
+    ("trailing_brace", b"{" + M + b"}}"),
+    ("trailing_comma_after", b"{" + M + b"},"),
+    ("two_objects", b"{" + M + b"}{" + M + b"}"),
+    ("trailing_nul", b"{" + M + b"}\x00"),
+    ("trailing_comma_object", b"{" + M + b",}"),
+    ("trailing_comma_array", b'{"messages":[{"role":"user"},]}'),
+    ("trailing_comma_message", b'{"messages":[{"role":"user",}]}'),
+    ("trailing_comma_unknown_array", _top(b"x", b"[1,]")),
+    ("trailing_comma_unknown_object", _top(b"x", b'{"a":1,}')),
+    ("missing_comma", b'{"model":"m" ' + M + b"}"),
+    ("missing_colon", b'{"model" "m",' + M + b"}"),
+    ("leading_comma", b"{," + M + b"}"),
+    ("double_comma", b'{"model":"m",,' + M + b"}"),
+    ("unquoted_key", b"{model:1," + M + b"}"),
+    ("single_quotes", b"{'model':'m'," + M + b"}"),
+    ("comment", b"{/*c*/" + M + b"}"),
+    ("nonstring_key_in_unknown", _top(b"x", b"{1:2}")),
+    ("unclosed_unknown_array", _top(b"x", b"[1,2")),
+    ("mismatched_brackets", _top(b"x", b"[1}")),
+    ("truncated", b'{"messages":[{"role":"user","content":"x"}]'),
+    ("truncated_in_string", b'{"messages":[{"role":"user","content":"x'),
+    ("truncated_in_key", b'{"messages":[{"role":"user","cont'),
+    ("empty_messages", b'{"messages":[]}'),
+    ("missing_messages", b'{"model":"m"}'),
+    ("empty_object", b"{}"),
+    ("messages_null", b'{"messages":null}'),
+    ("messages_object", b'{"messages":{"role":"user"}}'),
+    ("messages_string", b'{"messages":"hi"}'),
+    ("message_string", b'{"messages":["hi"]}'),
+    ("message_null", b'{"messages":[null]}'),
+    ("message_array", b'{"messages":[[]]}'),
+    ("second_message_bad", b'{"messages":[{"role":"user"},{"content":"x"}]}'),
+    ("top_array", b"[{" + M + b"}]"),
+    ("top_string", b'"messages"'),
+    ("top_number", b"1"),
+    ("top_null", b"null"),
+    ("top_true", b"true"),
+    ("model_number", b'{"model":1,' + M + b"}"),
+    ("model_null", b'{"model":null,' + M + b"}"),
+    ("model_object", b'{"model":{},' + M + b"}"),
+    ("stream_string", b'{"stream":"true",' + M + b"}"),
+    ("stream_number", b'{"stream":1,' + M + b"}"),
+    ("stream_null", b'{"stream":null,' + M + b"}"),
+    ("role_missing", b'{"messages":[{"content":"x"}]}'),
+    ("role_null", b'{"messages":[{"role":null,"content":"x"}]}'),
+    ("role_number", b'{"messages":[{"role":1}]}'),
+    ("content_number", b'{"messages":[{"role":"user","content":1}]}'),
+    ("content_true", b'{"messages":[{"role":"user","content":true}]}'),
+    ("content_object", b'{"messages":[{"role":"user","content":{"text":"x"}}]}'),
+    ("content_list_of_strings", b'{"messages":[{"role":"user","content":["x"]}]}'),
+    ("name_number", b'{"messages":[{"role":"user","name":1}]}'),
+    ("name_list", b'{"messages":[{"role":"user","name":[]}]}'),
+    ("tool_call_id_number", b'{"messages":[{"role":"tool","tool_call_id":7}]}'),
+    ("tools_object", b'{"tools":{},' + M + b"}"),
+    ("tools_string", b'{"tools":"x",' + M + b"}"),
+    ("tool_calls_object", b'{"messages":[{"role":"assistant","tool_calls":{}}]}'),
+    ("tool_calls_bad_item", b'{"messages":[{"role":"assistant","tool_calls":[1]}]}'),
+    ("deep_unknown_array", _top(b"x", b"[" * 100_000 + b"]" * 100_000)),
+    ("deep_unknown_object", _top(b"x", b'{"a":' * 100_000 + b"1" + b"}" * 100_000)),
+    ("deep_stream_options", _top(b"stream_options", b"[" * 100_000 + b"]" * 100_000)),
+    (
+        "deep_message_extra",
+        b'{"messages":[{"role":"user","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}]}",
+    ),
+    ("deep_unclosed", b"{" + M + b',"x":' + b"[" * 100_000),
+]
+
+
+@pytest.mark.parametrize("data", [b for _, b in REJECTED], ids=[i for i, _ in REJECTED])
+def test_rejected_bodies_are_left_to_the_pure_path(data: bytes) -> None:
+    assert pure_fields(data) is None  # the case itself is invalid
+    assert speedups.chat_prompt(data) is None
+
+
+@pytest.mark.parametrize("depth", [1, 32, 64, 100, 200, 255, 256, 257, 500, 900, 990, 1000, 2000])
+def test_nesting_depths(depth: int) -> None:
+    """Wherever the native depth limit lies, it never accepts what msgspec's rejects,
+    and it leaves room for the nesting real bodies have."""
+    for value in (b"[" * depth + b"]" * depth, b'{"a":' * depth + b"0" + b"}" * depth):
+        for data in (
+            _top(b"x", value),
+            _top(b"stream_options", value),
+            b'{"messages":[{"role":"user","x":' + value + b"}]}",
+        ):
+            native = check(data)
+            assert native is not None or depth > 32, data[:80]
+
+
+def test_native_rejects_non_bytes() -> None:
+    with pytest.raises(TypeError):
+        speedups.chat_prompt("{}")
+
+
+def test_no_memory_growth() -> None:
+    """Every exit of the C code (accepted, declined, invalid) releases what it made:
+    a leaked object per call would show as hundreds of KB here."""
+    bodies = [
+        next(b for i, b in PLAIN if i == "unicode_escaped"),
+        next(b for i, b in PLAIN if i == "model_escaped"),
+        next(b for i, b in UNSUPPORTED if i == "content_list_late"),
+        next(b for i, b in REJECTED if i == "high_then_non_low"),
+        next(b for i, b in REJECTED if i == "number_leading_zero"),
+    ]
+    data = random.Random(1).randbytes(4096)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            for b in bodies:
+                speedups.chat_prompt(b)
+            speedups.chain(data, 64, 1)
+
+    run(100)  # warm up caches and interned objects
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        run(2000)
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert after - before < 64 * 1024
+
+
+# ------------------------------------------------------------------------ hypothesis
+
+_KNOWN_TOP = {"messages", "model", "stream", "stream_options", "cache_salt", "cache_prefix_id"}
+_KNOWN_MSG = {"role", "content", "name", "tool_call_id", "tool_calls"}
+_KNOWN = _KNOWN_TOP | _KNOWN_MSG | {"tools"}
+
+# Any text but lone surrogates (which json.dumps would write as invalid JSON escapes).
+_text = st.text(st.characters(codec="utf-8"), max_size=30)
+_exact = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | _text
+_scalar = _exact | st.floats(allow_nan=False, allow_infinity=False)
+
+
+class _Shape:
+    """Strategies for one ``ensure_ascii`` setting. Keys are ones json.dumps writes
+    without escapes (the native path leaves a key spelled with escapes to msgspec)."""
+
+    def __init__(self, ensure_ascii: bool) -> None:
+        chars = st.characters(
+            codec="utf-8",
+            min_codepoint=0x20,
+            max_codepoint=0x7E if ensure_ascii else None,
+            exclude_characters='"\\',
+        )
+        key = st.text(chars, max_size=12)
+        self.extra_key = key.filter(lambda k: k not in _KNOWN)
+        self.json: st.SearchStrategy[Any] = st.recursive(
+            _scalar,
+            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(key, inner, max_size=4),
+            max_leaves=12,
+        )
+        # For the fields msgspec decodes into values: no floats, whose exponents the
+        # native path leaves to msgspec's range checks.
+        self.decoded: st.SearchStrategy[Any] = st.recursive(
+            _exact,
+            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(key, inner, max_size=4),
+            max_leaves=12,
+        )
+
+
+_SHAPES = {ascii_: _Shape(ascii_) for ascii_ in (False, True)}
+
+
+def _shuffled(draw: st.DrawFn, items: dict[str, Any]) -> dict[str, Any]:
+    return dict(draw(st.permutations(list(items.items()))))
+
+
+def _message(draw: st.DrawFn, shape: _Shape) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": draw(st.sampled_from(["user", "system", "assistant", "tool"]))}
+    if draw(st.integers(0, 9)) == 0:
+        msg["role"] = draw(_text)
+    if draw(st.booleans()):
+        msg["content"] = draw(st.none() | _text)
+    if draw(st.booleans()):
+        msg["name"] = draw(st.none() | _text)
+    if draw(st.booleans()):
+        msg["tool_call_id"] = draw(st.none() | _text)
+    if draw(st.integers(0, 3)) == 0:
+        msg["tool_calls"] = None
+    msg.update(draw(st.dictionaries(shape.extra_key, shape.json, max_size=3)))
+    return _shuffled(draw, msg)
+
+
+_WS = st.text(st.sampled_from(" \t\r\n"), max_size=3)
+
+
+@st.composite
+def plain_body(draw: st.DrawFn) -> bytes:
+    """A plain chat body, serialized in one of the many ways a client might."""
+    ensure_ascii = draw(st.booleans())
+    shape = _SHAPES[ensure_ascii]
+    n = draw(st.integers(1, 5))
+    top: dict[str, Any] = {"messages": [_message(draw, shape) for _ in range(n)]}
+    optional: dict[str, st.SearchStrategy[Any]] = {
+        "model": _text,
+        "stream": st.booleans(),
+        "stream_options": shape.decoded,
+        "cache_salt": shape.decoded,
+        "cache_prefix_id": shape.decoded,
+        "tools": st.none(),
+    }
+    for key, strategy in optional.items():
+        if draw(st.booleans()):
+            top[key] = draw(strategy)
+    top.update(draw(st.dictionaries(shape.extra_key, shape.json, max_size=3)))
+    top = _shuffled(draw, top)
+    item_sep, key_sep = draw(
+        st.sampled_from([(",", ":"), (", ", ": "), (" ,\t", "\r: \n"), (",\n", " :")])
+    )
+    text = json.dumps(
+        top,
+        ensure_ascii=ensure_ascii,
+        separators=(item_sep, key_sep),
+        indent=draw(st.sampled_from([None, None, 0, 2, "\t"])),
+    )
+    return (draw(_WS) + text + draw(_WS)).encode()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plain_body())
+def test_generated_plain_bodies_take_the_native_path(data: bytes) -> None:
+    assert pure_fields(data) is not None
+    assert check(data) is not None
+
+
+def _mutate(data: bytes, edits: list[tuple[str, float, int]]) -> bytes:
+    buf = bytearray(data)
+    for kind, where, byte in edits:
+        i = int(where * (len(buf) + (kind == "insert")))
+        if kind == "replace" and buf:
+            buf[i] = byte
+        elif kind == "insert":
+            buf.insert(i, byte)
+        elif kind == "delete" and buf:
+            del buf[i]
+        elif kind == "truncate":
+            del buf[i:]
+    return bytes(buf)
+
+
+# Bytes that change JSON structure, break strings or break UTF-8.
+_INTERESTING = list(b'"\\{}[],:u0e-.+ \x00\x1f\x80\xc3\xed\xf0\xff')
+_KINDS = ["replace", "insert", "delete", "truncate"]
+_edit = st.tuples(
+    st.sampled_from(_KINDS),
+    st.floats(0, 1, exclude_max=True),
+    st.sampled_from(_INTERESTING) | st.integers(0, 255),
+)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plain_body(), st.lists(_edit, min_size=1, max_size=4), st.randoms(use_true_random=False))
+def test_mutated_bodies_keep_the_invariant(
+    data: bytes, edits: list[tuple[str, float, int]], rng: random.Random
+) -> None:
+    check(_mutate(data, edits))
+    # Generating a body costs far more than checking one: check many mutants of each.
+    for _ in range(40):
+        more = [
+            (
+                rng.choice(_KINDS),
+                rng.random(),
+                rng.choice(_INTERESTING) if rng.random() < 0.7 else rng.randrange(256),
+            )
+            for _ in range(rng.randint(1, 3))
+        ]
+        check(_mutate(data, more))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b for _, b in PLAIN if len(b) < 700],
+    ids=[i for i, b in PLAIN if len(b) < 700],
+)
+def test_every_single_byte_edit_of_plain_bodies_keeps_the_invariant(data: bytes) -> None:
+    """The hand-written bodies hold what generated ones rarely do (escapes, odd
+    spacing, near-miss keys): break each of their bytes in turn."""
+    for i in range(len(data)):
+        check(data[:i])
+        check(data[:i] + data[i + 1 :])
+        for byte in b'"\\}],:\x00\x80\xff':
+            check(data[:i] + bytes([byte]) + data[i + 1 :])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plain_body(), st.sampled_from([b"\\u", b"\\ud83d", b"\\ude00", b"\\ud83d\\u", b"\\"]))
+def test_escape_fragments_in_strings_keep_the_invariant(data: bytes, fragment: bytes) -> None:
+    """Escape fragments spliced in just after each opening quote of the body."""
+    starts = [i + 1 for i, b in enumerate(data) if b == ord('"')]
+    for i in starts[:12]:
+        check(data[:i] + fragment + data[i:])
+
+
+# ----------------------------------------------------------- the public entry point
+
+
+def test_the_request_path_loads_the_extension() -> None:
+    from ace_extproc.speedups import native
+
+    pure_only = os.environ.get("ACE_EXTPROC_PURE_PYTHON") == "1"
+    assert native is (None if pure_only else speedups)
+
+
+PUBLIC = [b for _, b in PLAIN[:8]] + [b for _, b in UNSUPPORTED] + [b for _, b in EITHER[:4]]
+
+
+@pytest.mark.parametrize("data", PUBLIC)
+def test_public_parse_matches_pure(data: bytes) -> None:
+    assert request.parse(CHAT_PATH, data) == parse_pure(CHAT_PATH, data)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b for i, b in REJECTED if not i.startswith("deep_")],
+    ids=[i for i, _ in REJECTED if not i.startswith("deep_")],
+)
+def test_public_parse_rejects_as_pure_does(data: bytes) -> None:
+    with pytest.raises(RequestError) as pure:
+        parse_pure(CHAT_PATH, data)
+    with pytest.raises(RequestError) as public:
+        request.parse(CHAT_PATH, data)
+    assert public.value.reason == pure.value.reason
