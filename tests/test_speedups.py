@@ -1,6 +1,7 @@
 """The native fast path (``ace_extproc._speedups``) against the pure-Python reference.
 
-Its contract: ``chain`` equals ``prefix.chain_pure`` exactly, and for ANY bytes
+Its contract: ``chain`` equals ``prefix.chain_pure`` exactly, ``refresh`` leaves an
+LRU dict in the order ``routing.index.refresh_pure`` does, and for ANY bytes
 ``chat_prompt`` returns either None (the pure path decides) or exactly the fields
 ``request.parse_pure`` returns, never accepting what the pure path rejects. It must
 also accept the plain shape, or the fast path is never taken.
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from ace_extproc import request
 from ace_extproc.prefix import chain_pure
 from ace_extproc.request import CHAT_PATH, RequestError, parse_pure
+from ace_extproc.routing.index import refresh_pure
 
 
 def _load_speedups() -> ModuleType:
@@ -42,7 +44,7 @@ def pure_fields(body: bytes) -> Fields | None:
     """``parse_pure``'s fields, or None where it rejects the body."""
     try:
         p = parse_pure(CHAT_PATH, body)
-    except (RequestError, RecursionError):  # msgspec raises RecursionError on deep nesting
+    except RequestError:
         return None
     assert p.cacheable_end is not None
     return (p.model, p.prompt, p.cacheable_end, p.has_router_fields, p.stream, p.stream_options)
@@ -772,3 +774,26 @@ def test_public_parse_rejects_as_pure_does(data: bytes) -> None:
     with pytest.raises(RequestError) as public:
         request.parse(CHAT_PATH, data)
     assert public.value.reason == pure.value.reason
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    held=st.lists(st.integers(0, 40), max_size=30, unique=True),
+    touched=st.lists(st.integers(0, 40), max_size=30),
+)
+def test_refresh_orders_the_lru_as_the_pure_loop(held: list[int], touched: list[int]) -> None:
+    # Held blocks, some touched again (moved to the end, the first touched last), some new;
+    # repeats within one prompt too. Big hashes as well as small ones, as chain gives.
+    touched = [t * 2**58 + 1 if t % 3 == 0 else t for t in touched]
+    native = dict.fromkeys(held)
+    pure = dict.fromkeys(held)
+    assert speedups.refresh(native, touched) is None
+    refresh_pure(pure, touched)
+    assert list(native) == list(pure)
+
+
+def test_refresh_rejects_what_is_not_a_dict_of_blocks() -> None:
+    with pytest.raises(TypeError):
+        speedups.refresh([], [1])
+    with pytest.raises(TypeError):
+        speedups.refresh({}, 5)

@@ -24,7 +24,7 @@ from ace_extproc.speedups import native
 _INT_BYTES = sys.getsizeof(2**63)
 
 
-def _refresh_pure(lru: dict[int, None], blocks: Sequence[int]) -> None:
+def refresh_pure(lru: dict[int, None], blocks: Sequence[int]) -> None:
     """Move ``blocks`` to the most recent end of ``lru``, the tail first so the head
     ends most recent: like the engine, evict a conversation's newest blocks before the
     prefix every later turn needs."""
@@ -35,7 +35,7 @@ def _refresh_pure(lru: dict[int, None], blocks: Sequence[int]) -> None:
 
 
 # One C call for the whole prompt where the extension was built (speedups.py).
-_refresh = native.refresh if native is not None else _refresh_pure
+_refresh = native.refresh if native is not None else refresh_pure
 
 
 class BlockIndex:
