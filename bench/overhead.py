@@ -14,11 +14,13 @@ engine pod (no sleeping, one output token):
                    observe-only filter (each response reported on a second stream,
                    without waiting for an answer)
   ace-no-observe   the same without the observe filter: what observing costs
+  ace-pure-python  ace-buffered on the pure-Python path (ACE_EXTPROC_PURE_PYTHON=1):
+                   what the C fast path saves end to end
   ace-full-duplex  + ace-extproc, FULL_DUPLEX_STREAMED body (1 round trip)
   sglang           client -> SGLang Model Gateway -> engine (no Envoy), --peer-policy
   vllm             client -> vLLM Router -> engine (no Envoy); its cache_aware policy
                    also POSTs every body to the engine's render endpoint first
-The default is the five Envoy variants; ``--variants all`` adds the peers that are
+The default is the six Envoy variants; ``--variants all`` adds the peers that are
 installed (``bench/peers.py``), a peer named but not installed is skipped with the reason.
 For the peers, the "envoy" CPU column is the peer router's process (the proxy).
 
@@ -85,6 +87,7 @@ VARIANTS: dict[str, tuple[str | None, str, bool]] = {
     "trivial": ("trivial", "buffered", False),
     "ace-buffered": ("ace", "buffered", True),
     "ace-no-observe": ("ace", "buffered", False),
+    "ace-pure-python": ("ace-pure", "buffered", True),
     "ace-full-duplex": ("ace", "full_duplex", True),
 }
 # Peer routers in front of the same engine, without Envoy: named by ``--variants``.
@@ -281,11 +284,13 @@ class Bench(peers.PeerStack):
         if server == "trivial":
             argv = [str(TRIVIAL), "--listen", grpc_addr, "--cluster", pod.cluster]
             await self._spawn(f"{name}-server", sys.executable, *argv, "--served-by", pod.key)
-        elif server == "ace":
+        elif server in ("ace", "ace-pure"):
             fleet = str(self.workdir / "fleet.yaml")
             argv = ["-m", "ace_extproc.cli", "serve", "--fleet", fleet, "--listen", grpc_addr]
             argv += ["--metrics-listen", "off", "--admin-listen", "off"]  # several variants
-            await self._spawn(f"{name}-server", sys.executable, *argv)
+            # env execs the server in its own place: the pid measured is the server's.
+            pure = ["env", "ACE_EXTPROC_PURE_PYTHON=1"] if server == "ace-pure" else []
+            await self._spawn(f"{name}-server", *pure, sys.executable, *argv)
         if server:
             await self._wait_tcp(f"{name}-server", "127.0.0.1", ports[2])
         # The ext_proc cluster is rendered from settings.listen.
