@@ -396,8 +396,9 @@ static int put_string(Out *out, const Str *s)
     const uint8_t *p = s->start;
     while (p < s->stop) {
         const uint8_t *run = p;
-        while (p < s->stop && *p != '\\')
-            p++;
+        p = memchr(run, '\\', s->stop - run); /* glibc's is vectorised */
+        if (p == NULL)
+            p = s->stop;
         TRY(put(out, run, p - run));
         if (p >= s->stop)
             break;
@@ -451,144 +452,386 @@ static int put_string(Out *out, const Str *s)
     return 0;
 }
 
-/* One message object, appended to the canonical prompt in request.py's order:
- * role, name, content, tool call id. ``newest_user`` is moved to its start if it is
- * a user turn. */
-static int message(Cursor *c, Out *out, Py_ssize_t *newest_user)
-{
-    Str role = {0}, content = {0}, name = {0}, call_id = {0}, key;
-    int has_role = 0, has_content = 0, has_name = 0, has_call_id = 0;
-    TRY(expect(c, '{'));
-    skip_ws(c);
-    int more = 1;
-    if (c->p < c->end && *c->p == '}') {
-        c->p++;
-        more = 0;
-    }
-    while (more) {
-        TRY(object_key(c, &key));
-        if (key_is(&key, "role", 4)) {
-            TRY(scan_string(c, &role));
-            has_role = 1;
-        }
-        else if (key_is(&key, "content", 7))
-            TRY(string_or_null(c, &content, &has_content)); /* a list: msgspec's */
-        else if (key_is(&key, "name", 4))
-            TRY(string_or_null(c, &name, &has_name));
-        else if (key_is(&key, "tool_call_id", 12))
-            TRY(string_or_null(c, &call_id, &has_call_id));
-        else if (key_is(&key, "tool_calls", 10))
-            TRY(literal(c, "null", 4));
-        else
-            TRY(skip_value(c, 2));
-        TRY(more = next_member(c, '}'));
-    }
-    if (!has_role)
-        return -1;
-    Py_ssize_t start = out->len;
-    TRY(put_byte(out, SEP_MSG));
-    Py_ssize_t role_at = out->len;
-    TRY(put_string(out, &role));
-    if (out->len - role_at == 4 && memcmp(out->data + role_at, "user", 4) == 0)
-        *newest_user = start;
-    TRY(put_byte(out, SEP_FIELD));
-    if (has_name && name.stop > name.start) {
-        TRY(put_string(out, &name));
-        TRY(put_byte(out, SEP_FIELD));
-    }
-    if (has_content)
-        TRY(put_string(out, &content));
-    if (has_call_id && call_id.stop > call_id.start) {
-        TRY(put_byte(out, SEP_GROUP));
-        TRY(put_string(out, &call_id));
-    }
-    return 0;
-}
-
-static int messages(Cursor *c, Out *out, Py_ssize_t *newest_user)
+/* An array's elements, one ``element`` call each (at the element, past whitespace). An
+ * empty array is ``empty_ok`` or not. */
+static int array(Cursor *c, int empty_ok, int (*element)(Cursor *, void *), void *arg)
 {
     TRY(expect(c, '['));
     skip_ws(c);
-    if (c->p < c->end && *c->p == ']')
-        return -1; /* empty: msgspec's path says so */
+    if (c->p < c->end && *c->p == ']') {
+        c->p++;
+        return empty_ok ? 0 : -1;
+    }
     int more = 1;
     while (more) {
-        TRY(message(c, out, newest_user));
+        TRY(element(c, arg));
         TRY(more = next_member(c, ']'));
     }
     return 0;
 }
 
-typedef struct {
-    Str model;
-    int has_model;
-    int has_messages;
-    int stream;
-    int stream_options;
-    int router_fields;
-    Py_ssize_t newest_user;
-} Chat;
-
-static int chat_body(Cursor *c, Out *out, Chat *chat)
+/* An object's members: ``on_key`` is called at each value and must pass over it. */
+static int object(Cursor *c, int (*on_key)(Cursor *, const Str *, void *), void *arg)
 {
-    skip_ws(c);
     TRY(expect(c, '{'));
     skip_ws(c);
-    if (c->p < c->end && *c->p == '}')
-        return -1; /* no messages */
+    if (c->p < c->end && *c->p == '}') {
+        c->p++;
+        return 0;
+    }
     Str key;
     int more = 1;
     while (more) {
         TRY(object_key(c, &key));
-        if (key_is(&key, "messages", 8)) {
-            if (chat->has_messages)
-                return -1; /* a repeated list: msgspec's */
-            chat->has_messages = 1;
-            TRY(messages(c, out, &chat->newest_user));
-        }
-        else if (key_is(&key, "model", 5)) {
-            TRY(scan_string(c, &chat->model));
-            chat->has_model = 1;
-        }
-        else if (key_is(&key, "stream", 6)) {
-            if (c->p < c->end && *c->p == 't') {
-                TRY(literal(c, "true", 4));
-                chat->stream = 1;
-            }
-            else {
-                TRY(literal(c, "false", 5));
-                chat->stream = 0;
-            }
-        }
-        else if (key_is(&key, "stream_options", 14)) {
-            c->decoded = 1;
-            TRY(skip_value(c, 1));
-            c->decoded = 0;
-            chat->stream_options = 1;
-        }
-        else if (key_is(&key, "cache_salt", 10) || key_is(&key, "cache_prefix_id", 15)) {
-            c->decoded = 1;
-            TRY(skip_value(c, 1));
-            c->decoded = 0;
-            chat->router_fields = 1;
-        }
-        else if (key_is(&key, "tools", 5))
-            TRY(literal(c, "null", 4)); /* tool definitions: msgspec's */
-        else
-            TRY(skip_value(c, 1));
+        TRY(on_key(c, &key, arg));
         TRY(more = next_member(c, '}'));
     }
-    skip_ws(c);
-    if (c->p != c->end || !chat->has_messages)
-        return -1;
     return 0;
 }
 
-static PyObject *model_name(const Chat *chat)
+/* ---- tool calls: {"function": {"name": str, "arguments": str}, "id", "type"} ---- */
+
+typedef struct {
+    Str name, arguments;
+    int has_name, has_arguments, has_function;
+} ToolCall;
+
+static int function_key(Cursor *c, const Str *key, void *arg)
 {
-    if (!chat->has_model)
+    ToolCall *call = arg;
+    if (key_is(key, "name", 4)) {
+        call->has_name = 1;
+        return scan_string(c, &call->name);
+    }
+    if (key_is(key, "arguments", 9)) {
+        call->has_arguments = 1;
+        return scan_string(c, &call->arguments);
+    }
+    return skip_value(c, 4);
+}
+
+static int tool_call_key(Cursor *c, const Str *key, void *arg)
+{
+    ToolCall *call = arg;
+    if (key_is(key, "function", 8)) { /* the last one wins, whole */
+        call->has_function = 1;
+        call->has_name = call->has_arguments = 0;
+        return object(c, function_key, call);
+    }
+    if (key_is(key, "id", 2)) {
+        Str ignored;
+        int is_set;
+        return string_or_null(c, &ignored, &is_set);
+    }
+    if (key_is(key, "type", 4)) {
+        Str ignored;
+        return scan_string(c, &ignored);
+    }
+    return skip_value(c, 3);
+}
+
+/* One call, as request.py writes it: group, name, field, arguments. ``arg``: the Out,
+ * or NULL to check only. */
+static int tool_call(Cursor *c, void *arg)
+{
+    Out *out = arg;
+    ToolCall call = {0};
+    TRY(object(c, tool_call_key, &call));
+    if (!call.has_function)
+        return -1;
+    if (out == NULL)
+        return 0;
+    TRY(put_byte(out, SEP_GROUP));
+    if (call.has_name)
+        TRY(put_string(out, &call.name));
+    TRY(put_byte(out, SEP_FIELD));
+    if (call.has_arguments)
+        TRY(put_string(out, &call.arguments));
+    return 0;
+}
+
+/* ---- messages ---- */
+
+typedef struct {
+    Str role, content, name, call_id;
+    int has_role, has_content, has_name, has_call_id;
+    const uint8_t *calls; /* where the tool_calls array starts: written on a second pass */
+} Message;
+
+static int message_key(Cursor *c, const Str *key, void *arg)
+{
+    Message *m = arg;
+    if (key_is(key, "role", 4)) {
+        m->has_role = 1;
+        return scan_string(c, &m->role);
+    }
+    if (key_is(key, "content", 7))
+        return string_or_null(c, &m->content, &m->has_content); /* a list: msgspec's */
+    if (key_is(key, "name", 4))
+        return string_or_null(c, &m->name, &m->has_name);
+    if (key_is(key, "tool_call_id", 12))
+        return string_or_null(c, &m->call_id, &m->has_call_id);
+    if (key_is(key, "tool_calls", 10)) {
+        m->calls = NULL;
+        if (c->p < c->end && *c->p == 'n')
+            return literal(c, "null", 4);
+        m->calls = c->p;
+        return array(c, 1, tool_call, NULL);
+    }
+    return skip_value(c, 2);
+}
+
+typedef struct {
+    Out *out;
+    Py_ssize_t newest_user; /* where the newest user turn starts in ``out``; -1: none */
+} Messages;
+
+/* One message object, appended to the canonical prompt in request.py's order: role,
+ * name, content, tool calls, tool call id. */
+static int message(Cursor *c, void *arg)
+{
+    Messages *ms = arg;
+    Out *out = ms->out;
+    Message m = {0};
+    TRY(object(c, message_key, &m));
+    if (!m.has_role)
+        return -1;
+    Py_ssize_t start = out->len;
+    TRY(put_byte(out, SEP_MSG));
+    Py_ssize_t role_at = out->len;
+    TRY(put_string(out, &m.role));
+    if (out->len - role_at == 4 && memcmp(out->data + role_at, "user", 4) == 0)
+        ms->newest_user = start;
+    TRY(put_byte(out, SEP_FIELD));
+    if (m.has_name && m.name.stop > m.name.start) {
+        TRY(put_string(out, &m.name));
+        TRY(put_byte(out, SEP_FIELD));
+    }
+    if (m.has_content)
+        TRY(put_string(out, &m.content));
+    if (m.calls != NULL) { /* checked already: this pass writes them */
+        Cursor again = {m.calls, c->end, 0};
+        TRY(array(&again, 1, tool_call, out));
+    }
+    if (m.has_call_id && m.call_id.stop > m.call_id.start) {
+        TRY(put_byte(out, SEP_GROUP));
+        TRY(put_string(out, &m.call_id));
+    }
+    return 0;
+}
+
+/* ---- tool definitions: their JSON as written, ahead of the messages ---- */
+
+typedef struct {
+    Out *out; /* NULL: measure only */
+    Py_ssize_t count, bytes;
+} Tools;
+
+static int tool(Cursor *c, void *arg)
+{
+    Tools *tools = arg;
+    const uint8_t *start = c->p;
+    TRY(skip_value(c, 2));
+    if (tools->out != NULL) {
+        if (tools->count)
+            TRY(put_byte(tools->out, SEP_FIELD));
+        TRY(put(tools->out, start, c->p - start));
+    }
+    tools->count++;
+    tools->bytes += c->p - start;
+    return 0;
+}
+
+/* ---- the body: fields both kinds share, then each kind's own ---- */
+
+typedef struct {
+    Out *out;
+    Str model;
+    int has_model, stream, stream_options, router_fields;
+    int has_prompt;              /* chat: messages; completions: prompt */
+    Py_ssize_t newest_user;      /* chat */
+    const uint8_t *tools;        /* chat: where the tools array starts, if not empty */
+    Tools tools_size;            /* chat: its definitions' count and bytes */
+    const uint8_t *end;          /* the body's end */
+} Body;
+
+/* The keys both bodies have: 1 if ``key`` is one (its value passed), 0 if not. */
+static int common_key(Cursor *c, const Str *key, Body *body)
+{
+    if (key_is(key, "model", 5)) {
+        body->has_model = 1;
+        TRY(scan_string(c, &body->model));
+        return 1;
+    }
+    if (key_is(key, "stream", 6)) {
+        if (c->p < c->end && *c->p == 't') {
+            TRY(literal(c, "true", 4));
+            body->stream = 1;
+        }
+        else {
+            TRY(literal(c, "false", 5));
+            body->stream = 0;
+        }
+        return 1;
+    }
+    int *flag = key_is(key, "stream_options", 14) ? &body->stream_options
+                : key_is(key, "cache_salt", 10) || key_is(key, "cache_prefix_id", 15)
+                    ? &body->router_fields
+                    : NULL;
+    if (flag == NULL)
+        return 0;
+    c->decoded = 1;
+    TRY(skip_value(c, 1));
+    c->decoded = 0;
+    *flag = 1;
+    return 1;
+}
+
+static int chat_key(Cursor *c, const Str *key, void *arg)
+{
+    Body *body = arg;
+    int done = common_key(c, key, body);
+    if (done)
+        return done < 0 ? -1 : 0;
+    if (key_is(key, "messages", 8)) {
+        if (body->has_prompt)
+            return -1; /* a repeated list: msgspec's */
+        body->has_prompt = 1;
+        Messages ms = {body->out, -1};
+        TRY(array(c, 0, message, &ms)); /* empty: msgspec's path says so */
+        body->newest_user = ms.newest_user;
+        return 0;
+    }
+    if (key_is(key, "tools", 5)) { /* the last one wins */
+        body->tools = NULL;
+        if (c->p < c->end && *c->p == 'n')
+            return literal(c, "null", 4);
+        const uint8_t *at = c->p;
+        Tools measure = {NULL, 0, 0};
+        TRY(array(c, 1, tool, &measure));
+        if (measure.count) {
+            body->tools = at;
+            body->tools_size = measure;
+        }
+        return 0;
+    }
+    return skip_value(c, 1);
+}
+
+/* The tool definitions, put ahead of the messages already written: group, "tools",
+ * field, then each definition's JSON, fields between. */
+static int prepend_tools(Out *out, Body *body)
+{
+    Py_ssize_t size = 7 + body->tools_size.bytes + (body->tools_size.count - 1);
+    if (out->cap - out->len < size)
+        return -1;
+    memmove(out->data + size, out->data, out->len);
+    Out head = {out->data, 0, size};
+    TRY(put_byte(&head, SEP_GROUP));
+    TRY(put(&head, (const uint8_t *)"tools", 5));
+    TRY(put_byte(&head, SEP_FIELD));
+    Tools write = {&head, 0, 0};
+    Cursor c = {body->tools, body->end, 0}; /* checked in the first pass */
+    TRY(array(&c, 1, tool, &write));
+    out->len += size;
+    if (body->newest_user >= 0)
+        body->newest_user += size;
+    return 0;
+}
+
+/* ---- completions: a string, strings, token ids, or lists of token ids ---- */
+
+static int token(Cursor *c, void *arg)
+{
+    Out *out = arg;
+    const uint8_t *p = c->p, *end = c->end;
+    int negative = p < end && *p == '-';
+    p += negative;
+    if (p >= end || *p < '0' || *p > '9' || (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9'))
+        return -1;
+    int64_t value = 0;
+    while (p < end && *p >= '0' && *p <= '9') {
+        value = value * 10 + (*p++ - '0');
+        if (value > 2147483648LL)
+            return -1;
+    }
+    if (p < end && (*p == '.' || *p == 'e' || *p == 'E'))
+        return -1; /* a float: not a token id */
+    value = negative ? -value : value;
+    if (value > 2147483647LL)
+        return -1;
+    int32_t id = (int32_t)value; /* as array("i") writes it: native byte order */
+    TRY(put(out, (const uint8_t *)&id, 4));
+    c->p = p;
+    return 0;
+}
+
+/* Strings or token lists, joined by record separators. */
+typedef struct {
+    Out *out;
+    int count;
+} Joined;
+
+static int token_list(Cursor *c, void *arg)
+{
+    Joined *joined = arg;
+    if (joined->count++)
+        TRY(put_byte(joined->out, SEP_MSG));
+    return array(c, 0, token, joined->out);
+}
+
+static int prompt_string(Cursor *c, void *arg)
+{
+    Joined *joined = arg;
+    Str s;
+    TRY(scan_string(c, &s));
+    if (joined->count++)
+        TRY(put_byte(joined->out, SEP_MSG));
+    return put_string(joined->out, &s);
+}
+
+/* The prompt, written afresh (the last "prompt" key wins). */
+static int prompt(Cursor *c, Out *out)
+{
+    out->len = 0;
+    if (c->p < c->end && *c->p == '"') {
+        Str s;
+        TRY(scan_string(c, &s));
+        if (s.stop == s.start)
+            return -1; /* empty: msgspec's path says so */
+        return put_string(out, &s);
+    }
+    if (c->p >= c->end || *c->p != '[')
+        return -1;
+    const uint8_t *first = c->p + 1;
+    while (first < c->end && (*first == ' ' || *first == '\n' || *first == '\r' || *first == '\t'))
+        first++;
+    Joined joined = {out, 0};
+    if (first < c->end && *first == '"')
+        return array(c, 0, prompt_string, &joined);
+    if (first < c->end && *first == '[')
+        return array(c, 0, token_list, &joined);
+    return array(c, 0, token, out);
+}
+
+static int completion_key(Cursor *c, const Str *key, void *arg)
+{
+    Body *body = arg;
+    int done = common_key(c, key, body);
+    if (done)
+        return done < 0 ? -1 : 0;
+    if (key_is(key, "prompt", 6)) {
+        body->has_prompt = 1;
+        return prompt(c, body->out);
+    }
+    return skip_value(c, 1);
+}
+
+static PyObject *model_name(const Body *body)
+{
+    if (!body->has_model)
         return PyUnicode_FromStringAndSize("", 0);
-    const Str *s = &chat->model;
+    const Str *s = &body->model;
     Py_ssize_t raw = s->stop - s->start;
     if (!s->escaped)
         return PyUnicode_DecodeUTF8((const char *)s->start, raw, "strict");
@@ -605,37 +848,63 @@ static PyObject *model_name(const Chat *chat)
     return name;
 }
 
-static PyObject *chat_prompt(PyObject *Py_UNUSED(module), PyObject *body)
+/* Either body kind to request.py's ParsedRequest fields, or None. */
+static PyObject *parse_body(PyObject *data, int chat)
 {
     Py_buffer view;
-    if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0)
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    PyObject *prompt = PyBytes_FromStringAndSize(NULL, view.len);
-    if (prompt == NULL) {
+    /* A chat prompt is never longer than its body (a message's separators take fewer
+     * bytes than its JSON keys and quotes, and no escape decodes longer than it is
+     * written); token ids can double ("1," becomes 4 bytes). */
+    Py_ssize_t cap = chat ? view.len : 2 * view.len + 8;
+    PyObject *prompt_bytes = PyBytes_FromStringAndSize(NULL, cap);
+    if (prompt_bytes == NULL) {
         PyBuffer_Release(&view);
         return NULL;
     }
-    Cursor cursor = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len, 0};
-    Out out = {(uint8_t *)PyBytes_AS_STRING(prompt), 0, view.len};
-    Chat chat = {.newest_user = -1};
-    PyObject *result = NULL;
-    if (chat_body(&cursor, &out, &chat) < 0) {
-        Py_DECREF(prompt);
+    Out out = {(uint8_t *)PyBytes_AS_STRING(prompt_bytes), 0, cap};
+    Cursor c = {(const uint8_t *)view.buf, (const uint8_t *)view.buf + view.len, 0};
+    Body body = {.out = &out, .newest_user = -1, .end = c.end};
+    skip_ws(&c);
+    int ok = object(&c, chat ? chat_key : completion_key, &body);
+    skip_ws(&c);
+    if (ok < 0 || c.p != c.end || !body.has_prompt ||
+        (body.tools != NULL && prepend_tools(&out, &body) < 0)) {
+        Py_DECREF(prompt_bytes);
         PyBuffer_Release(&view);
         Py_RETURN_NONE;
     }
-    PyObject *model = model_name(&chat); /* reads the body: before it is released */
+    PyObject *model = model_name(&body); /* reads the body: before it is released */
     PyBuffer_Release(&view);
-    if (model == NULL || _PyBytes_Resize(&prompt, out.len) < 0) {
+    if (model == NULL || _PyBytes_Resize(&prompt_bytes, out.len) < 0) {
         Py_XDECREF(model);
-        Py_XDECREF(prompt);
+        Py_XDECREF(prompt_bytes);
         return NULL;
     }
-    /* No user turn (a lone system prompt): all of it is the prefix. */
-    Py_ssize_t head = chat.newest_user < 0 ? out.len : chat.newest_user;
-    result = Py_BuildValue("(NNnNNN)", model, prompt, head, PyBool_FromLong(chat.router_fields),
-                           PyBool_FromLong(chat.stream), PyBool_FromLong(chat.stream_options));
-    return result;
+    PyObject *head;
+    if (chat) /* no user turn (a lone system prompt): all of it is the prefix */
+        head = PyLong_FromSsize_t(body.newest_user < 0 ? out.len : body.newest_user);
+    else
+        head = Py_NewRef(Py_None); /* a plain prompt: its leading full blocks */
+    if (head == NULL) {
+        Py_DECREF(model);
+        Py_DECREF(prompt_bytes);
+        return NULL;
+    }
+    return Py_BuildValue("(NNNNNN)", model, prompt_bytes, head,
+                         PyBool_FromLong(body.router_fields), PyBool_FromLong(body.stream),
+                         PyBool_FromLong(body.stream_options));
+}
+
+static PyObject *chat_prompt(PyObject *Py_UNUSED(module), PyObject *data)
+{
+    return parse_body(data, 1);
+}
+
+static PyObject *completion_prompt(PyObject *Py_UNUSED(module), PyObject *data)
+{
+    return parse_body(data, 0);
 }
 
 static PyObject *chain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
@@ -711,6 +980,10 @@ static PyMethodDef methods[] = {
     {"chat_prompt", (PyCFunction)chat_prompt, METH_O,
      "chat_prompt(body) -> (model, prompt, cacheable_end, has_router_fields, stream, "
      "stream_options) for a plain chat body, or None: request.py's msgspec path decides."},
+    {"completion_prompt", (PyCFunction)completion_prompt, METH_O,
+     "completion_prompt(body) -> (model, prompt, None, has_router_fields, stream, "
+     "stream_options) for a /v1/completions body, or None: request.py's msgspec path "
+     "decides."},
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL,
      "chain(data, block_bytes, seed) -> the chained xxh3_64 hashes of data's full blocks."},
     {"refresh", (PyCFunction)(void (*)(void))refresh, METH_FASTCALL,

@@ -6,10 +6,10 @@ the engine's prompt (tool definitions, roles, names, text, tool calls and result
 in conversation order, separated by control bytes that cannot occur in JSON text
 unescaped, so two requests share a canonical prefix exactly as far as their
 conversations agree. Decoding is one typed ``msgspec`` pass (measured faster than
-``orjson`` into dicts, and it validates as it goes); a plain chat body (text
-messages, no tools) goes through the C fast path instead when it was built
-(``speedups.py``), which checks the JSON and unescapes its text straight into the
-canonical bytes, and hands anything else to this path.
+``orjson`` into dicts, and it validates as it goes). Where the C fast path was built
+(``speedups.py``), bodies go through it first: it checks the JSON and unescapes the
+text straight into the canonical bytes, and hands anything it does not handle
+(multi-part content, anything invalid) to this path.
 """
 
 from __future__ import annotations
@@ -105,15 +105,21 @@ class ParsedRequest:
     stream_options: bool = False  # the client chose its own stream_options
 
 
-_chat_prompt = native.chat_prompt if native is not None else None
+# The C parsers by path, where the extension was built (speedups.py).
+_native_parsers = (
+    {CHAT_PATH: native.chat_prompt, COMPLETIONS_PATH: native.completion_prompt}
+    if native is not None
+    else {}
+)
 
 
 def parse(path: str, body: bytes) -> ParsedRequest:
     """Parse a chat or completions body. Raises ``RequestError`` on anything else."""
-    if path == CHAT_PATH and _chat_prompt is not None:
-        fast = _chat_prompt(body)
-        if fast is not None:
-            return ParsedRequest(path, *fast)
+    fast_parse = _native_parsers.get(path)
+    if fast_parse is not None:
+        fields = fast_parse(body)
+        if fields is not None:
+            return ParsedRequest(path, *fields)
     return parse_pure(path, body)
 
 

@@ -9,7 +9,9 @@ whole header + body phase as the server runs it, up to the answer's wire bytes.
 Prompts of 1K/4K/16K/32K tokens (~4 bytes a token), as multi-turn chats whose
 prefixes are already indexed, so picks are warm hits (checked: ``hit_share``).
 Writes bench/results/decision.json. Also compares the C chat parser with JSON
-decoders on the same bodies, and (unless ``--no-compare``) the whole benchmark on
+decoders on the same bodies, the parse step on the workloads' own bodies by request
+family (chat, agents with tools, token-id completions), and (unless ``--no-compare``)
+the whole benchmark on
 the C fast path against pure Python (``ACE_EXTPROC_PURE_PYTHON=1``), run alternately
 in subprocesses so both see the same machine.
 """
@@ -39,6 +41,7 @@ from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.processor import Processor, rewrite_body
 from ace_extproc.routing import RoutingRequest
 from ace_extproc.routing.monitor import FleetMonitor
+from bench import workloads
 
 SIZES = (1024, 4096, 16384, 32768)  # prompt tokens
 TARGETS_US = {4096: 30.0, 32768: 200.0}  # total p50 targets from the issue
@@ -198,6 +201,40 @@ def block_size_costs(iterations: int) -> dict[int, dict[str, float]]:
     return out
 
 
+def family_parse_costs(iterations: int) -> dict[str, dict[str, float]]:
+    """The parse step on the benchmark's own workloads, by request family: the C fast
+    path (``request.parse``) against pure Python (``request.parse_pure``), each body
+    of a family in turn. Mooncake (token-id completions) needs the shared traces."""
+    families: dict[str, list[tuple[str, bytes]]] = {}
+    for name in ("seed800", "mooncake"):
+        try:
+            work = workloads.get(name)
+        except (OSError, ValueError):
+            continue  # the trace is not beside this checkout
+        for r in work.requests:
+            families.setdefault(r.family, []).append((r.path, r.body))
+    out = {}
+    for family, all_bodies in sorted(families.items()):
+        bodies = all_bodies[:64]
+        rounds = max(1, iterations // len(bodies))
+
+        def parse_all(parse: Any, bodies: list[tuple[str, bytes]] = bodies) -> None:
+            for path, body in bodies:
+                parse(path, body)
+
+        c, pure = (
+            statistics.median(measure(lambda f=f: parse_all(f), rounds)) / len(bodies)
+            for f in (req.parse, req.parse_pure)
+        )
+        out[family] = {
+            "mean_body_bytes": round(statistics.mean(len(b) for _, b in bodies)),
+            "c_us": round(c, 2),
+            "pure_us": round(pure, 2),
+            "ratio": round(pure / c, 2),
+        }
+    return out
+
+
 def run_subprocess(pure: bool, iterations: int, pods: int) -> list[dict[str, Any]]:
     """This benchmark's rows from a fresh process, on pure Python or the C fast path."""
     env = {k: v for k, v in os.environ.items() if k != "ACE_EXTPROC_PURE_PYTHON"}
@@ -285,6 +322,15 @@ def main(argv: list[str] | None = None) -> int:
         "hash step at 32K tokens by block size (us p50, blocks):",
         ", ".join(f"{b} B: {v['p50_us']:.1f} ({v['blocks']})" for b, v in blocks.items()),
     )
+    families = family_parse_costs(args.iterations // 4)
+    print(
+        "parse step by request family, p50 us a body (C fast path vs pure Python):",
+        ", ".join(
+            f"{fam} ({v['mean_body_bytes'] // 1000} KB) {v['c_us']:.1f} vs {v['pure_us']:.1f} "
+            f"({v['ratio']:.1f}x)"
+            for fam, v in families.items()
+        ),
+    )
     paths = None
     if not args.no_compare and speedups.native is not None:
         paths = compare_paths(rows, args.iterations, args.pods)
@@ -308,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets_total_p50_us": {str(k): v for k, v in TARGETS_US.items()},
         "sizes": rows,
         "hash_32k_by_block_bytes": blocks,
+        "parse_by_family_p50_us": families,
         "c_vs_pure_p50_us": paths,
     }
     out = Path(args.out)
