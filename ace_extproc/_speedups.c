@@ -1,14 +1,19 @@
-/* The request path's two per-byte steps, in C.
+/* The request path's per-byte steps, in C.
  *
  * chat_prompt(body) -> (model, prompt, cacheable_end, has_router_fields, stream,
  *                       stream_options) | None
  *     One pass over a /v1/chat/completions body that checks it is JSON and builds
- *     the canonical prompt bytes of request.py's _parse_chat, for the plain shape:
- *     string or null contents, no tools, no tool calls. Anything else, valid or not,
+ *     the canonical prompt bytes of request.py's _parse_chat: text, text parts, tool
+ *     definitions and tool calls. Anything else (an image part, say), valid or not,
  *     returns None and request.py's msgspec path decides, so this never accepts a
  *     body that path rejects and never disagrees with it (tests/test_speedups.py).
  *     No Python object is made for the prompt's text: it is unescaped straight into
  *     the canonical bytes.
+ *
+ * completion_prompt(body) -> (model, prompt, None, has_router_fields, stream,
+ *                             stream_options) | None
+ *     The same for a /v1/completions body: a string, strings, token ids or lists of
+ *     token ids, as request.py's _parse_completion writes them.
  *
  * chain(data, block_bytes, seed) -> list[int]
  *     prefix.py's chained hashes: h_i = xxh3_64(block_i, seed=h_{i-1}) over every
@@ -550,11 +555,46 @@ static int tool_call(Cursor *c, void *arg)
     return 0;
 }
 
+/* ---- multi-part content: text parts by their text; any other part is msgspec's ---- */
+
+typedef struct {
+    Str text;
+    int has_text;
+} Part;
+
+static int part_key(Cursor *c, const Str *key, void *arg)
+{
+    Part *part = arg;
+    if (key_is(key, "text", 4)) {
+        part->has_text = 1;
+        return scan_string(c, &part->text); /* not a string: msgspec's (JSON-encoded) */
+    }
+    c->decoded = 1; /* a part is decoded into a dict: its numbers must be in range */
+    TRY(skip_value(c, 4));
+    c->decoded = 0;
+    return 0;
+}
+
+/* One part: its text, then a field separator. ``arg``: the Out, or NULL to check only. */
+static int content_part(Cursor *c, void *arg)
+{
+    Out *out = arg;
+    Part part = {0};
+    TRY(object(c, part_key, &part));
+    if (!part.has_text) /* an image, audio or file part */
+        return -1;
+    if (out == NULL)
+        return 0;
+    TRY(put_string(out, &part.text));
+    return put_byte(out, SEP_FIELD);
+}
+
 /* ---- messages ---- */
 
 typedef struct {
     Str role, content, name, call_id;
     int has_role, has_content, has_name, has_call_id;
+    const uint8_t *parts; /* where a content list starts: written on a second pass */
     const uint8_t *calls; /* where the tool_calls array starts: written on a second pass */
 } Message;
 
@@ -565,8 +605,15 @@ static int message_key(Cursor *c, const Str *key, void *arg)
         m->has_role = 1;
         return scan_string(c, &m->role);
     }
-    if (key_is(key, "content", 7))
-        return string_or_null(c, &m->content, &m->has_content); /* a list: msgspec's */
+    if (key_is(key, "content", 7)) {
+        m->parts = NULL;
+        if (c->p < c->end && *c->p == '[') {
+            m->has_content = 0;
+            m->parts = c->p;
+            return array(c, 1, content_part, NULL);
+        }
+        return string_or_null(c, &m->content, &m->has_content);
+    }
     if (key_is(key, "name", 4))
         return string_or_null(c, &m->name, &m->has_name);
     if (key_is(key, "tool_call_id", 12))
@@ -609,6 +656,10 @@ static int message(Cursor *c, void *arg)
     }
     if (m.has_content)
         TRY(put_string(out, &m.content));
+    if (m.parts != NULL) { /* checked already: this pass writes them */
+        Cursor again = {m.parts, c->end, 0};
+        TRY(array(&again, 1, content_part, out));
+    }
     if (m.calls != NULL) { /* checked already: this pass writes them */
         Cursor again = {m.calls, c->end, 0};
         TRY(array(&again, 1, tool_call, out));

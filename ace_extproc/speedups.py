@@ -1,13 +1,13 @@
 """The optional C fast path (``_speedups.c``) for the request path's per-byte steps:
-a chat body to its canonical prompt in one pass, and the prompt's chained block
-hashes in one call.
+a chat or completions body to its canonical prompt in one pass, the prompt's chained
+block hashes in one call, and the chosen pod's LRU refresh in one call.
 
-``request.py`` and ``prefix.py`` hold the reference in Python and call the C versions
-when the extension was built (setup.py builds it wherever a C compiler is found).
-Both give the same results (``tests/test_speedups.py``); a body the C parser does not
-handle (tool definitions, multi-part content, anything invalid) goes to the Python
-path, which decides. ``ACE_EXTPROC_PURE_PYTHON=1`` runs on Python alone, to compare
-or to rule the extension out.
+``request.py``, ``prefix.py`` and ``routing/index.py`` hold the reference in Python
+and call the C versions when the extension was built (setup.py builds it wherever a C
+compiler is found). Both give the same results (``tests/test_speedups.py``); a body
+the C parser does not handle (an image part, a key spelled with escapes, anything
+invalid) goes to the Python path, which decides. ``ACE_EXTPROC_PURE_PYTHON=1`` runs
+on Python alone, to compare or to rule the extension out.
 """
 
 from __future__ import annotations
