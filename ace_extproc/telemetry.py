@@ -38,6 +38,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from ace_extproc import request
 from ace_extproc.config import Settings, check_listen
 from ace_extproc.logs import ANOMALY_BURST, RateLimit, log_decision
 
@@ -274,12 +275,25 @@ class Telemetry(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._decision_families()
         yield from self._latency_families()
+        yield self._parser_family()
         if self.fleet is not None:
             yield from self._fleet_families(self.fleet)
         if self.index is not None:
             yield from self._index_families(self.index)
         if self.ledger is not None:
             yield from self._response_families(self.ledger)
+
+    def _parser_family(self) -> Metric:
+        parsed = CounterMetricFamily(
+            "ace_parsed_bodies",
+            "Request bodies parsed by the C fast path (native) or handed to the Python "
+            "parser (python: what the C one does not handle, invalid bodies included; "
+            "all of them where the extension was not built).",
+            labels=["parser"],
+        )
+        for parser, count in request.parsed_by.copy().items():
+            parsed.add_metric([parser], count)
+        return parsed
 
     def _decision_families(self) -> Iterator[Metric]:
         tallies = self._tallies.copy()  # atomic: the loop may add keys meanwhile

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ace_extproc import logs
+from ace_extproc import logs, request, speedups
 from ace_extproc import telemetry as tm
 from ace_extproc.config import ConfigError, Settings, TenantConfig, parse_settings, sim_fleet
 from ace_extproc.routing import BlockIndex, FleetState
@@ -162,6 +162,7 @@ def test_exposition_parses_with_names_types_and_help(fx: Fixture) -> None:
         "ace_index_entries": "gauge",
         "ace_index_bytes": "gauge",
         "ace_index_pod_entries": "gauge",
+        "ace_parsed_bodies": "counter",
     }
     for name, kind in expected.items():
         assert families[name].type == kind, name
@@ -201,6 +202,26 @@ def test_index_gauges(fx: Fixture) -> None:
     assert v("ace_index_pod_capacity_entries", destination="sim", pod="pod-0") == 1000
     assert v("ace_index_entries") == len(fx.index) > 0
     assert v("ace_index_bytes") > 0
+
+
+def test_parsed_bodies_by_parser(fx: Fixture) -> None:
+    def counts() -> tuple[float, float]:
+        v = fx.value
+        return v("ace_parsed_bodies_total", parser="native"), v(
+            "ace_parsed_bodies_total", parser="python"
+        )
+
+    native, python = counts()
+    text = b'{"messages":[{"role":"user","content":"hi"}]}'
+    image = b'{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}'
+    request.parse(request.CHAT_PATH, text)
+    request.parse(request.CHAT_PATH, image)  # an image part: the Python parser's
+    with pytest.raises(request.RequestError):
+        request.parse(request.CHAT_PATH, b"{")  # invalid: handed over too
+    if speedups.native is not None:
+        assert counts() == (native + 1, python + 2)
+    else:
+        assert counts() == (native, python + 3)
 
 
 # ------------------------------------------------------------------ fleet state
