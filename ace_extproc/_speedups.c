@@ -107,16 +107,16 @@ static int hex4(const uint8_t *p, const uint8_t *end)
     int value = 0;
     for (int i = 0; i < 4; i++) {
         uint8_t ch = p[i];
-        int digit;
+        int nibble;
         if (ch >= '0' && ch <= '9')
-            digit = ch - '0';
+            nibble = ch - '0';
         else if (ch >= 'a' && ch <= 'f')
-            digit = ch - 'a' + 10;
+            nibble = ch - 'a' + 10;
         else if (ch >= 'A' && ch <= 'F')
-            digit = ch - 'A' + 10;
+            nibble = ch - 'A' + 10;
         else
             return -1;
-        value = value * 16 + digit;
+        value = value * 16 + nibble;
     }
     return value;
 }
@@ -367,9 +367,8 @@ static inline int key_is(const Str *key, const char *name, Py_ssize_t len)
     return key->stop - key->start == len && memcmp(key->start, name, len) == 0;
 }
 
-/* The canonical prompt being built: never longer than the body it comes from
- * (a message's separators take fewer bytes than its JSON keys and quotes, and no
- * escape decodes longer than it is written), so it is sized once. */
+/* The canonical prompt being built, in a buffer sized once (parse_body says how);
+ * a write past its end is refused, and the body goes to msgspec's path. */
 typedef struct {
     uint8_t *data;
     Py_ssize_t len;
