@@ -9,7 +9,7 @@ conversations agree. Decoding is one typed ``msgspec`` pass (measured faster tha
 ``orjson`` into dicts, and it validates as it goes). Where the C fast path was built
 (``speedups.py``), bodies go through it first: it checks the JSON and unescapes the
 text straight into the canonical bytes, and hands anything it does not handle
-(multi-part content, anything invalid) to this path.
+(an image or audio part, anything invalid) to this path.
 """
 
 from __future__ import annotations
