@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test test-all lint bench clean
+.PHONY: up test test-all test-asan lint bench clean
 
 PROTOS := $(shell find protos -name '*.proto')
 
@@ -29,6 +29,16 @@ test: $(STAMP)
 # Soak and load runs too (minutes).
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m ''
+
+# The C fast path's tests with the extension built under AddressSanitizer and UBSan
+# (gcc's runtimes preloaded into Python); the normal build is restored afterwards.
+SANITIZE := -fsanitize=address,undefined -fno-omit-frame-pointer -g
+test-asan: $(STAMP)
+	CFLAGS="$(SANITIZE)" LDFLAGS="$(SANITIZE)" $(BIN)/python setup.py -q build_ext --inplace --force
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1 \
+	  $(BIN)/python -m pytest -p no:cacheprovider tests/test_speedups.py tests/test_request.py; \
+	  status=$$?; $(BIN)/python setup.py -q build_ext --inplace --force; exit $$status
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
