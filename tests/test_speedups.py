@@ -989,27 +989,34 @@ def test_native_rejects_non_bytes() -> None:
         speedups.chat_prompt("{}")
 
 
+def named(corpus: list[tuple[str, bytes]], *ids: str) -> list[bytes]:
+    """The bodies of a corpus with these ids, in that order."""
+    by_id = dict(corpus)
+    return [by_id[i] for i in ids]
+
+
 def test_no_memory_growth() -> None:
     """Every exit of the C code (accepted, declined, invalid) releases what it made:
     a leaked object per call would show as hundreds of KB here."""
     bodies = [
-        next(b for i, b in PLAIN if i == "unicode_escaped"),
-        next(b for i, b in PLAIN if i == "model_escaped"),
-        next(b for i, b in UNSUPPORTED if i == "content_list_late"),
-        next(b for i, b in REJECTED if i == "high_then_non_low"),
-        next(b for i, b in REJECTED if i == "number_leading_zero"),
-        next(b for i, b in PLAIN if i == "tools_escapes"),
-        next(b for i, b in PLAIN if i == "tool_calls_escapes"),
-        next(b for i, b in REJECTED if i == "tool_calls_second_item_bad"),
-        next(b for i, b in REJECTED if i == "tools_unclosed_element"),
+        *named(PLAIN, "unicode_escaped", "model_escaped", "tools_escapes", "tool_calls_escapes"),
+        *named(UNSUPPORTED, "content_list_late"),
+        *named(
+            REJECTED,
+            "high_then_non_low",
+            "number_leading_zero",
+            "tool_calls_second_item_bad",
+            "tools_unclosed_element",
+        ),
     ]
     completions = [
-        next(b for i, b in COMPLETION_PLAIN if i == "string_every_escape"),
-        next(b for i, b in COMPLETION_PLAIN if i == "strings_escapes"),
-        next(b for i, b in COMPLETION_PLAIN if i == "token_lists"),
-        next(b for i, b in COMPLETION_REJECTED if i == "int32_over_in_inner"),
-        next(b for i, b in COMPLETION_REJECTED if i == "lone_surrogate_in_list"),
-        next(b for i, b in COMPLETION_REJECTED if i == "dup_prompt_last_bad"),
+        *named(COMPLETION_PLAIN, "string_every_escape", "strings_escapes", "token_lists"),
+        *named(
+            COMPLETION_REJECTED,
+            "int32_over_in_inner",
+            "lone_surrogate_in_list",
+            "dup_prompt_last_bad",
+        ),
     ]
     data = random.Random(1).randbytes(4096)
 
