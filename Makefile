@@ -13,8 +13,8 @@ STAMP  := $(VENV)/.installed
 PROTOS := $(shell find protos -name '*.proto')
 
 # Reinstalling also recompiles protos/ into ace_extproc/_proto and rebuilds the C fast
-# path ace_extproc/_speedups.c (setup.py).
-$(STAMP): pyproject.toml setup.py $(PROTOS) ace_extproc/_speedups.c
+# path ace_extproc/*.c (setup.py).
+$(STAMP): pyproject.toml setup.py $(PROTOS) $(wildcard ace_extproc/*.c ace_extproc/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
@@ -37,7 +37,7 @@ test-asan: $(STAMP)
 	CFLAGS="$(SANITIZE)" LDFLAGS="$(SANITIZE)" $(BIN)/python setup.py -q build_ext --inplace --force
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1 \
-	  $(BIN)/python -m pytest -p no:cacheprovider tests/test_speedups.py tests/test_request.py; \
+	  $(BIN)/python -m pytest -p no:cacheprovider tests/test_speedups.py tests/test_request.py tests/test_answer.py; \
 	  status=$$?; $(BIN)/python setup.py -q build_ext --inplace --force; exit $$status
 
 lint: $(STAMP)

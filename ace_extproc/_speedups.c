@@ -21,11 +21,16 @@
  *
  * refresh(lru, blocks) -> None
  *     routing/index.py's LRU refresh of a prompt's blocks on one pod.
+ *
+ * body_answer(...) -> bytes
+ *     The body phase's answer to Envoy as protobuf wire bytes (_answer.c).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "_answer.h"
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"
@@ -1038,12 +1043,16 @@ static PyMethodDef methods[] = {
      "chain(data, block_bytes, seed) -> the chained xxh3_64 hashes of data's full blocks."},
     {"refresh", (PyCFunction)(void (*)(void))refresh, METH_FASTCALL,
      "refresh(lru, blocks): blocks moved to the dict's end (most recent), the last first."},
+    {"body_answer", (PyCFunction)(void (*)(void))ace_body_answer, METH_FASTCALL,
+     "body_answer(headers, remove, clear_route_cache, body, namespaces) -> a serialized "
+     "ProcessingResponse answering a request body (mutate.body_answer)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "ace_extproc._speedups",
-    "The request path's per-byte steps in C (request.py and prefix.py hold the reference).",
+    "The request path's per-byte steps and its answer in C (request.py, prefix.py and "
+    "mutate.py hold the reference).",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 

@@ -41,6 +41,7 @@ from ace_extproc import telemetry as tm
 from ace_extproc.admin import serve_admin
 from ace_extproc.config import Config, ConfigError, Mode
 from ace_extproc.logs import configure_logging
+from ace_extproc.mutate import Answer
 from ace_extproc.observe import Observation
 from ace_extproc.processor import Outcome, Processor, RequestContext
 from ace_extproc.procs import die_with_parent
@@ -64,7 +65,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
 
     async def Process(
         self, request_iterator: AsyncIterator[ProcessingRequest], context: object
-    ) -> AsyncIterator[ProcessingResponse]:
+    ) -> AsyncIterator[Answer]:
         stream = _Stream(self.processor)
         try:
             async for message in request_iterator:
@@ -102,7 +103,7 @@ class _Stream:
         self.outcome: Outcome | None = None  # the decision, for the native API's envelope
         self.status = 0  # the response's status (native API)
 
-    def on_message(self, msg: ProcessingRequest) -> Iterable[ProcessingResponse]:
+    def on_message(self, msg: ProcessingRequest) -> Iterable[Answer]:
         kind = msg.WhichOneof("request")
         if msg.observability_mode:  # the observe-only filter: Envoy wants no answer
             self._observe(msg, kind)
@@ -126,7 +127,7 @@ class _Stream:
         unasked = _UNASKED.get(kind or "")
         return [unasked] if unasked is not None else []
 
-    def _on_headers(self, msg: ProcessingRequest) -> list[ProcessingResponse]:
+    def _on_headers(self, msg: ProcessingRequest) -> list[Answer]:
         if msg.HasField("protocol_config"):
             self.duplex = msg.protocol_config.request_body_mode == _DUPLEX
         http = msg.request_headers
@@ -145,7 +146,7 @@ class _Stream:
             return [mutate.headers_decided(ctx.outcome, ctx.client_upstream)]
         return [mutate.HEADERS_CONTINUE]
 
-    def _on_body(self, msg: ProcessingRequest) -> list[ProcessingResponse]:
+    def _on_body(self, msg: ProcessingRequest) -> list[Answer]:
         http = msg.request_body
         if not self.duplex:
             return self._decide(http.body)
@@ -154,14 +155,14 @@ class _Stream:
             return []
         return self._decide(b"".join(self.chunks))
 
-    def _on_trailers(self) -> list[ProcessingResponse]:
+    def _on_trailers(self) -> list[Answer]:
         # Trailers end a full-duplex body that did not say end_of_stream itself.
         out = self._decide(b"".join(self.chunks)) if self.duplex and self.chunks else []
         self.chunks = []
         out.append(ProcessingResponse(request_trailers=TrailersResponse()))
         return out
 
-    def _decide(self, body: bytes) -> list[ProcessingResponse]:
+    def _decide(self, body: bytes) -> list[Answer]:
         ctx = self.ctx
         if ctx is None:  # a body before any headers: nothing to decide on
             return [mutate.BODY_CONTINUE]
@@ -169,9 +170,9 @@ class _Stream:
         if self.duplex:
             self.chunks = []
             return mutate.duplex_decided(outcome, ctx.client_upstream, body)
-        return [mutate.body_decided(outcome, ctx.client_upstream)]
+        return [mutate.body_answer(outcome, ctx.client_upstream)]
 
-    def _on_response_headers(self, msg: ProcessingRequest) -> list[ProcessingResponse]:
+    def _on_response_headers(self, msg: ProcessingRequest) -> list[Answer]:
         for h in msg.response_headers.headers.headers:
             if h.key == ":status":
                 self.status = int(h.raw_value or b"0")
@@ -180,7 +181,7 @@ class _Stream:
             self.outcome = None
         return [mutate.RESPONSE_HEADERS_CONTINUE]
 
-    def _on_response_body(self, msg: ProcessingRequest) -> list[ProcessingResponse]:
+    def _on_response_body(self, msg: ProcessingRequest) -> list[Answer]:
         outcome = self.outcome
         assert outcome is not None
         self.outcome = None
@@ -221,7 +222,7 @@ class _Stream:
             except Exception:
                 log.exception("observe: failed to record a response")
 
-    def _pass_through(self, kind: str | None) -> list[ProcessingResponse]:
+    def _pass_through(self, kind: str | None) -> list[Answer]:
         outcome = Outcome(self.ctx.mode if self.ctx else Mode.OFF, "bypass_internal_error")
         self.processor.telemetry.bypass(outcome.mode.value, "internal_error")
         if self.duplex:
@@ -232,7 +233,7 @@ class _Stream:
             return mutate.duplex_decided(outcome, False, body)
         if kind == "request_headers":
             return [mutate.headers_decided(outcome, False)]
-        return [mutate.body_decided(outcome, False)]
+        return [mutate.body_answer(outcome, False)]
 
 
 def execute_unavailable(mode: Mode) -> Outcome:
@@ -255,6 +256,19 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def _add_processor(servicer: ExternalProcessor, server: grpc.aio.Server) -> None:
+    """The generated ``add_ExternalProcessorServicer_to_server``, with a serializer
+    that sends the answers ``mutate.body_answer`` already wrote as they are."""
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.Process,
+        request_deserializer=ProcessingRequest.FromString,
+        response_serializer=mutate.serialize,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(_SERVICE, {"Process": handler}),)
+    )
+
+
 async def start(
     config: Config, processor: Processor | None = None
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
@@ -266,7 +280,7 @@ async def start(
     s = config.settings
     processor = processor or Processor(config)
     server = grpc.aio.server(options=grpc_options(s.grpc_max_message_bytes))
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(processor), server)
+    _add_processor(ExternalProcessor(processor), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if s.listen and server.add_insecure_port(s.listen) == 0:

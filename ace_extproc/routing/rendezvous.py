@@ -38,11 +38,18 @@ def rank(key: int, seeds: Sequence[tuple[int, float]]) -> list[int]:
 
 def best(key: int, seeds: Sequence[tuple[int, float]], allowed: int = -1) -> int:
     """The index of the highest-scoring pod whose bit is set in ``allowed``."""
+    if allowed < 0:
+        allowed = (1 << len(seeds)) - 1
     top, top_score = -1, -1.0
     data = key.to_bytes(8, "little")
-    for i, (seed, weight) in enumerate(seeds):
-        if not (allowed >> i) & 1:
-            continue
+    # Only the allowed pods are scored: usually two or three near-equal ones of many.
+    while allowed:
+        low = allowed & -allowed
+        allowed ^= low
+        i = low.bit_length() - 1
+        if i >= len(seeds):
+            break
+        seed, weight = seeds[i]
         s = -weight / math.log((_xxh3(data, seed) + 0.5) * _SCALE)
         if s > top_score:
             top, top_score = i, s

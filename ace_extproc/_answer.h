@@ -1,0 +1,9 @@
+/* _answer.c's entry point, registered in _speedups.c's method table. */
+#ifndef ACE_ANSWER_H
+#define ACE_ANSWER_H
+
+#include <Python.h>
+
+PyObject *ace_body_answer(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+
+#endif
