@@ -86,12 +86,17 @@ class DiscoveryConfig:
     every ``interval_s``, each address a pod on ``port``. ``kubernetes``: the
     EndpointSlices of ``service`` in ``namespace``, listed then watched; the pod port
     is the slice port named ``port_name`` when given, else ``port``; ``interval_s``
-    is the first reconnect delay (doubling, at most 30 s)."""
+    is the first reconnect delay (doubling, at most 30 s).
+
+    Either way ``hostname`` is also the name Envoy resolves for the destination's
+    hosts in endpoint mode (a STRICT_DNS cluster, ``envoy_config.py``): for
+    ``kubernetes`` it defaults to the service's cluster name, which returns the pods'
+    addresses only when the service is headless (``clusterIP: None``)."""
 
     type: str  # "dns" | "kubernetes"
     port: int | None = None
     interval_s: float = 5.0
-    hostname: str = ""  # dns
+    hostname: str = ""  # dns; kubernetes: what Envoy resolves
     namespace: str = ""  # kubernetes
     service: str = ""
     port_name: str | None = None
@@ -316,6 +321,7 @@ _DISCOVERY_FIELDS = {
             "type",
             "namespace",
             "service",
+            "hostname",
             "port",
             "port_name",
             "api_url",
@@ -369,12 +375,16 @@ def parse_discovery(raw: Any, where: str) -> DiscoveryConfig:
         raise ConfigError(f"{where}.port: kubernetes discovery needs 'port' or 'port_name'")
     api_url = raw.get("api_url", KUBERNETES_API)
     _host_port(api_url, f"{where}.api_url")
+    namespace = _text(_req(raw, "namespace", where), f"{where}.namespace", _K8S_NAME)
+    service = _text(_req(raw, "service", where), f"{where}.service", _K8S_NAME)
+    hostname = raw.get("hostname", f"{service}.{namespace}.svc.cluster.local")
     return DiscoveryConfig(
         "kubernetes",
         port=port,
         interval_s=float(interval),
-        namespace=_text(_req(raw, "namespace", where), f"{where}.namespace", _K8S_NAME),
-        service=_text(_req(raw, "service", where), f"{where}.service", _K8S_NAME),
+        hostname=_text(hostname, f"{where}.hostname", _HOSTNAME),
+        namespace=namespace,
+        service=service,
         port_name=port_name,
         api_url=str(api_url).rstrip("/"),
         token_path=_text(raw.get("token_path", f"{SERVICE_ACCOUNT}/token"), f"{where}.token_path"),
@@ -564,6 +574,19 @@ def load(path: str | Path | None, env: Mapping[str, str] | None = None) -> Confi
     if not isinstance(doc, Mapping):
         raise ConfigError(f"{path}: expected a mapping with 'destinations:'")
     return Config(parse_fleet(doc), parse_settings(doc.get("router"), env))
+
+
+def check_discovery_mode(fleet: Fleet, upstream_mode: str) -> None:
+    """Pods found at run time need endpoint mode: cluster mode names each pod's own
+    Envoy cluster, and Envoy has none for a pod that was not in the file."""
+    if upstream_mode == "endpoint":
+        return
+    for dest in fleet.destinations:
+        if dest.discovery is not None:
+            raise ConfigError(
+                f"destination {dest.id}: discovery needs router.upstream_mode: endpoint "
+                "(in cluster mode Envoy has no cluster for a pod found at run time)"
+            )
 
 
 def default_fleet(pods: int = 4, first_port: int = 8001, host: str = "127.0.0.1") -> Fleet:

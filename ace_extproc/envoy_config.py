@@ -306,15 +306,29 @@ def _endpoint_clusters(fleet: cfg.Fleet, lb_policy: str) -> list[dict[str, Any]]
                     f"(as from EndpointSlices), got {pod.host!r}; use upstream mode cluster"
                 )
         weights = _lb_weights(dest.pods)
+        hosts: Endpoints = [(p.host, p.port, w) for p, w in zip(dest.pods, weights, strict=True)]
+        extra: dict[str, Any] = {}
+        if (found := dest.discovery) is not None:
+            # Pods found at run time: Envoy resolves the same name, every address a
+            # host, so the ip:port ace-extproc names is one Envoy knows (until its next
+            # refresh it is not: override_host's fallback then picks, fail-open).
+            if found.port is None:
+                raise cfg.ConfigError(
+                    f"destination {dest.id}: discovery by port_name needs 'port' too, "
+                    "for the port Envoy connects to"
+                )
+            hosts.append((found.hostname.rstrip("."), found.port, None))
+            extra["dns_refresh_rate"] = f"{found.interval_s if found.type == 'dns' else 5.0:g}s"
         clusters.append(
             _cluster(
                 dest.cluster,
-                [(p.host, p.port, w) for p, w in zip(dest.pods, weights, strict=True)],
+                hosts,
                 load_balancing_policy=_override_host_policy(lb_policy),
                 # Below Envoy's default 50% healthy, the fallback would spread traffic
                 # onto unhealthy hosts (panic mode); never do that.
                 common_lb_config={"healthy_panic_threshold": {"value": 0}},
                 circuit_breakers=_circuit_breakers(),
+                **extra,
             )
         )
     return clusters
@@ -638,6 +652,7 @@ def render(
         raise cfg.ConfigError(
             f"access log {access_log!r}: expected stdout, stderr, off or a file path with a /"
         )
+    cfg.check_discovery_mode(config.fleet, upstream_mode)
     if upstream_mode == "endpoint":
         clusters = _endpoint_clusters(config.fleet, lb_policy)
     else:

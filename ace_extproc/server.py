@@ -409,6 +409,7 @@ def load_config(args: argparse.Namespace) -> Config:
         overrides["log_format"] = args.log_format
     if overrides:
         cfg = Config(cfg.fleet, replace(cfg.settings, **overrides))  # type: ignore[arg-type]
+    config_mod.check_discovery_mode(cfg.fleet, cfg.settings.upstream_mode)
     return cfg
 
 

@@ -36,7 +36,7 @@ import aiohttp
 import pytest
 import yaml
 
-from ace_extproc.config import Config, Destination, Fleet, Pod
+from ace_extproc.config import Config, Destination, Fleet, Pod, sim_fleet
 from ace_extproc.stack import Stack, StackOptions, envoy_binary
 from tests.conftest import free_ports
 from tests.test_discovery import FakeApi, _serve, _slice
@@ -549,3 +549,67 @@ def test_cluster_mode_requests_pinned_to_a_killed_pod_retry_on_a_standby_pod() -
         assert home not in answered
         assert home in pinned[:2]  # pinned to the dead pod at first: the retry saved it
         assert home not in pinned[4:]  # then taken out by its failed responses
+
+
+# ------------------------------------------- a destination found by DNS, end to end
+
+
+class DnsStack(Stack):
+    """``Stack`` on a fleet file whose one destination is found by DNS; the sim it
+    resolves to is started first, as the engine pods would already run."""
+
+    def __init__(self, options: StackOptions, sims: Fleet) -> None:
+        super().__init__(options)
+        self.sims = sims
+
+    async def start(self) -> None:
+        try:
+            await self._start_pods(self.sims)
+        except BaseException:
+            await self.stop()
+            raise
+        await super().start()
+
+
+def test_a_destination_found_by_dns_is_one_envoy_resolves_too(tmp_path: Path) -> None:
+    """Envoy renders the discovered destination as a STRICT_DNS cluster on the same
+    name (``envoy_config``), so the ip:port ace-extproc discovers and names is a host
+    Envoy holds: requests are pinned to it, not left to the fallback."""
+    ports = free_ports(4)
+    fleet_file = tmp_path / "fleet.yaml"
+    discovery = {"type": "dns", "hostname": "localhost", "port": ports[0], "interval_s": 0.5}
+    doc = {"destinations": [{"id": "sim", "discovery": discovery}], "router": ROUTER}
+    fleet_file.write_text(yaml.safe_dump(doc))
+    opts = StackOptions(
+        fleet_path=str(fleet_file),
+        listen=f"127.0.0.1:{ports[1]}",
+        admin=f"127.0.0.1:{ports[2]}",
+        ext_proc=f"127.0.0.1:{ports[3]}",
+        env={"ACE_SALT_SECRET": "e2e-secret"},
+    )
+    stack = DnsStack(opts, sim_fleet([f"127.0.0.1:{ports[0]}"]))
+
+    async def scenario() -> tuple[list[Sent], dict[str, int]]:
+        async with aiohttp.ClientSession() as http:
+            sent: list[Sent] = []
+            deadline = time.monotonic() + 10
+            # Discovery and the first probes take a moment: until then ace-extproc has
+            # no pod and Envoy's fallback serves (fail-open).
+            while time.monotonic() < deadline:
+                sent.append(await chat(http, stack.url, "c", conversation(1, "dns")))
+                if sent[-1].served_by is not None:
+                    break
+                await asyncio.sleep(0.1)
+            for turn in range(2, 5):
+                sent.append(await chat(http, stack.url, "c", conversation(turn, "dns")))
+            stats = await envoy_stats(http, stack, "cluster.ace_default.sim.")
+        return sent, stats
+
+    with running(stack) as loop:
+        sent, stats = loop.run_until_complete(scenario())
+    assert all(s.status == 200 for s in sent), [s.error for s in sent if s.status != 200]
+    pinned = [s for s in sent if s.served_by is not None]
+    assert len(pinned) >= 4, sent
+    assert {s.served_by for s in pinned} == {"127-0-0-1"}  # the IP, as discovery names it
+    assert pinned[-1].cached, "later turns are warm on the pod they were pinned to"
+    assert stats["membership_total"] == 1  # Envoy resolved the name to the same pod

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -685,3 +686,91 @@ def test_envoy_accepts_endpoint_mode(tmp_path: Path, variant: str) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(ec.render_yaml(config, **_ENDPOINT_VARIANTS[variant]))
     _validate(path)
+
+
+# ------------------------------------------------------- destinations found at run time
+
+DISCOVERED_FLEET = """
+destinations:
+  - id: dns
+    discovery: {type: dns, hostname: llama.inference.svc.cluster.local, port: 8000, interval_s: 2}
+    pods:
+      - {id: fixed, base_url: "http://10.0.0.9:8000"}
+  - id: k8s
+    discovery: {type: kubernetes, namespace: inference, service: qwen, port: 8000}
+  - id: k8s-named
+    discovery:
+      type: kubernetes
+      namespace: inference
+      service: qwen-b
+      hostname: qwen-b-headless.inference.svc.example.org
+      port: 9000
+      port_name: http
+router:
+  upstream_mode: endpoint
+"""
+
+
+def test_a_discovered_destination_is_a_dns_cluster_on_the_same_name(tmp_path: Path) -> None:
+    """Envoy resolves the name discovery resolves (or, for EndpointSlices, the
+    service's headless name), so a pod ace-extproc finds is a host Envoy holds."""
+    doc = ec.render(cfg.load(_fleet_file(tmp_path, DISCOVERED_FLEET), env={}))
+    clusters = _clusters(doc)
+    dns = clusters["ace_default.dns"]
+    assert dns["type"] == "STRICT_DNS" and dns["dns_refresh_rate"] == "2s"
+    assert _addresses(dns) == [("10.0.0.9", 8000), ("llama.inference.svc.cluster.local", 8000)]
+    k8s = clusters["ace_default.k8s"]
+    assert _addresses(k8s) == [("qwen.inference.svc.cluster.local", 8000)]
+    assert k8s["dns_refresh_rate"] == "5s"
+    named = clusters["ace_default.k8s-named"]
+    assert _addresses(named) == [("qwen-b-headless.inference.svc.example.org", 9000)]
+    for cluster in (dns, k8s, named):  # still picked by ace-extproc, fail-open otherwise
+        assert "override_host" in json.dumps(cluster["load_balancing_policy"])
+
+
+def test_a_discovered_destination_needs_endpoint_mode(tmp_path: Path) -> None:
+    config = cfg.load(_fleet_file(tmp_path, DISCOVERED_FLEET), env={})
+    with pytest.raises(cfg.ConfigError, match="destination dns: discovery needs router"):
+        ec.render(config, upstream_mode="cluster")
+    with pytest.raises(cfg.ConfigError, match="discovery needs router"):
+        cfg.check_discovery_mode(config.fleet, "cluster")
+    cfg.check_discovery_mode(config.fleet, "endpoint")
+
+
+def test_discovery_by_port_name_alone_cannot_be_rendered(tmp_path: Path) -> None:
+    fleet = """
+destinations:
+  - id: k8s
+    discovery: {type: kubernetes, namespace: inference, service: qwen, port_name: http}
+router: {upstream_mode: endpoint}
+"""
+    config = cfg.load(_fleet_file(tmp_path, fleet), env={})
+    with pytest.raises(cfg.ConfigError, match="port_name needs 'port' too"):
+        ec.render(config)
+
+
+def test_discovered_fleet_field_names_match_the_envoy_protos(tmp_path: Path) -> None:
+    from envoy.config.bootstrap.v3 import bootstrap_pb2
+
+    config = cfg.load(_fleet_file(tmp_path, DISCOVERED_FLEET), env={})
+    json_format.ParseDict(ec.render(config), bootstrap_pb2.Bootstrap())
+
+
+@pytest.mark.envoy
+@needs_envoy
+def test_envoy_accepts_a_discovered_fleet(tmp_path: Path) -> None:
+    path = tmp_path / "envoy.yaml"
+    assert _run_cli("--fleet", str(_fleet_file(tmp_path, DISCOVERED_FLEET)), "-o", str(path)) == 0
+    _validate(path)
+
+
+def test_the_server_refuses_discovery_in_cluster_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ace_extproc import server
+
+    fleet = _fleet_file(tmp_path, DISCOVERED_FLEET.replace("upstream_mode: endpoint", ""))
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    assert server.run(parser.parse_args(["--fleet", str(fleet)])) == 2
+    assert "discovery needs router.upstream_mode: endpoint" in capsys.readouterr().err
