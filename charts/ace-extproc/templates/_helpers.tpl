@@ -1,0 +1,70 @@
+{{- define "ace-extproc.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "ace-extproc.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "ace-extproc.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ace-extproc.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "ace-extproc.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "ace-extproc.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "ace-extproc.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "ace-extproc.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "ace-extproc.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "ace-extproc.saltSecretName" -}}
+{{- default (printf "%s-salt" (include "ace-extproc.fullname" .)) .Values.saltSecret.existingSecret -}}
+{{- end -}}
+
+{{/* The namespaces whose EndpointSlices `type: kubernetes` discovery reads. */}}
+{{- define "ace-extproc.discoveryNamespaces" -}}
+{{- $namespaces := list -}}
+{{- range .Values.destinations -}}
+{{- if and .discovery (eq (toString .discovery.type) "kubernetes") -}}
+{{- $namespaces = append $namespaces (toString .discovery.namespace) -}}
+{{- end -}}
+{{- end -}}
+{{- $namespaces | uniq | sortAlpha | join "," -}}
+{{- end -}}
+
+{{/* Pods found at run time need endpoint mode (envoy_config.py refuses otherwise). */}}
+{{- define "ace-extproc.checkFleet" -}}
+{{- if not .Values.destinations -}}
+{{- fail "destinations: at least one destination is needed" -}}
+{{- end -}}
+{{- $mode := default "cluster" .Values.router.upstream_mode -}}
+{{- range .Values.destinations -}}
+{{- if and .discovery (ne $mode "endpoint") -}}
+{{- fail (printf "destination %s: discovery needs router.upstream_mode: endpoint" (toString .id)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "ace-extproc.containerSecurity" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+{{- end -}}

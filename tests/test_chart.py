@@ -1,0 +1,271 @@
+"""The Helm chart (``charts/ace-extproc``), rendered by Helm's own template engine
+(``helm-python-sdk`` binds Helm's Go SDK: no helm binary is needed) and checked three
+ways: every manifest against the Kubernetes API schemas (``kubernetes-validate``,
+strict: an unknown field fails), the pieces against each other (ports, volumes, the
+salt Secret, RBAC), and what the pod runs against this package: the fleet file it is
+given loads, ``serve`` accepts its arguments, and the init container's ``envoy-config``
+run here with the same arguments writes a bootstrap the real Envoy accepts."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from ace_extproc import config as cfg
+from ace_extproc import envoy_config, server
+from ace_extproc.stack import envoy_binary
+
+CHART = Path(__file__).resolve().parent.parent / "charts" / "ace-extproc"
+KUBERNETES = kubernetes_validate.latest_version()
+
+Manifest = dict[str, Any]
+
+
+def render(values: dict[str, Any] | None = None, namespace: str = "gateway") -> list[Manifest]:
+    with helm.Chart.load(str(CHART)) as chart:
+        out = chart.render(values or {}, name="gw", namespace=namespace)
+    docs: list[Manifest] = []
+    for name, text in sorted(out.items()):
+        if name.endswith("NOTES.txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def one(docs: list[Manifest], kind: str) -> Manifest:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} {kind}s"
+    return found[0]
+
+
+def containers(docs: list[Manifest]) -> dict[str, Manifest]:
+    spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+    return {c["name"]: c for c in [*spec["initContainers"], *spec["containers"]]}
+
+
+def fleet_file(docs: list[Manifest], tmp_path: Path) -> Path:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(one(docs, "ConfigMap")["data"]["fleet.yaml"])
+    return path
+
+
+def run_envoy_config(docs: list[Manifest], tmp_path: Path) -> Manifest:
+    """The init container's command, run here: the pod's paths mapped to tmp_path."""
+    args = containers(docs)["envoy-config"]["args"]
+    assert args[0] == "envoy-config"
+    paths = {
+        "/etc/ace/fleet.yaml": str(fleet_file(docs, tmp_path)),
+        "/etc/envoy/envoy.yaml": str(tmp_path / "envoy.yaml"),
+    }
+    parser = argparse.ArgumentParser()
+    envoy_config.add_arguments(parser)
+    assert envoy_config.run(parser.parse_args([paths.get(a, a) for a in args[1:]])) == 0
+    bootstrap: Manifest = yaml.safe_load((tmp_path / "envoy.yaml").read_text())
+    return bootstrap
+
+
+def test_the_chart_lints_clean() -> None:
+    assert helm.lint(str(CHART))["errors"] == []
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"autoscaling": {"enabled": True}, "extproc": {"workers": 4}},
+        {"saltSecret": {"existingSecret": "mine"}, "serviceAccount": {"create": False}},
+    ],
+    ids=["default", "autoscaling-workers", "existing-secret"],
+)
+def test_every_manifest_is_valid_kubernetes(values: dict[str, Any]) -> None:
+    docs = render(values)
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+
+
+def test_the_default_release() -> None:
+    docs = render()
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "PodDisruptionBudget",
+        "Role",
+        "RoleBinding",
+        "Secret",
+        "Service",
+        "ServiceAccount",
+    ]
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    # The default fleet finds its pods through EndpointSlices: read-only, in that namespace.
+    role, binding = one(docs, "Role"), one(docs, "RoleBinding")
+    assert role["metadata"]["namespace"] == "inference"
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "gw-ace-extproc", "namespace": "gateway"}
+    ]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "gw-ace-extproc"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    for c in containers(docs).values():
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["image"] == "ace-extproc:0.1.0"  # the chart's appVersion
+
+
+def test_ports_volumes_and_the_secret_fit_together() -> None:
+    docs = render()
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    by_name = containers(docs)
+    declared = {p["name"] for c in by_name.values() for p in c.get("ports", [])}
+    for port in one(docs, "Service")["spec"]["ports"]:
+        assert port["targetPort"] in declared
+    for c in by_name.values():
+        for probe in ("readinessProbe", "livenessProbe"):
+            if probe in c:
+                target = c[probe].get("tcpSocket", c[probe].get("grpc"))["port"]
+                ports = {p["name"] for p in c["ports"]} | {p["containerPort"] for p in c["ports"]}
+                assert target in ports, (c["name"], probe)
+    volumes = {v["name"] for v in pod["volumes"]}
+    for c in by_name.values():
+        assert {m["name"] for m in c["volumeMounts"]} <= volumes
+    secret = one(docs, "Secret")
+    ref = by_name["ace-extproc"]["env"][0]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == (secret["metadata"]["name"], "ACE_SALT_SECRET")
+    assert len(base64.b64decode(secret["data"]["ACE_SALT_SECRET"])) == 48
+    # Envoy and ace-extproc share the socket directory, and the fleet file's uds is in it.
+    mounts = {c: {m["mountPath"] for m in by_name[c]["volumeMounts"]} for c in by_name}
+    assert "/run/ace" in mounts["envoy"] & mounts["ace-extproc"]
+
+
+def test_the_pod_runs_what_this_package_accepts(tmp_path: Path) -> None:
+    docs = render()
+    fleet = fleet_file(docs, tmp_path)
+    config = cfg.load(fleet, env={})
+    assert config.settings.upstream_mode == "endpoint"
+    assert config.settings.uds == "/run/ace/extproc.sock"
+    assert config.settings.listen == "0.0.0.0:50051"  # the port the gRPC probes use
+    args = containers(docs)["ace-extproc"]["args"]
+    assert args[0] == "serve"
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    parsed = parser.parse_args([str(fleet) if a == "/etc/ace/fleet.yaml" else a for a in args[1:]])
+    server.load_config(parsed)  # raises on anything the server would refuse
+
+
+def _ext_proc_address(bootstrap: Manifest) -> Manifest:
+    (cluster,) = [
+        c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "ace_extproc"
+    ]
+    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    address: Manifest = endpoint["address"]
+    return address
+
+
+@pytest.mark.envoy
+def test_the_init_container_renders_the_bootstrap_envoy_runs(tmp_path: Path) -> None:
+    docs = render()
+    bootstrap = run_envoy_config(docs, tmp_path)
+    assert _ext_proc_address(bootstrap) == {"pipe": {"path": "/run/ace/extproc.sock"}}
+    listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert (listener["address"], listener["port_value"]) == ("0.0.0.0", 8080)
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    dest = clusters["ace_default.llama-70b"]
+    assert dest["type"] == "STRICT_DNS"  # the discovered service, resolved by Envoy too
+    envoy_args = containers(docs)["envoy"]["args"]
+    assert envoy_args[:2] == ["-c", "/etc/envoy/envoy.yaml"]
+    proc = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(tmp_path / "envoy.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_several_workers_talk_to_envoy_over_tcp(tmp_path: Path) -> None:
+    """Workers share a TCP port (SO_REUSEPORT), not a unix socket."""
+    docs = render({"extproc": {"workers": 3}})
+    assert cfg.load(fleet_file(docs, tmp_path), env={}).settings.uds is None
+    address = _ext_proc_address(run_envoy_config(docs, tmp_path))
+    assert address == {"socket_address": {"address": "127.0.0.1", "port_value": 50051}}
+    assert containers(docs)["ace-extproc"]["args"][3:5] == ["--workers", "3"]
+
+
+def test_the_salt_secret() -> None:
+    mine = render({"saltSecret": {"existingSecret": "team-salt", "key": "salt"}})
+    assert not [d for d in mine if d["kind"] == "Secret"]
+    ref = containers(mine)["ace-extproc"]["env"][0]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "team-salt", "key": "salt"}
+    given = one(render({"saltSecret": {"value": "s3cret"}}), "Secret")
+    assert base64.b64decode(given["data"]["ACE_SALT_SECRET"]) == b"s3cret"
+
+
+def test_a_static_fleet_needs_no_rbac(tmp_path: Path) -> None:
+    values = {
+        "destinations": [
+            {
+                "id": "a",
+                "base_url": "http://10.0.0.1:8000",
+                "pods": [{"id": "p0", "base_url": "http://10.0.0.1:8000"}],
+            },
+        ],
+        "router": {"upstream_mode": "cluster"},
+    }
+    docs = render(values)
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    clusters = {c["name"] for c in run_envoy_config(docs, tmp_path)["static_resources"]["clusters"]}
+    assert "ace_pod.a.p0" in clusters
+
+
+def test_each_discovery_namespace_gets_one_role() -> None:
+    destinations = [
+        {
+            "id": "a",
+            "discovery": {"type": "kubernetes", "namespace": "ns1", "service": "a", "port": 80},
+        },
+        {
+            "id": "b",
+            "discovery": {"type": "kubernetes", "namespace": "ns2", "service": "b", "port": 80},
+        },
+        {
+            "id": "c",
+            "discovery": {"type": "kubernetes", "namespace": "ns1", "service": "c", "port": 80},
+        },
+        {"id": "d", "discovery": {"type": "dns", "hostname": "d.example", "port": 80}},
+    ]
+    docs = render({"destinations": destinations})
+    roles = [d["metadata"]["namespace"] for d in docs if d["kind"] == "Role"]
+    assert roles == ["ns1", "ns2"]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"router": {"upstream_mode": "cluster"}}, "discovery needs router.upstream_mode"),
+        # null removes a default (Helm's merge): the server's default is cluster mode
+        ({"router": {"upstream_mode": None}}, "discovery needs router.upstream_mode"),
+        ({"destinations": []}, "at least one destination"),
+    ],
+)
+def test_a_fleet_the_server_would_refuse_fails_to_render(
+    values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(helm.HelmError, match=message):
+        render(values)
