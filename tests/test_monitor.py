@@ -385,9 +385,11 @@ def test_queued_prefill_drains_at_the_model_rate_and_clears_when_nothing_waits()
     fleet = FleetState(sim_fleet(["127.0.0.1:1", "127.0.0.1:2"]))
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
     load = fleet.load[0]
-    load.queued_prefill_tokens = 10_000  # as picks left it
     start = time.monotonic()
+    # The time since the monitor was made drains nothing queued (on a slow machine it
+    # could be past one token's worth: the queue is filled after it).
     monitor.drain(start)
+    load.queued_prefill_tokens = 10_000  # as picks left it
     monitor.drain(start + 0.1)
     # 100 ms of prefill at the model's rate drains 100 / a_ms tokens (2,500 at 0.04 ms).
     assert load.queued_prefill_tokens == 7500
