@@ -1,7 +1,10 @@
+import importlib
 import os
 import random
 import socket
+import subprocess
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -70,3 +73,26 @@ def alive(pid: int) -> bool:
         return False
     state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     return state != "Z"
+
+
+def load_speedups() -> ModuleType:
+    """The C extension. A pure-Python build opts out explicitly
+    (``ACE_EXTPROC_PURE_PYTHON=1``: its tests skip); anywhere else a missing
+    extension fails, so CI cannot silently lose it."""
+    if os.environ.get("ACE_EXTPROC_PURE_PYTHON") == "1":
+        module: ModuleType = pytest.importorskip("ace_extproc._speedups")
+        return module
+    return importlib.import_module("ace_extproc._speedups")
+
+
+def envoy_validate(path: Path) -> None:
+    """The real Envoy's ``--mode validate`` accepts the bootstrap at ``path``."""
+    from ace_extproc.stack import envoy_binary
+
+    proc = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "warning"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, f"envoy rejected {path.name}:\n{proc.stdout}{proc.stderr}"

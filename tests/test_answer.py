@@ -8,11 +8,8 @@ serializer sends them as they are. Bad arguments to the C encoder raise, never c
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Sequence
 from dataclasses import replace
-from types import ModuleType
 
 import pytest
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
@@ -22,17 +19,9 @@ from hypothesis import strategies as st
 from ace_extproc import mutate
 from ace_extproc.config import Mode, Pod, sim_fleet
 from ace_extproc.processor import Outcome
+from tests.conftest import load_speedups
 
-
-def _load_speedups() -> ModuleType:
-    # A pure-Python build opts out explicitly; anywhere else a missing extension fails.
-    if os.environ.get("ACE_EXTPROC_PURE_PYTHON") == "1":
-        module: ModuleType = pytest.importorskip("ace_extproc._speedups")
-        return module
-    return importlib.import_module("ace_extproc._speedups")
-
-
-speedups = _load_speedups()
+speedups = load_speedups()
 
 PODS = sim_fleet(["10.0.0.1:8000", "10.0.0.2:8001", "[fd00::7]:8000", "pod-é.svc:80"]).pods
 BODIES = {

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import yaml
 
 from ace_extproc import config as cfg
 from ace_extproc import envoy_config, server
-from ace_extproc.stack import envoy_binary
+from tests.conftest import envoy_validate
 
 CHART = Path(__file__).resolve().parent.parent / "charts" / "ace-extproc"
 KUBERNETES = kubernetes_validate.latest_version()
@@ -190,13 +189,7 @@ def test_the_init_container_renders_the_bootstrap_envoy_runs(tmp_path: Path) -> 
     assert dest["type"] == "STRICT_DNS"  # the discovered service, resolved by Envoy too
     envoy_args = containers(docs)["envoy"]["args"]
     assert envoy_args[:2] == ["-c", "/etc/envoy/envoy.yaml"]
-    proc = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(tmp_path / "envoy.yaml")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    envoy_validate(tmp_path / "envoy.yaml")
 
 
 def test_several_workers_talk_to_envoy_over_tcp(tmp_path: Path) -> None:

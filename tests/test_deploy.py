@@ -20,7 +20,7 @@ import yaml
 
 from ace_extproc import cli, envoy_config, server
 from ace_extproc import config as cfg
-from ace_extproc.stack import envoy_binary
+from tests.conftest import envoy_validate
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yaml"
@@ -111,13 +111,7 @@ def test_envoy_runs_the_bootstrap_the_envoy_config_service_writes(tmp_path: Path
     assert f"{dialled['address']}:{dialled['port_value']}" == listen
     listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]
     assert f"{listener['port_value']}:{listener['port_value']}" in ext_proc["ports"]
-    proc = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(tmp_path / "envoy.yaml")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    envoy_validate(tmp_path / "envoy.yaml")
 
 
 def _dockerfile_copies() -> list[str]:

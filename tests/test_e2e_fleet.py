@@ -318,10 +318,9 @@ def test_pod_killed_under_load_requests_go_on_and_it_gets_nothing_new() -> None:
 # ---------------------------------------------------------------- a pod added
 
 
-class DiscoveredStack(Stack):
-    """``Stack`` with ace-extproc reading ``options.fleet_path`` (pods from discovery)
-    while the sims, and Envoy's cluster, are ``sims``: Envoy knows every pod from the
-    start, as EDS would tell it, and ace-extproc only what discovery tells it."""
+class SimsFirstStack(Stack):
+    """``Stack`` on ``options.fleet_path`` (pods from discovery) with the sims of
+    ``sims`` started first, as the engine pods would already run."""
 
     def __init__(self, options: StackOptions, sims: Fleet) -> None:
         super().__init__(options)
@@ -334,6 +333,11 @@ class DiscoveredStack(Stack):
             await self.stop()
             raise
         await super().start()
+
+
+class DiscoveredStack(SimsFirstStack):
+    """Envoy's cluster is ``sims``: Envoy knows every pod from the start, as EDS would
+    tell it, and ace-extproc only what discovery tells it."""
 
     async def _start_envoy(self, cfg: Config) -> None:
         await super()._start_envoy(replace(cfg, fleet=self.sims))
@@ -554,23 +558,6 @@ def test_cluster_mode_requests_pinned_to_a_killed_pod_retry_on_a_standby_pod() -
 # ------------------------------------------- a destination found by DNS, end to end
 
 
-class DnsStack(Stack):
-    """``Stack`` on a fleet file whose one destination is found by DNS; the sim it
-    resolves to is started first, as the engine pods would already run."""
-
-    def __init__(self, options: StackOptions, sims: Fleet) -> None:
-        super().__init__(options)
-        self.sims = sims
-
-    async def start(self) -> None:
-        try:
-            await self._start_pods(self.sims)
-        except BaseException:
-            await self.stop()
-            raise
-        await super().start()
-
-
 def test_a_destination_found_by_dns_is_one_envoy_resolves_too(tmp_path: Path) -> None:
     """Envoy renders the discovered destination as a STRICT_DNS cluster on the same
     name (``envoy_config``), so the ip:port ace-extproc discovers and names is a host
@@ -587,7 +574,7 @@ def test_a_destination_found_by_dns_is_one_envoy_resolves_too(tmp_path: Path) ->
         ext_proc=f"127.0.0.1:{ports[3]}",
         env={"ACE_SALT_SECRET": "e2e-secret"},
     )
-    stack = DnsStack(opts, sim_fleet([f"127.0.0.1:{ports[0]}"]))
+    stack = SimsFirstStack(opts, sim_fleet([f"127.0.0.1:{ports[0]}"]))
 
     async def scenario() -> tuple[list[Sent], dict[str, int]]:
         async with aiohttp.ClientSession() as http:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from google.protobuf import json_format
 
 from ace_extproc import config as cfg
 from ace_extproc import envoy_config as ec
+from tests.conftest import envoy_validate
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVOY_DIR = ROOT / "envoy"
@@ -417,13 +417,7 @@ def test_cli_missing_fleet_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFi
 
 def _validate(path: Path) -> None:
     assert ENVOY is not None
-    proc = subprocess.run(
-        [str(ENVOY), "--mode", "validate", "-c", str(path), "-l", "warning"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, f"envoy rejected {path.name}:\n{proc.stdout}{proc.stderr}"
+    envoy_validate(path)
 
 
 def _shipped_bootstraps() -> list[Path]:

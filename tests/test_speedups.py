@@ -11,14 +11,12 @@ never taken.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import random
 import tracemalloc
 from array import array
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -29,17 +27,9 @@ from ace_extproc import request
 from ace_extproc.prefix import chain_pure
 from ace_extproc.request import CHAT_PATH, COMPLETIONS_PATH, RequestError, parse_pure
 from ace_extproc.routing.index import refresh_pure
+from tests.conftest import load_speedups
 
-
-def _load_speedups() -> ModuleType:
-    # A pure-Python build opts out explicitly; anywhere else a missing extension fails.
-    if os.environ.get("ACE_EXTPROC_PURE_PYTHON") == "1":
-        module: ModuleType = pytest.importorskip("ace_extproc._speedups")
-        return module
-    return importlib.import_module("ace_extproc._speedups")
-
-
-speedups = _load_speedups()
+speedups = load_speedups()
 
 Fields = tuple[str, bytes, int, bool, bool, bool]
 CompletionFields = tuple[str, bytes, None, bool, bool, bool]
