@@ -7,6 +7,10 @@ Two ways to name the pod (``router.upstream_mode``, carried on ``Outcome.endpoin
 cluster mode sets ``x-ace-upstream`` to the pod's own Envoy cluster; endpoint mode
 names hosts of one destination cluster by ``ip:port``, primary first, then fallbacks
 for Envoy's retries, in the Gateway API Inference Extension's endpoint-picker form.
+
+The body phase's answer, the one on every routed request, goes out through
+``body_answer``: what ``changes`` and ``metadata`` say, written straight to wire bytes by
+the C fast path (``_answer.c``) where it was built, else built in upb.
 """
 
 from __future__ import annotations
@@ -100,8 +104,8 @@ def endpoints(outcome: Outcome) -> str:
 
 
 class Changes(NamedTuple):
-    """What an answer changes in the request, whichever way it is written (upb here,
-    wire bytes in ``wire.py``)."""
+    """What an answer changes in the request, whichever way it is written (in upb
+    here, or as wire bytes by the C fast path, ``body_answer``)."""
 
     headers: list[tuple[str, bytes]]  # set, overwriting
     remove: list[str]
