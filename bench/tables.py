@@ -25,8 +25,8 @@ def table(report: dict[str, Any]) -> str:
         f"(`{report['command']}`)",
         "",
         "| policy | hit % | warm hit % | prefill saved % | of pooled bound | TTFT p50 ms"
-        " | p95 | p99 | p50 vs RR | imbalance | evictions |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        " | p95 | p99 | p50 vs RR | imbalance | compute imbalance | evictions |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, p in pol.items():
         of_pooled = (
@@ -35,12 +35,13 @@ def table(report: dict[str, Any]) -> str:
             else "-"
         )
         vs_rr = f"{rr['ttft_p50_ms'] / p['ttft_p50_ms']:.2f}x" if rr and p["ttft_p50_ms"] else "-"
+        work = f"{p['work_imbalance']:.2f}" if "work_imbalance" in p else "-"
         label = f"**{name}**" if name == "ace" else name
         rows.append(
             f"| {label} | {p['hit_ratio']:.1%} | {p['warm_hit_ratio']:.1%} "
             f"| {p['prefill_saved_ratio']:.1%} | {of_pooled} | {p['ttft_p50_ms']:.0f} "
             f"| {p['ttft_p95_ms']:.0f} | {p['ttft_p99_ms']:.0f} | {vs_rr} | {p['imbalance']:.2f} "
-            f"| {p['evictions']:,} |"
+            f"| {work} | {p['evictions']:,} |"
         )
     rows += ["", "TTFT p50 ms by context bucket:", ""]
     rows.append("| policy | " + " | ".join(BUCKETS) + " |")

@@ -296,9 +296,33 @@ def test_summarize_on_a_hand_made_result() -> None:
     assert buckets["1K"]["p50_ms"] == pytest.approx(60.0)
     assert s["throughput_rps"] == 1.0 and s["throughput_tok_s"] == 10.0
     assert s["imbalance"] == 1.5 and s["evictions"] == 12
+    assert s["work_imbalance"] == 1.5  # no compute figures given: busy time stands in
     # The second pod was in the fleet for a quarter of the run: as busy, for its time.
     result.present_s = [4.0, 1.0]
     assert summarize(result)["imbalance"] == pytest.approx(4 / 3.5)
+
+
+def test_compute_imbalance_leaves_out_the_step_floor() -> None:
+    """One long decode keeps a pod busy at the step floor while computing almost
+    nothing: busy-time imbalance counts it as load, compute imbalance does not."""
+    tokens = 1000
+    requests = [completion(0.0, "a" * 4 * tokens, out=200), completion(0.0, "b" * 4 * tokens)]
+    workload = Workload("t", "", requests)
+    result = simulate(workload, RoundRobin, pods=2, progress=False)
+    assert result.work_s is not None
+    long_pod = next(r.pod for r in result.records if r.output_tokens == 200)
+    prefill_s = MODEL.prefill_ms(tokens) / 1000
+    decode_s = (MODEL.a_ms + MODEL.b_ms * tokens) / 1000  # a token attends to its prompt
+    # The other pod: one prefill step (its first token is the reply), longer than the floor.
+    other = 1 - long_pod
+    assert result.work_s[other] == pytest.approx(prefill_s)
+    assert result.busy_s[other] == pytest.approx(prefill_s)
+    # The long one: the same prefill, then 199 decode steps, each the floor in time.
+    assert result.work_s[long_pod] == pytest.approx(prefill_s + 199 * decode_s)
+    assert result.busy_s[long_pod] == pytest.approx(prefill_s + 199 * MODEL.t_step_ms / 1000)
+    s = summarize(result)
+    assert s["imbalance"] > 1.9  # busy: ~2.2 s against ~0.04 s
+    assert s["work_imbalance"] < 1.2  # compute: ~0.05 s against ~0.04 s
 
 
 def test_a_pod_counts_only_the_time_it_was_in_the_fleet() -> None:

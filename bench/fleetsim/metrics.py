@@ -50,6 +50,8 @@ class RunResult:
     extra: dict[str, Any] = field(default_factory=dict)
     # per pod: time it was in the fleet (None: all of the run, for every pod)
     present_s: list[float] | None = None
+    # per pod: compute in its steps (busy time less the step floor's idle part)
+    work_s: list[float] | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -99,6 +101,11 @@ def summarize(result: RunResult) -> dict[str, Any]:
     present = result.present_s or [result.duration_s] * len(result.busy_s)
     busy = [b / p for b, p in zip(result.busy_s, present, strict=True) if p > 0]
     mean_busy = sum(busy) / len(busy) if busy else 0.0
+    # The same over compute alone: a floor-bound step (one decode token) is busy time
+    # but little load; this is how unevenly the pods' compute was used.
+    work_s = result.work_s or result.busy_s
+    work = [w / p for w, p in zip(work_s, present, strict=True) if p > 0]
+    mean_work = sum(work) / len(work) if work else 0.0
     duration = result.duration_s
     return {
         "workload": result.workload,
@@ -119,6 +126,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "throughput_rps": n / duration if duration > 0 else 0.0,
         "throughput_tok_s": output / duration if duration > 0 else 0.0,
         "imbalance": max(busy) / mean_busy if mean_busy > 0 else 0.0,
+        "work_imbalance": max(work) / mean_work if mean_work > 0 else 0.0,
         "evictions": sum(result.evictions),
         "bypassed": result.bypassed,
         "rejected": result.rejected,

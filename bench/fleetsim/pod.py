@@ -59,6 +59,7 @@ class StepPlan:
     duration: float  # seconds per step
     count: int  # identical steps (>1 only for a stretch of decode-only steps)
     chunks: list[tuple[Job, int]] = field(default_factory=list)  # prefill work
+    work: float = 0.0  # seconds of compute per step (the duration without its floor)
 
     @property
     def end(self) -> float:
@@ -99,6 +100,9 @@ class SimPod:
         self.running = 0  # admitted requests (hold KV blocks)
         self.steps = 0  # steps completed
         self.busy_s = 0.0
+        # The compute in those steps: a step of one decode token still lasts the floor
+        # (t_step), so busy time counts a pod decoding one request as fully busy.
+        self.work_s = 0.0
         self.evictions = 0
         self.plan: StepPlan | None = None
         self.epoch = 0
@@ -131,6 +135,7 @@ class SimPod:
         self.plan = None
         self.steps += plan.count
         self.busy_s += plan.duration * plan.count
+        self.work_s += plan.work * plan.count
         listener = self.listener
         done_prefill = False
         for job, chunk in plan.chunks:
@@ -197,7 +202,7 @@ class SimPod:
         # With no prefill to do, nothing changes until the next request finishes
         # decoding: plan all those identical steps at once.
         count = 1 if chunks else self._decoding[0][0] - self.steps
-        self.plan = StepPlan(now, duration, count, chunks)
+        self.plan = StepPlan(now, duration, count, chunks, (work + decode_work) / 1000)
         self.epoch += 1
         return self.plan.end
 

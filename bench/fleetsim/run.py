@@ -61,6 +61,7 @@ def simulate(
         pods=pods,
         records=sim.records,
         busy_s=[p.busy_s for p in sim.pods],
+        work_s=[p.work_s for p in sim.pods],
         present_s=sim.present_s,
         evictions=[p.evictions for p in sim.pods],
         duration_s=sim.now,
