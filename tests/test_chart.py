@@ -254,11 +254,27 @@ def test_each_discovery_namespace_gets_one_role() -> None:
         ({"router": {"upstream_mode": "cluster"}}, "discovery needs router.upstream_mode"),
         # null removes a default (Helm's merge): the server's default is cluster mode
         ({"router": {"upstream_mode": None}}, "discovery needs router.upstream_mode"),
-        ({"destinations": []}, "at least one destination"),
     ],
 )
 def test_a_fleet_the_server_would_refuse_fails_to_render(
     values: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(helm.HelmError, match=message):
+        render(values)
+
+
+@pytest.mark.parametrize(
+    ("values", "where"),
+    [
+        ({"envoy": {"processingMode": "streamed"}}, "/envoy/processingMode"),
+        ({"extproc": {"workers": 0}}, "/extproc/workers"),
+        ({"ports": {"http": 70_000}}, "/ports/http"),
+        ({"destinations": []}, "/destinations"),
+        ({"destinations": [{"base_url": "http://10.0.0.1:8000"}]}, "/destinations/0"),
+        ({"router": {"mode": "on"}}, "/router/mode"),
+        ({"saltSecret": {"key": "not a key"}}, "/saltSecret/key"),
+    ],
+)
+def test_values_the_schema_refuses_name_the_field(values: dict[str, Any], where: str) -> None:
+    with pytest.raises(helm.HelmError, match=f"at '{where}'"):
         render(values)
