@@ -81,8 +81,14 @@ def test_the_chart_lints_clean() -> None:
         {},
         {"autoscaling": {"enabled": True}, "extproc": {"workers": 4}},
         {"saltSecret": {"existingSecret": "mine"}, "serviceAccount": {"create": False}},
+        {
+            "networkPolicy": {
+                "enabled": True,
+                "httpFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+            }
+        },
     ],
-    ids=["default", "autoscaling-workers", "existing-secret"],
+    ids=["default", "autoscaling-workers", "existing-secret", "network-policy"],
 )
 def test_every_manifest_is_valid_kubernetes(values: dict[str, Any]) -> None:
     docs = render(values)
@@ -278,3 +284,19 @@ def test_a_fleet_the_server_would_refuse_fails_to_render(
 def test_values_the_schema_refuses_name_the_field(values: dict[str, Any], where: str) -> None:
     with pytest.raises(helm.HelmError, match=f"at '{where}'"):
         render(values)
+
+
+def test_the_network_policy_admits_envoy_and_metrics_only() -> None:
+    assert not [d for d in render() if d["kind"] == "NetworkPolicy"]  # off by default
+    apps = [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
+    docs = render({"networkPolicy": {"enabled": True, "httpFrom": apps}})
+    policy = one(docs, "NetworkPolicy")
+    selector = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == selector
+    http, metrics = policy["spec"]["ingress"]
+    assert http == {"ports": [{"port": 8080, "protocol": "TCP"}], "from": apps}
+    assert metrics == {"ports": [{"port": 9090, "protocol": "TCP"}]}
+    # ace-extproc's gRPC port is declared (the probes use it) and admitted by no rule.
+    declared = {p["containerPort"] for c in containers(docs).values() for p in c.get("ports", [])}
+    admitted = {port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"]}
+    assert 50051 in declared and admitted == {8080, 9090}
