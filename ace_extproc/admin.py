@@ -262,7 +262,7 @@ def config_document(config: Config) -> dict[str, Any]:
     s = config.settings
     router: dict[str, Any] = {"mode": s.mode.value}
     for f in dataclasses.fields(Settings):
-        if f.name in ("mode", "tenants", "salt_secret"):
+        if f.name in ("mode", "tenants", "salt_secret", "salt_secret_generated"):
             continue
         value = getattr(s, f.name)
         if value is not None:

@@ -196,6 +196,7 @@ class Settings:
     # never changes a request). Costs a gRPC message per body chunk, off the path.
     usage_capture: bool = False
     salt_secret: bytes = b""
+    salt_secret_generated: bool = False  # none configured: a random one, this process's own
     tenants: TenantConfig = field(default_factory=TenantConfig)
     listen: str = "127.0.0.1:50051"
     uds: str | None = None
@@ -499,7 +500,7 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
     if "mode" in raw:
         values["mode"] = Mode.parse(str(raw["mode"]))
     values["tenants"] = parse_tenants(raw.get("tenants"))
-    values["salt_secret"] = _salt_secret(raw, env)
+    values["salt_secret"], values["salt_secret_generated"] = _salt_secret(raw, env)
     settings = Settings(**values)
     if settings.block_bytes < 16 or settings.block_bytes > 65536:
         raise ConfigError("router.block_bytes: expected 16..65536")
@@ -546,16 +547,17 @@ def check_admin_listen(value: str, where: str) -> None:
         raise ConfigError(f'{where}: expected host:port, unix:/path or "off", got {value!r}')
 
 
-def _salt_secret(raw: Mapping[str, Any], env: Mapping[str, str]) -> bytes:
-    """The HMAC key of per-tenant cache salts. Every replica must share it, or each
-    replica salts a tenant differently and the engines' caches split between them."""
+def _salt_secret(raw: Mapping[str, Any], env: Mapping[str, str]) -> tuple[bytes, bool]:
+    """The HMAC key of per-tenant cache salts, and whether it was generated. Every
+    replica must share it, or each replica salts a tenant differently and the engines'
+    caches split between them."""
     if "salt_secret" in raw:
-        return str(raw["salt_secret"]).encode()
+        return str(raw["salt_secret"]).encode(), False
     name = str(raw.get("salt_secret_env", "ACE_SALT_SECRET"))
     value = env.get(name)
     if value:
-        return value.encode()
-    return secrets.token_bytes(32)
+        return value.encode(), False
+    return secrets.token_bytes(32), True
 
 
 def load(path: str | Path | None, env: Mapping[str, str] | None = None) -> Config:

@@ -325,6 +325,12 @@ async def serve(config: Config) -> None:
     processor = Processor(config)
     server, health_servicer = await start(config, processor)
     s = config.settings
+    if s.salt_secret_generated:
+        log.warning(
+            "no cache salt secret (ACE_SALT_SECRET or router.salt_secret): this process "
+            "salts tenants with a random one of its own, so the engines' caches split "
+            "between replicas and start cold after a restart; set one shared secret"
+        )
     # Its own port and thread: a scrape never waits on, or holds up, this loop.
     try:
         metrics = tm.serve_metrics(s.metrics_listen, processor.telemetry)

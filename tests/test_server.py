@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -282,3 +283,42 @@ def test_workers_die_with_a_killed_supervisor(port):
         while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not [p for p in pids if alive(p)]
+
+
+def _start_up_output(port: int, env: dict[str, str]) -> str:
+    """What ``ace-extproc serve`` prints up to its serving line."""
+    argv = [sys.executable, "-m", "ace_extproc.cli", "serve", "--listen", f"127.0.0.1:{port}",
+            "--metrics-listen", "off", "--admin-listen", "off"]  # fmt: skip
+    base = {k: v for k, v in os.environ.items() if k != "ACE_SALT_SECRET"}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**base, **env}
+    )
+    try:
+        assert proc.stdout is not None
+        seen = ""
+        while "serving ext_proc on" not in seen:
+            line = proc.stdout.readline()
+            assert line, seen
+            seen += line
+        return seen
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_generated_salt_secret_is_warned_about(port):
+    """Without a shared secret each replica salts tenants its own way: say so at start."""
+    assert "no cache salt secret" in _start_up_output(port, {})
+    assert "no cache salt secret" not in _start_up_output(port, {"ACE_SALT_SECRET": "shared"})
+
+
+def test_only_a_generated_salt_secret_is_flagged():
+    from ace_extproc.config import parse_settings
+
+    generated = parse_settings({}, env={})
+    assert generated.salt_secret_generated and len(generated.salt_secret) == 32
+    assert parse_settings({}, env={}).salt_secret != generated.salt_secret  # its own
+    from_env = parse_settings({}, env={"ACE_SALT_SECRET": "s"})
+    assert (from_env.salt_secret, from_env.salt_secret_generated) == (b"s", False)
+    from_file = parse_settings({"salt_secret": "f"}, env={})
+    assert (from_file.salt_secret, from_file.salt_secret_generated) == (b"f", False)
