@@ -5,8 +5,8 @@
 #   docker build -t ace-extproc:0.1.0 .
 
 FROM python:3.11-slim AS build
-# A C compiler for the fast path (ace_extproc/_speedups.c, _answer.c); without one the
-# package would still build, on its pure-Python path.
+# A C compiler for the fast path (ace_extproc/*.c); without one the package would
+# still build, on its pure-Python path.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*

@@ -147,7 +147,7 @@ def metadata(outcome: Outcome) -> list[tuple[str, str | float]]:
     headers and access log fields."""
     fields: list[tuple[str, str | float]] = [
         ("trace", outcome.trace),
-        ("mode", outcome.mode.value),
+        ("mode", outcome.mode),  # a StrEnum: the str itself (.value is a slow property)
         ("action", outcome.action),
         ("prefix_key", outcome.prefix_key),
         ("saved_tokens", float(outcome.saved_tokens)),

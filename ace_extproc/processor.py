@@ -60,7 +60,7 @@ class Outcome:
     @property
     def trace(self) -> str:
         return (
-            f"mode={self.mode.value},action={self.action},prefix_key={self.prefix_key},"
+            f"mode={self.mode},action={self.action},prefix_key={self.prefix_key},"
             f"saved_prefill_tokens={self.saved_tokens},speedup={self.speedup:.2f}"
         )
 
@@ -179,7 +179,7 @@ class Processor:
             cold = self.ttft.ttft_ms(outcome.prompt_tokens)
             saved_ms = cold - cold / outcome.speedup
         self.telemetry.decision(
-            outcome.mode.value,
+            outcome.mode,  # a StrEnum, so the str itself
             outcome.action,
             ctx.tenant,
             outcome.slot,

@@ -410,7 +410,23 @@ def test_many_short_drains_drain_as_much_as_one_long_one() -> None:
     monitor.drain(start)
     for i in range(1, 1001):
         monitor.drain(start + i * 0.0001)  # 1,000 intervals of 0.1 ms: 100 ms in all
-    assert abs(load.queued_prefill_tokens - 7500) <= 1
+    # It drains at most once a millisecond: up to the last one's worth may be pending...
+    assert 7500 <= load.queued_prefill_tokens <= 7500 + 25
+    monitor.drain(start + 0.101)
+    # ... and is drained by the next call: 101 ms in all, 2,525 tokens.
+    assert abs(load.queued_prefill_tokens - 7475) <= 1
+
+
+def test_drains_closer_than_a_millisecond_apart_leave_the_queue_for_the_next() -> None:
+    fleet = FleetState(sim_fleet(["127.0.0.1:1"]))
+    monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
+    load = fleet.load[0]
+    monitor.drain(1000.0)
+    load.queued_prefill_tokens = 10_000
+    monitor.drain(1000.0005)
+    assert load.queued_prefill_tokens == 10_000  # half a millisecond: not yet
+    monitor.drain(1000.002)
+    assert abs(load.queued_prefill_tokens - 9950) <= 1  # all 2 ms, at 0.04 ms a token
 
 
 def test_picks_add_their_uncached_prompt_to_the_queue_when_monitored() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from itertools import islice
+from typing import TypeAlias
 
 from ace_extproc.speedups import native
 
@@ -24,18 +25,71 @@ from ace_extproc.speedups import native
 _INT_BYTES = sys.getsizeof(2**63)
 
 
-def refresh_pure(lru: dict[int, None], blocks: Sequence[int]) -> None:
-    """Move ``blocks`` to the most recent end of ``lru``, the tail first so the head
-    ends most recent: like the engine, evict a conversation's newest blocks before the
-    prefix every later turn needs."""
+def record_pure(
+    lru: dict[int, None], blocks: Sequence[int], roots: dict[int, int], bit: int, capacity: int
+) -> None:
+    """The pod whose LRU is ``lru`` (its bit in ``roots`` masks: ``bit``) now holds
+    ``blocks``: they move to the most recent end, the tail first so the head ends most
+    recent (like the engine, evict a conversation's newest blocks before the prefix
+    every later turn needs); the first block's holders gain the pod; past ``capacity``
+    its least recently used blocks are forgotten."""
+    if not blocks:
+        return
     pop = lru.pop
     for h in reversed(blocks):
         pop(h, None)
         lru[h] = None  # re-inserted: now the most recent
+    root = blocks[0]
+    roots[root] = roots.get(root, 0) | bit
+    if (excess := len(lru) - capacity) > 0:
+        evict_pure(lru, roots, bit, excess)
 
+
+def evict_pure(lru: dict[int, None], roots: dict[int, int], bit: int, count: int) -> None:
+    """Forget the ``count`` least recently used blocks of the pod whose bit is ``bit``."""
+    for h in list(islice(lru, count)):
+        del lru[h]
+        if h in roots:  # a chain's head goes last, so its holders stay exact
+            if mask := roots[h] & ~bit:
+                roots[h] = mask
+            else:
+                del roots[h]
+
+
+def match_pure(
+    lrus: dict[int, dict[int, None]], blocks: Sequence[int], holders: int
+) -> dict[int, int]:
+    """How many leading ``blocks`` each pod of the ``holders`` bitmask holds (each holds
+    the first): the length of its held run, by binary search on the chain."""
+    depths: dict[int, int] = {}
+    n = len(blocks)
+    last = blocks[n - 1]
+    while holders:
+        low = holders & -holders
+        holders ^= low
+        slot = low.bit_length() - 1
+        lru = lrus[slot]
+        if last in lru:
+            depths[slot] = n
+            continue
+        lo, hi = 1, n - 1  # blocks[:lo] held, blocks[:hi + 1] not
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if blocks[mid - 1] in lru:
+                lo = mid
+            else:
+                hi = mid - 1
+        depths[slot] = lo
+    return depths
+
+
+# What ``BlockIndex.room`` reads, for pricing every candidate in one call:
+# (slot -> LRU, slot -> capacity where known, the default capacity).
+RoomView: TypeAlias = tuple[dict[int, dict[int, None]], dict[int, int], int]
 
 # One C call for the whole prompt where the extension was built (speedups.py).
-_refresh = native.refresh if native is not None else refresh_pure
+_record = native.record if native is not None else record_pure
+_match = native.match if native is not None else match_pure
 
 
 class BlockIndex:
@@ -58,7 +112,7 @@ class BlockIndex:
         self._capacity[slot] = blocks
         lru = self._lru.get(slot)
         if lru is not None and len(lru) > blocks:
-            self._evict(slot, lru, len(lru) - blocks)
+            evict_pure(lru, self._roots, 1 << slot, len(lru) - blocks)
 
     def capacity_of(self, slot: int) -> int:
         return self._capacity.get(slot, self.capacity)
@@ -77,29 +131,9 @@ class BlockIndex:
 
     def match_depths(self, blocks: Sequence[int], candidates: int) -> dict[int, int]:
         """How many leading blocks each candidate holds, for those holding any."""
-        depths: dict[int, int] = {}
         if not blocks:
-            return depths
-        holders = self._roots.get(blocks[0], 0) & candidates
-        n = len(blocks)
-        last = blocks[n - 1]
-        while holders:
-            low = holders & -holders
-            holders ^= low
-            slot = low.bit_length() - 1
-            lru = self._lru[slot]
-            if last in lru:
-                depths[slot] = n
-                continue
-            lo, hi = 1, n - 1  # blocks[:lo] held, blocks[:hi + 1] not
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if blocks[mid - 1] in lru:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            depths[slot] = lo
-        return depths
+            return {}
+        return _match(self._lru, blocks, self._roots.get(blocks[0], 0) & candidates)
 
     def longest_match(self, blocks: Sequence[int], candidates: int) -> tuple[int, int]:
         """``(depth, pods)``: how many leading blocks the best candidates hold, and the
@@ -115,26 +149,8 @@ class BlockIndex:
     def record(self, slot: int, blocks: Sequence[int]) -> None:
         """The pod now holds these blocks (it is about to prefill them)."""
         lru = self._lru.get(slot)
-        if lru is None or not blocks:
-            return
-        _refresh(lru, blocks)
-        roots = self._roots
-        root = blocks[0]
-        roots[root] = roots.get(root, 0) | (1 << slot)
-        excess = len(lru) - self._capacity.get(slot, self.capacity)
-        if excess > 0:
-            self._evict(slot, lru, excess)
-
-    def _evict(self, slot: int, lru: dict[int, None], count: int) -> None:
-        """Forget a pod's ``count`` least recently used blocks."""
-        roots = self._roots
-        for h in list(islice(lru, count)):
-            del lru[h]
-            if h in roots:  # a chain's head goes last, so its holders stay exact
-                if mask := roots[h] & ~(1 << slot):
-                    roots[h] = mask
-                else:
-                    del roots[h]
+        if lru is not None:
+            _record(lru, blocks, self._roots, 1 << slot, self._capacity.get(slot, self.capacity))
 
     def blocks_held(self, slot: int) -> int:
         lru = self._lru.get(slot)
@@ -144,6 +160,11 @@ class BlockIndex:
         """Blocks the pod can take before it must evict (negative: over its bound)."""
         lru = self._lru.get(slot)
         return self._capacity.get(slot, self.capacity) - (len(lru) if lru is not None else 0)
+
+    def room_view(self) -> RoomView:
+        """What ``room`` reads for every slot at once (live, not a copy): the pipeline
+        prices all candidates in one C call (``pipeline.price``)."""
+        return self._lru, self._capacity, self.capacity
 
     def approx_bytes(self) -> int:
         """The index's memory, from its dicts' table sizes and one int per entry

@@ -59,6 +59,8 @@ UNWATCHED_PROVIDERS = frozenset({"openai"})
 _METRICS_HEADERS = {"Accept": "text/plain", "Accept-Encoding": "identity"}
 # Far above a real exposition (~100-300 KB); parsing runs on the serving loop.
 MAX_METRICS_BYTES = 16 * 1024 * 1024
+# The queued-prefill estimate drains at most this often (``FleetMonitor.drain``).
+DRAIN_EVERY_MS = 1.0
 
 
 @dataclass(slots=True)
@@ -230,9 +232,14 @@ class FleetMonitor:
         prefill rate since it was last looked at; called before each pick."""
         now = time.monotonic() if now is None else now
         elapsed_ms = (now - self._drained_at) * 1000
-        self._drained_at = now
-        if elapsed_ms <= 0:
+        # At most once a millisecond (~25 tokens at the model's rate): at thousands of
+        # picks a second a loop over the fleet per pick would cost more than the drain
+        # is worth. The time skipped is drained by the next call, nothing is lost.
+        if elapsed_ms < DRAIN_EVERY_MS:
+            if elapsed_ms < 0:  # a clock the monitor has not seen: start from it
+                self._drained_at = now
             return
+        self._drained_at = now
         # Called before every pick, so the intervals are short: carry the fraction, or
         # at a few thousand picks a second most of the drain would be rounded away.
         due = elapsed_ms / self._ms_per_token + self._drain_carry

@@ -1,0 +1,222 @@
+/* The cost pipeline's pricing of every candidate pod, in one call.
+ *
+ * price(slots, depths, rooms, load, n, tokens, params) -> (near, deepest, order)
+ *     routing/pipeline.py's price_pure, which is the reference (its docstring says
+ *     what each argument is); both give the same result for the same input, bit for
+ *     bit (tests/test_price.py). In Python the loop over the candidates, the tuple
+ *     per pod and the sort cost more than the rest of a pick together.
+ *
+ *       slots    tuple of candidate slots (ints), in any order
+ *       depths   {slot: leading blocks held}
+ *       rooms    (slot -> LRU dict, slot -> capacity, default capacity): BlockIndex
+ *       load     list of PodLoad, indexed by slot (reads queued_prefill_tokens)
+ *       n        the prompt's blocks; tokens: its tokens
+ *       params   PriceParams (7 floats)
+ *
+ * The arithmetic follows the Python expressions operation by operation, so the
+ * doubles are the same; ties in price break by slot, as Python's tuple sort does.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "_price.h"
+
+typedef struct {
+    double cost;
+    long long slot;
+    long long depth;
+    PyObject *obj; /* the slot's int, borrowed from ``slots`` */
+} Priced;
+
+static int by_cost(const void *x, const void *y)
+{
+    const Priced *a = x, *b = y;
+    if (a->cost < b->cost)
+        return -1;
+    if (a->cost > b->cost)
+        return 1;
+    return (a->slot > b->slot) - (a->slot < b->slot);
+}
+
+/* A dict's int value for ``key``, or ``fallback`` when absent; -1 with an error set. */
+static int lookup_int(PyObject *dict, PyObject *key, long long fallback, long long *out)
+{
+    PyObject *value = PyDict_GetItemWithError(dict, key);
+    if (value == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        *out = fallback;
+        return 0;
+    }
+    *out = PyLong_AsLongLong(value);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static PyObject *queued_name; /* "queued_prefill_tokens", interned once */
+
+/* mask | 1 << slot, for a slot past a machine word (a fleet of over 64 pods). */
+static PyObject *or_bit(PyObject *mask, PyObject *slot)
+{
+    PyObject *one = PyLong_FromLong(1);
+    if (one == NULL)
+        return NULL;
+    PyObject *bit = PyNumber_Lshift(one, slot);
+    Py_DECREF(one);
+    if (bit == NULL)
+        return NULL;
+    PyObject *out = PyNumber_Or(mask, bit);
+    Py_DECREF(bit);
+    return out;
+}
+
+/* (near, deepest, order) from the priced slots, sorted. */
+static PyObject *choose(Priced *priced, Py_ssize_t count, double slack_ratio, double slack_ms)
+{
+    qsort(priced, (size_t)count, sizeof(Priced), by_cost);
+    double limit = priced[0].cost * (1 + slack_ratio) + slack_ms;
+    long long deepest = -1;
+    uint64_t low = 0; /* the near-best's bits below 64 */
+    Py_ssize_t first = 0, last = 0; /* priced[first:last]: the near-best so far */
+    for (Py_ssize_t i = 0; i < count && !(priced[i].cost > limit); i++) {
+        if (priced[i].depth > deepest) {
+            deepest = priced[i].depth;
+            low = 0;
+            first = i;
+        } else if (priced[i].depth < deepest) {
+            continue;
+        }
+        last = i + 1;
+        if (priced[i].slot < 64)
+            low |= (uint64_t)1 << priced[i].slot;
+    }
+    PyObject *near = PyLong_FromUnsignedLongLong(low);
+    for (Py_ssize_t i = first; near != NULL && i < last; i++) {
+        if (priced[i].slot >= 64 && priced[i].depth == deepest) {
+            PyObject *next = or_bit(near, priced[i].obj);
+            Py_DECREF(near);
+            near = next;
+        }
+    }
+    if (near == NULL)
+        return NULL;
+    PyObject *order = PyTuple_New(count);
+    if (order == NULL) {
+        Py_DECREF(near);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_INCREF(priced[i].obj);
+        PyTuple_SET_ITEM(order, i, priced[i].obj);
+    }
+    return Py_BuildValue("(NLN)", near, deepest, order);
+}
+
+PyObject *ace_price(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "price(slots, depths, rooms, load, n, tokens, params) takes 7 arguments");
+        return NULL;
+    }
+    PyObject *slots = args[0], *depths = args[1], *rooms = args[2], *load = args[3];
+    PyObject *params = args[6];
+    if (!PyTuple_Check(slots) || PyTuple_GET_SIZE(slots) == 0) {
+        PyErr_SetString(PyExc_TypeError, "price: slots must be a non-empty tuple");
+        return NULL;
+    }
+    if (!PyDict_Check(depths)) {
+        PyErr_SetString(PyExc_TypeError, "price: depths must be a dict");
+        return NULL;
+    }
+    if (!PyTuple_Check(rooms) || PyTuple_GET_SIZE(rooms) != 3 ||
+        !PyDict_Check(PyTuple_GET_ITEM(rooms, 0)) || !PyDict_Check(PyTuple_GET_ITEM(rooms, 1))) {
+        PyErr_SetString(PyExc_TypeError, "price: rooms must be (dict, dict, int)");
+        return NULL;
+    }
+    if (!PyList_Check(load)) {
+        PyErr_SetString(PyExc_TypeError, "price: load must be a list");
+        return NULL;
+    }
+    if (!PyTuple_Check(params) || PyTuple_GET_SIZE(params) != 7) {
+        PyErr_SetString(PyExc_TypeError, "price: params must be a PriceParams");
+        return NULL;
+    }
+    double p[7];
+    for (int i = 0; i < 7; i++) {
+        p[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(params, i));
+        if (p[i] == -1.0 && PyErr_Occurred())
+            return NULL;
+    }
+    const double tpb = p[0], a_ms = p[1], b_ms = p[2], t_step_ms = p[3], evict_ms = p[4];
+    PyObject *lrus = PyTuple_GET_ITEM(rooms, 0), *capacities = PyTuple_GET_ITEM(rooms, 1);
+    long long default_capacity = PyLong_AsLongLong(PyTuple_GET_ITEM(rooms, 2));
+    long long n = PyLong_AsLongLong(args[4]);
+    long long tokens = PyLong_AsLongLong(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (queued_name == NULL && (queued_name = PyUnicode_InternFromString(
+                                    "queued_prefill_tokens")) == NULL)
+        return NULL;
+
+    Py_ssize_t count = PyTuple_GET_SIZE(slots);
+    Priced small[64];
+    Priced *priced = count <= 64 ? small : PyMem_New(Priced, (size_t)count);
+    if (priced == NULL)
+        return PyErr_NoMemory();
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *obj = PyTuple_GET_ITEM(slots, i);
+        long long slot = PyLong_AsLongLong(obj), depth;
+        if (slot == -1 && PyErr_Occurred())
+            goto done;
+        if (slot < 0 || slot >= PyList_GET_SIZE(load)) {
+            PyErr_Format(PyExc_IndexError, "price: slot %lld has no load", slot);
+            goto done;
+        }
+        if (lookup_int(depths, obj, 0, &depth) < 0)
+            goto done;
+        long long cached = 0;
+        if (depth) {
+            cached = (long long)((double)depth * tpb);
+            if (cached > tokens - 1)
+                cached = tokens - 1;
+        }
+        long long fresh = tokens - cached > 0 ? tokens - cached : 0;
+        double x = a_ms * (double)fresh +
+                   b_ms * (double)fresh * ((double)cached + (double)fresh / 2);
+        double cost = x > t_step_ms ? x : t_step_ms;
+        if (evict_ms != 0.0) {
+            long long capacity, held = 0;
+            if (lookup_int(capacities, obj, default_capacity, &capacity) < 0)
+                goto done;
+            PyObject *lru = PyDict_GetItemWithError(lrus, obj);
+            if (lru != NULL) {
+                held = PyObject_Length(lru);
+                if (held < 0)
+                    goto done;
+            } else if (PyErr_Occurred()) {
+                goto done;
+            }
+            long long overflow = n - depth - (capacity - held);
+            if (overflow > 0)
+                cost += evict_ms * (double)(overflow < n - depth ? overflow : n - depth);
+        }
+        PyObject *queued_obj = PyObject_GetAttr(PyList_GET_ITEM(load, slot), queued_name);
+        if (queued_obj == NULL)
+            goto done;
+        long long queued = PyLong_AsLongLong(queued_obj);
+        Py_DECREF(queued_obj);
+        if (queued == -1 && PyErr_Occurred())
+            goto done;
+        if (queued > 0)
+            cost += a_ms * (double)queued;
+        priced[i] = (Priced){cost, slot, depth, obj};
+    }
+    result = choose(priced, count, p[5], p[6]);
+done:
+    if (priced != small)
+        PyMem_Free(priced);
+    return result;
+}

@@ -1,0 +1,125 @@
+"""The cost pipeline's pricing: ``native.price`` (``_price.c``) against
+``pipeline.price_pure``, the reference.
+
+Its contract: for any candidates, depths, rooms, loads and constants, the same
+``(near, deepest, order)`` bit for bit, ties in price broken by slot; bad arguments
+raise, never crash.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ace_extproc.latency import get_model
+from ace_extproc.routing.fleet import PodLoad
+from ace_extproc.routing.pipeline import PriceParams, price_pure
+from tests.conftest import load_speedups
+
+speedups = load_speedups()
+
+MODEL = get_model("llama-3.3-70b-fp8-tp4")
+PARAMS = PriceParams(128.0, MODEL.a_ms, MODEL.b_ms, MODEL.t_step_ms, 2.56, 0.10, 5.0)
+
+
+def both(*args: Any) -> Any:
+    expected = price_pure(*args)
+    assert speedups.price(*args) == expected
+    return expected
+
+
+def rooms(held: dict[int, int], capacities: dict[int, int], default: int = 100) -> Any:
+    lrus = {slot: dict.fromkeys(range(count)) for slot, count in held.items()}
+    return lrus, capacities, default
+
+
+def test_the_warm_pod_is_the_near_best_and_cold_ones_follow_by_slot() -> None:
+    load = [PodLoad() for _ in range(4)]
+    near, deepest, order = both((0, 1, 2, 3), {2: 30}, rooms({}, {}), load, 32, 4096, PARAMS)
+    assert (near, deepest) == (1 << 2, 30)
+    assert order == (2, 0, 1, 3)  # equal prices: by slot, as Python's tuple sort
+
+
+def test_a_queue_longer_than_the_prefill_saved_moves_the_request_on() -> None:
+    load = [PodLoad(), PodLoad(queued_prefill_tokens=200_000)]
+    near, deepest, order = both((0, 1), {1: 32}, rooms({}, {}), load, 32, 4096, PARAMS)
+    assert (near, deepest, order) == (1 << 0, 0, (0, 1))
+
+
+def test_a_full_pod_pays_for_what_it_would_evict() -> None:
+    load = [PodLoad(), PodLoad()]
+    # Slot 0 is full (100 of 100): its 32 new blocks would evict 32 others.
+    near, _, order = both((0, 1), {}, rooms({0: 100}, {}), load, 32, 4096, PARAMS)
+    assert (near, order) == (1 << 1, (1, 0))
+    # Without the charge both cost the same.
+    free = PARAMS._replace(evict_ms=0.0)
+    assert both((0, 1), {}, rooms({0: 100}, {}), load, 32, 4096, free)[0] == 0b11
+
+
+def test_slots_past_a_machine_word() -> None:
+    load = [PodLoad() for _ in range(200)]
+    slots = (3, 64, 70, 130, 199)
+    near, deepest, order = both(slots, {64: 5, 199: 5, 3: 4}, rooms({}, {}), load, 8, 1024, PARAMS)
+    assert (near, deepest) == ((1 << 64) | (1 << 199), 5)
+    assert set(order) == set(slots)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    data=st.data(),
+    pods=st.integers(1, 80),
+    n=st.integers(0, 600),
+    tokens=st.integers(1, 80_000),
+    tpb=st.sampled_from([0.5, 1.0, 64.0, 128.0, 131.3]),
+    evict=st.sampled_from([0.0, 0.001, 2.56, 40.0]),
+    slack=st.tuples(st.sampled_from([0.0, 0.1, 1.0]), st.sampled_from([0.0, 5.0, 1e6])),
+)
+def test_native_prices_as_the_reference(
+    data: st.DataObject,
+    pods: int,
+    n: int,
+    tokens: int,
+    tpb: float,
+    evict: float,
+    slack: tuple[float, float],
+) -> None:
+    slots = tuple(data.draw(st.sets(st.integers(0, pods - 1), min_size=1), label="slots"))
+    depth = st.integers(0, n)
+    depths = data.draw(st.dictionaries(st.integers(0, pods - 1), depth), label="depths")
+    held = data.draw(st.dictionaries(st.integers(0, pods - 1), st.integers(0, 40)))
+    capacities = data.draw(st.dictionaries(st.integers(0, pods - 1), st.integers(1, 60)))
+    queued = data.draw(st.lists(st.integers(-5, 300_000), min_size=pods, max_size=pods))
+    load = [PodLoad(queued_prefill_tokens=q) for q in queued]
+    params = PARAMS._replace(
+        tokens_per_block=tpb, evict_ms=evict, slack_ratio=slack[0], slack_ms=slack[1]
+    )
+    near, deepest, order = both(slots, depths, rooms(held, capacities, 30), load, n, tokens, params)
+    assert sorted(order) == sorted(slots)
+    assert near and (near & sum(1 << s for s in slots)) == near
+    assert all(depths.get(slot, 0) == deepest for slot in slots if (near >> slot) & 1)
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (((), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS), TypeError),  # no candidates
+        (([0], {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS), TypeError),  # not a tuple
+        (((0,), [], rooms({}, {}), [PodLoad()], 1, 1, PARAMS), TypeError),
+        (((0,), {}, ({}, {}), [PodLoad()], 1, 1, PARAMS), TypeError),
+        (((0,), {}, rooms({}, {}), (PodLoad(),), 1, 1, PARAMS), TypeError),
+        (((0,), {}, rooms({}, {}), [PodLoad()], 1, 1, (1.0, 2.0)), TypeError),
+        (((0,), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS._replace(a_ms="x")), TypeError),
+        (((1,), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS), IndexError),  # no load
+        ((("0",), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS), TypeError),
+        (((0,), {0: "deep"}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS), TypeError),
+        (((0,), {}, rooms({}, {}), [object()], 1, 1, PARAMS), AttributeError),
+        (((0,), {}, rooms({}, {}), [PodLoad(queued_prefill_tokens=None)], 1, 1, PARAMS), TypeError),  # type: ignore[arg-type]
+        (((0,), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS, None), TypeError),
+    ],
+)
+def test_bad_arguments_raise(args: tuple[Any, ...], error: type[Exception]) -> None:
+    with pytest.raises(error):
+        speedups.price(*args)
