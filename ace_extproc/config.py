@@ -182,11 +182,6 @@ class Settings:
     # cost policy: a session's (x-session-id / x-user-id) first request this replica
     # sees is placed by the session, not drawn to a pod by a prefix other sessions share.
     place_sessions: bool = True
-    # cost policy, with place_sessions: a session's first request may follow a prefix it
-    # shares to one of its session's first N pods in rendezvous order; 1 (the default):
-    # the session's own pod. Above 1 saves more prefill with one replica but makes
-    # replicas disagree (bench/RESULTS.md, "Where ours stands").
-    session_choices: int = 1
     upstream_mode: str = "cluster"  # "cluster": per-pod Envoy clusters; "endpoint": ip:port
     scrape_interval_s: float = 0.1  # pods' /metrics
     probe_interval_s: float = 1.0  # pods' /health
@@ -464,7 +459,6 @@ _SETTING_TYPES: dict[str, type] = {
     "policy": str,
     "min_match": float,
     "place_sessions": bool,
-    "session_choices": int,
     "upstream_mode": str,
     "scrape_interval_s": float,
     "probe_interval_s": float,
@@ -514,8 +508,6 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("router: max_body_bytes and index_blocks_per_pod must be positive")
     if not 0.0 <= settings.min_match <= 1.0:
         raise ConfigError("router.min_match: expected a share of the prompt, 0 to 1")
-    if settings.session_choices < 1:
-        raise ConfigError("router.session_choices: expected a number of pods, 1 or more")
     if settings.upstream_mode not in ("cluster", "endpoint"):
         raise ConfigError("router.upstream_mode: expected cluster or endpoint")
     check_admin_listen(settings.admin_listen, "router.admin_listen")

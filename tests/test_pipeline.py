@@ -1,8 +1,6 @@
 """The default policy: pods priced by estimated time to first token."""
 
-import pytest
-
-from ace_extproc.config import ConfigError, Settings, parse_settings, sim_fleet
+from ace_extproc.config import Settings, sim_fleet
 from ace_extproc.latency import get_model
 from ace_extproc.prefix import hash_prompt
 from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, policies, rendezvous
@@ -257,38 +255,3 @@ def test_sessions_are_remembered_per_tenant() -> None:
     assert first is not None and again is not None and other is not None
     assert again.action == "hit"  # tenant a's session continues on its pod
     assert other.action == "miss"  # tenant b's "s1" is new here: the match does not steer
-
-
-def test_session_choices_let_a_first_request_reuse_a_shared_prefix_on_its_own_pods() -> None:
-    """With session_choices=3 a session's first request goes to the pod holding the
-    system prompt it shares if that pod is one of the session's first three in rendezvous
-    order, and to the session's own first pod otherwise; with 1 (the default) always to
-    its own first pod."""
-    system = PROMPT[: 24 * 512]  # 24 of 28 blocks: far above min_match
-    reused = placed_by_session = 0
-    for i in range(40):
-        fleet, index, picker = setup(8, session_choices=3)
-        _, _, default = setup(8)
-        holder = 5
-        index.record(holder, session_request(system, "seed").hashes.blocks)
-        sid = f"chat-{i}"
-        first = session_request(system + bytes([i]) * 2048, sid)
-        order = rendezvous.rank(rendezvous.key_of(sid), fleet.seeds)
-        pick = picker.pick(first, fleet.available)
-        plain = default.pick(first, fleet.available)
-        assert pick is not None and plain is not None
-        assert plain.slot == order[0]  # the default: the session's own pod, held or not
-        if holder in order[:3]:
-            assert pick.slot == holder and pick.matched_blocks == 24
-            reused += holder != order[0]
-        else:
-            assert pick.slot == order[0] and pick.matched_blocks == 0
-            placed_by_session += 1
-    assert reused and placed_by_session  # both cases were seen
-
-
-def test_session_choices_must_be_at_least_one() -> None:
-    assert parse_settings({"session_choices": 3}).session_choices == 3
-    for bad in (0, -1, True, 2.5, "3"):
-        with pytest.raises(ConfigError, match="session_choices"):
-            parse_settings({"session_choices": bad})

@@ -13,8 +13,7 @@ Among pods priced within a small slack of the cheapest, the deepest match wins, 
 the pod a session last went to, then the prefix's rendezvous order, so replicas still
 agree on where new prefixes go and a conversation does not flap between two nearly equal
 pods. A session's first request is placed by its session: a warm match is then some
-other session's prefix, and following it would pile sessions onto one pod (optionally,
-``session_choices``, it may follow one among the session's own few pods).
+other session's prefix, and following it would pile sessions onto one pod.
 """
 
 from __future__ import annotations
@@ -164,7 +163,6 @@ class Pipeline:
         min_match: float = 0.0,
         place_sessions: bool = False,
         sessions_remembered: int = 65_536,
-        session_choices: int = 1,
     ) -> None:
         self.fleet = fleet
         self.index = index
@@ -192,13 +190,6 @@ class Pipeline:
         # Later, the session's own history on the pod it went to steers however short
         # (min_match is for prefixes other sessions share).
         self.place_sessions = place_sessions
-        # With place_sessions, a session's first request may still reuse a prefix it
-        # shares (a system prompt) if one of its session's first ``session_choices`` pods
-        # in rendezvous order holds it: sessions stay spread (each has its own few pods),
-        # and fewer pay the shared prefix cold. The choice then depends on this replica's
-        # index, so replicas disagree where 1 (the session's own pod) cannot: for a single
-        # replica (measured in bench/RESULTS.md).
-        self.session_choices = max(1, session_choices)
         # (tenant, session) this replica routed -> the pod it last sent it to; bounded,
         # the first seen forgotten first. Scoped by tenant: session ids are the clients'.
         self._sessions: dict[tuple[str, str], int] = {}
@@ -254,14 +245,8 @@ class Pipeline:
         session = None if sid is None else (request.tenant, sid)
         home = -1 if session is None else self._sessions.get(session, -1)
         if sid is not None and home < 0:  # a session this replica never routed
+            depths = {}
             route_key = rendezvous.key_of(sid)
-            if self.session_choices > 1 and depths:
-                order = rendezvous.rank(route_key, fleet.seeds)
-                own = [slot for slot in order if (candidates >> slot) & 1][: self.session_choices]
-                shallow = self.min_match * n
-                depths = {slot: d for slot, d in depths.items() if slot in own and d >= shallow}
-            else:
-                depths = {}
         elif self.min_match and depths:
             # A session's own history, on the pod it went to, counts however short.
             shallow = self.min_match * n

@@ -28,13 +28,10 @@ def cost_policy(
     balance_new: bool = False,
     min_match: float | None = None,
     place_sessions: bool | None = None,
-    session_choices: int | None = None,
 ) -> PickerFactory:
-    """The cost pipeline; ``min_match``, ``place_sessions`` and ``session_choices``
-    override the settings'."""
+    """The cost pipeline; ``min_match`` and ``place_sessions`` override the settings'."""
     share = settings.min_match if min_match is None else min_match
     by_session = settings.place_sessions if place_sessions is None else place_sessions
-    choices = settings.session_choices if session_choices is None else session_choices
     scorer = EstimatedTTFT(
         get_model(settings.ttft_model), settings.block_bytes / settings.bytes_per_token
     )
@@ -48,7 +45,6 @@ def cost_policy(
             balance_new=balance_new,
             min_match=share,
             place_sessions=by_session,
-            session_choices=choices,
         )
 
     return build

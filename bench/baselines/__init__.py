@@ -46,7 +46,6 @@ POLICIES: dict[str, PickerFactory] = {
     "ace_balanced": policies.cost_balanced_policy(Settings()),
     "ace_any_match": policies.cost_policy(Settings(), min_match=0.0, place_sessions=False),
     "ace_by_prefix": policies.cost_policy(Settings(), place_sessions=False),
-    "ace_session_choices3": policies.cost_policy(Settings(), session_choices=3),
     "ace_affinity": PrefixAffinityPicker,
     "bound_pooled": bound_pooled,
     "bound_unbounded": bound_unbounded,
