@@ -4,17 +4,17 @@
 
 Steps, timed in turn within each iteration on the same requests: parse (body to
 canonical prompt), hash (chained block hashes), pick (index lookup and placement),
-rewrite (body splice and the Envoy protobuf answer, serialized: by the C
-fast path's encoder, or by upb on pure Python); "total" times the
-whole header + body phase as the server runs it, up to the answer's wire bytes.
-Prompts of 1K/4K/16K/32K tokens (~4 bytes a token), as multi-turn chats whose
-prefixes are already indexed, so picks are warm hits (checked: ``hit_share``).
-Writes bench/results/decision.json. Also compares the C chat parser with JSON
-decoders on the same bodies, the parse step on the workloads' own bodies by request
-family (chat, agents with tools, token-id completions), and (unless ``--no-compare``)
-the whole benchmark on
-the C fast path against pure Python (``ACE_EXTPROC_PURE_PYTHON=1``), run alternately
-in subprocesses so both see the same machine.
+rewrite (body splice and the Envoy protobuf answer, serialized: by the C fast path's
+encoder, or by upb on pure Python); "total" times the whole header + body phase as the
+server runs it, up to the answer's wire bytes; "native_steps" times the C calls alone,
+back to back (the floor the fast path sets). Prompts of 1K/4K/16K/32K tokens (~4 bytes a
+token), as multi-turn chats whose prefixes are already indexed, so picks are warm hits
+(checked: ``hit_share``). Writes bench/results/decision.json. Also compares the C chat
+parser with JSON decoders on the same bodies, the parse step on the workloads' own
+bodies by request family (chat, agents with tools, token-id completions), and (unless
+``--no-compare``) the whole benchmark on the C fast path against pure Python
+(``ACE_EXTPROC_PURE_PYTHON=1``), run alternately in subprocesses so both see the same
+machine.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.processor import Processor, rewrite_body
 from ace_extproc.routing import RoutingRequest
 from ace_extproc.routing.monitor import FleetMonitor
+from ace_extproc.routing.pipeline import Pipeline
 from bench import workloads
 
 SIZES = (1024, 4096, 16384, 32768)  # prompt tokens
@@ -137,7 +139,7 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
         outcome.body = rewrite_body(bodies[k], fields, False)
         mutate.serialize(mutate.body_answer(outcome, False))
 
-    timed = {
+    timed: dict[str, Callable[[int], object]] = {
         "parse": lambda k: req.parse(req.CHAT_PATH, bodies[k]),
         "hash": lambda k: hash_prompt(
             parsed[k].prompt, parsed[k].cacheable_end, s.block_bytes, seed
@@ -146,6 +148,8 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
         "rewrite": rewrite,
         "total": total,
     }
+    if speedups.native is not None:
+        timed["native_steps"] = native_steps(proc, bodies, outcome, seed)
     # Each iteration times every step in turn, so each runs with the caches the others
     # leave, as on the request path; timed in tight loops of their own they measured
     # up to 2x faster and summed to well under the total.
@@ -177,6 +181,11 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
         },
         "json_decode_p50_us": {k: round(v, 2) for k, v in json_cmp.items()},
         "hit_share": actions.count("hit") / len(actions),
+        # The C calls alone, back to back: what the decision would cost with no Python
+        # around them (None on pure Python).
+        "native_steps_p50_us": round(percentile(steps["native_steps"], 0.5), 2)
+        if "native_steps" in steps
+        else None,
         # What the total holds besides the four steps: the header phase, metrics, the
         # outcome and its trace, the pick log (p50s subtracted: an estimate).
         "other_p50_us": round(
@@ -185,6 +194,41 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
             2,
         ),
     }
+
+
+def native_steps(
+    proc: Processor, bodies: list[bytes], outcome: Any, seed: int
+) -> Callable[[int], object]:
+    """The decision's C calls alone, back to back on the same requests: parse, hash,
+    each holder's depth, the pricing of every pod, the LRU record and the answer's
+    bytes, with only the Python that passes one's result to the next. The floor the
+    C fast path sets; the total's excess over it is the Python around the steps."""
+    native = speedups.native
+    assert native is not None
+    picker = proc.picker
+    assert isinstance(picker, Pipeline)
+    index, fleet, s = proc.index, proc.fleet, proc.settings
+    change = mutate.changes(outcome, False)
+    namespaces = [(mutate.METADATA_NAMESPACE, mutate.metadata(outcome))]
+    prefix = b'{"cache_prefix_id":"ace-kv-anon-0123456789abcdef","cache_salt":"' + b"a" * 64
+    slots = tuple(range(len(fleet.pods)))
+
+    def run(k: int) -> object:
+        body = bodies[k]
+        _, prompt, *_ = native.chat_prompt(body)
+        blocks = native.chain(prompt, s.block_bytes, seed)
+        depths = index.match_depths(blocks, fleet.available)
+        near, _, _ = native.price(
+            slots, depths, index.room_view(), fleet.load, len(blocks), len(prompt) // 4,
+            picker.params,
+        )  # fmt: skip
+        index.record(near.bit_length() - 1, blocks)
+        rewritten = b"".join((prefix, b'",', memoryview(body)[1:]))
+        return native.body_answer(
+            change.headers, change.remove, change.clear_route_cache, rewritten, namespaces
+        )
+
+    return run
 
 
 def block_size_costs(iterations: int) -> dict[int, dict[str, float]]:
@@ -265,6 +309,8 @@ def compare_paths(
     for i, row in enumerate(first):
         cells: dict[str, dict[str, float]] = {}
         for step in row["steps_us"]:
+            if any(step not in r[i]["steps_us"] for r in runs["pure"]):
+                continue  # native_steps: C only
             c, pure = (
                 statistics.mean(r[i]["steps_us"][step]["p50"] for r in runs[path])
                 for path in ("c", "pure")
@@ -310,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         "total p50 minus the four steps' p50s (header phase, metrics, outcome, pick log):",
         ", ".join(f"{r['tokens']}: {r['other_p50_us']:.1f} us" for r in rows),
     )
+    if rows[0]["native_steps_p50_us"] is not None:
+        print(
+            "the C calls alone, back to back, p50 (the floor the fast path sets; the rest of "
+            "the total is Python around them):",
+            ", ".join(f"{r['tokens']}: {r['native_steps_p50_us']:.1f} us" for r in rows),
+        )
     print(
         "chat body decode p50 us (C chat_prompt to canonical bytes vs msgspec typed vs orjson "
         "to dict):",

@@ -200,7 +200,7 @@ class Pipeline:
         # prefilled again by whoever comes back for them, counted at eviction_weight
         # of their prefill (not all of them come back).
         evict_ms = eviction_weight * model.a_ms * scorer.tokens_per_block
-        self._params = PriceParams(
+        self.params = PriceParams(
             scorer.tokens_per_block,
             model.a_ms,
             model.b_ms,
@@ -264,7 +264,7 @@ class Pipeline:
             load,
             n,
             request.prompt_tokens,
-            self._params,
+            self.params,
         )
         if home >= 0 and (near_mask >> home) & 1:
             near_mask = 1 << home  # a session stays on its pod among equals
