@@ -192,7 +192,7 @@ PyObject *ace_price(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize
             if (lookup_int(capacities, obj, default_capacity, &capacity) < 0)
                 goto done;
             PyObject *lru = PyDict_GetItemWithError(lrus, obj);
-            if (lru != NULL) {
+            if (lru != NULL && lru != Py_None) { /* None: held nothing, as in Python */
                 held = PyObject_Length(lru);
                 if (held < 0)
                     goto done;

@@ -59,6 +59,12 @@ def test_a_full_pod_pays_for_what_it_would_evict() -> None:
     assert both((0, 1), {}, rooms({0: 100}, {}), load, 32, 4096, free)[0] == 0b11
 
 
+def test_a_pod_without_an_lru_holds_nothing() -> None:
+    load = [PodLoad(), PodLoad()]
+    lrus: dict[int, Any] = {0: None}  # as price_pure reads it: no LRU, nothing held
+    assert both((0, 1), {}, (lrus, {}, 100), load, 32, 4096, PARAMS)[0] == 0b11
+
+
 def test_slots_past_a_machine_word() -> None:
     load = [PodLoad() for _ in range(200)]
     slots = (3, 64, 70, 130, 199)
