@@ -129,3 +129,49 @@ def test_native_prices_as_the_reference(
 def test_bad_arguments_raise(args: tuple[Any, ...], error: type[Exception]) -> None:
     with pytest.raises(error):
         speedups.price(*args)
+
+
+@pytest.mark.parametrize("pods", [8, 100])
+def test_the_pipeline_picks_alike_on_the_c_calls_and_on_python(
+    pods: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same requests through two pipelines, one on the C calls (price, match,
+    record) and one on their Python references: the same pick every time, on a fleet
+    small enough for one machine word of slots and on one past it, with queues, full
+    pods and sessions in play."""
+    import random
+
+    from ace_extproc.config import Settings, sim_fleet
+    from ace_extproc.prefix import hash_prompt
+    from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, index, pipeline
+    from ace_extproc.routing.policies import cost_policy
+
+    def build() -> tuple[FleetState, Any]:
+        fleet = FleetState(sim_fleet([f"10.0.{i // 250}.{i % 250}:8000" for i in range(pods)]))
+        return fleet, cost_policy(Settings())(fleet, BlockIndex(40))
+
+    fast_fleet, fast = build()
+    slow_fleet, slow = build()
+    rng = random.Random(pods)
+    systems = [rng.randbytes(2048) for _ in range(5)]
+    picks = []
+    for i in range(600):
+        data = rng.choice(systems) + rng.randbytes(rng.choice([0, 512, 4096]))
+        session = rng.choice([None, f"s{rng.randrange(40)}"])
+        request = RoutingRequest(
+            hash_prompt(data, None, 512, 7), data, len(data) // 4, "t", "m", session
+        )
+        queued = {rng.randrange(pods): rng.randrange(200_000) for _ in range(3)}
+        for fleet in (fast_fleet, slow_fleet):
+            for slot, tokens in queued.items():
+                fleet.load[slot].queued_prefill_tokens = tokens
+        candidates = fast_fleet.available & ~(1 << rng.randrange(pods))
+        a = fast.pick(request, candidates)
+        with monkeypatch.context() as m:
+            m.setattr(pipeline, "price", pipeline.price_pure)
+            m.setattr(index, "_match", index.match_pure)
+            m.setattr(index, "_record", index.record_pure)
+            b = slow.pick(request, candidates)
+        assert a == b, f"request {i}"
+        picks.append(a.slot)
+    assert len(set(picks)) > 3  # the requests went to many pods, not one
