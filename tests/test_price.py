@@ -175,3 +175,28 @@ def test_the_pipeline_picks_alike_on_the_c_calls_and_on_python(
         assert a == b, f"request {i}"
         picks.append(a.slot)
     assert len(set(picks)) > 3  # the requests went to many pods, not one
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    depths=st.dictionaries(st.integers(0, 7), st.integers(0, 32)),
+    queued=st.lists(st.integers(0, 100_000), min_size=8, max_size=8),
+    tokens=st.integers(1, 40_000),
+)
+def test_price_is_the_scorers_price(depths: dict[int, int], queued: list[int], tokens: int) -> None:
+    """Without the eviction charge, ``price`` orders the pods as ``EstimatedTTFT``, the
+    pipeline's scorer, prices them one by one (the same formula, in one call)."""
+    from ace_extproc.config import sim_fleet
+    from ace_extproc.prefix import hash_prompt
+    from ace_extproc.routing import FleetState, RoutingRequest
+    from ace_extproc.routing.pipeline import EstimatedTTFT
+
+    fleet = FleetState(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(8)]))
+    for slot, q in enumerate(queued):
+        fleet.load[slot].queued_prefill_tokens = q
+    request = RoutingRequest(hash_prompt(b"x" * 512, None, 512, 1), b"", tokens, "t", "m")
+    scorer = EstimatedTTFT(MODEL, 128.0)
+    scored = sorted((scorer(request, slot, depths.get(slot, 0), fleet), slot) for slot in range(8))
+    params = PARAMS._replace(evict_ms=0.0)
+    _, _, order = both(tuple(range(8)), depths, rooms({}, {}), fleet.load, 32, tokens, params)
+    assert order == tuple(slot for _, slot in scored)

@@ -102,8 +102,9 @@ def price_pure(
     tokens: int,
     params: PriceParams,
 ) -> tuple[int, int, tuple[int, ...]]:
-    """Price each candidate slot: ``EstimatedTTFT`` (its queued prefill, then this
-    request's prefill past the ``depths`` blocks it holds) plus the eviction charge.
+    """Price each candidate slot as ``EstimatedTTFT`` does (its queued prefill, then
+    this request's prefill past the ``depths`` blocks it holds), plus the eviction
+    charge, all candidates in one call.
 
     Returns ``(near, deepest, order)``: the bitmask of the near-best (priced within
     the slack of the cheapest) holding the deepest match among them, that depth, and
@@ -168,14 +169,11 @@ class Pipeline:
         self.index = index
         self.filters = tuple(filters)
         self.scorer = scorer
-        self.slack_ratio = slack_ratio
-        self.slack_ms = slack_ms
         self.fallbacks = fallbacks
         # Place a new prefix on the least busy near-best pod instead of its rendezvous
         # pod: better balanced with one replica, but replicas then disagree (measured in
         # bench/RESULTS.md), so it is off by default.
         self.balance_new = balance_new
-        self.eviction_weight = eviction_weight
         # A match covering less than this share of the prompt (a system prompt that many
         # conversations share) neither lowers a pod's price nor steers the pick: the
         # request is placed as new, by its own key, so conversations that share only a
@@ -198,7 +196,8 @@ class Pipeline:
         model = scorer.model
         # Placing new blocks on a full pod costs later: the prefixes they evict must be
         # prefilled again by whoever comes back for them, counted at eviction_weight
-        # of their prefill (not all of them come back).
+        # of their prefill (not all of them come back). The scorer's price, this charge
+        # and the slack are read by ``price`` from here, fixed at construction.
         evict_ms = eviction_weight * model.a_ms * scorer.tokens_per_block
         self.params = PriceParams(
             scorer.tokens_per_block,
