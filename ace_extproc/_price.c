@@ -3,8 +3,8 @@
  * price(slots, depths, rooms, load, n, tokens, params) -> (near, deepest, order)
  *     routing/pipeline.py's price_pure, which is the reference (its docstring says
  *     what each argument is); both give the same result for the same input, bit for
- *     bit (tests/test_price.py). In Python the loop over the candidates, the tuple
- *     per pod and the sort cost more than the rest of a pick together.
+ *     bit (tests/test_price.py). In Python the loop over the candidates, a tuple
+ *     per pod and the sort were the largest part of a pick (bench/RESULTS.md).
  *
  *       slots    tuple of candidate slots (ints), in any order
  *       depths   {slot: leading blocks held}
