@@ -1,11 +1,30 @@
-# The C fast path (_speedups.c); request.py, prefix.py and routing/index.py hold the
-# reference in Python.
-from collections.abc import Sequence
+# The C fast path (_speedups.c, _answer.c, _price.c); request.py, prefix.py,
+# routing/index.py, routing/pipeline.py and mutate.py hold the reference in Python.
+from collections.abc import Mapping, Sequence
+
+from ace_extproc.routing.fleet import PodLoad
+from ace_extproc.routing.index import RoomView
+from ace_extproc.routing.pipeline import PriceParams
 
 def chat_prompt(body: bytes, /) -> tuple[str, bytes, int, bool, bool, bool] | None: ...
 def completion_prompt(body: bytes, /) -> tuple[str, bytes, None, bool, bool, bool] | None: ...
 def chain(data: bytes, block_bytes: int, seed: int, /) -> list[int]: ...
-def refresh(lru: dict[int, None], blocks: Sequence[int], /) -> None: ...
+def match(
+    lrus: Mapping[int, dict[int, None]], blocks: Sequence[int], holders: int, /
+) -> dict[int, int]: ...
+def record(
+    lru: dict[int, None], blocks: Sequence[int], roots: dict[int, int], bit: int, capacity: int, /
+) -> None: ...
+def price(
+    slots: tuple[int, ...],
+    depths: Mapping[int, int],
+    rooms: RoomView,
+    load: list[PodLoad],
+    n: int,
+    tokens: int,
+    params: PriceParams,
+    /,
+) -> tuple[int, int, tuple[int, ...]]: ...
 def body_answer(
     headers: Sequence[tuple[str, bytes]],
     remove: Sequence[str],

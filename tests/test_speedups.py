@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 import tracemalloc
 from array import array
 from collections.abc import Callable
@@ -1759,3 +1761,15 @@ def test_record_rejects_what_is_not_a_dict_of_blocks() -> None:
     ):
         with pytest.raises(TypeError):
             speedups.record(*args)
+
+
+def test_the_type_stub_matches_the_extension() -> None:
+    """``_speedups.pyi`` names exactly the functions the built module has, with their
+    arguments (mypy's stubtest): a function renamed or added in C fails here."""
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "ace_extproc._speedups"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
