@@ -19,12 +19,9 @@
  *     prefix.py's chained hashes: h_i = xxh3_64(block_i, seed=h_{i-1}) over every
  *     full block, h_{-1} = seed.
  *
- * match(lrus, blocks, holders) -> dict
- *     routing/index.py's match depths: each holder's run of leading blocks held.
- *
- * record(lru, blocks, roots, bit, capacity) -> None
- *     routing/index.py's record of a prompt's blocks on one pod: LRU refresh, root
- *     marked, eviction past the pod's capacity.
+ * BlockLRU, record(...), evict(...), match(...)
+ *     A pod's block LRU and routing/index.py's record, eviction and match depths on
+ *     it (_lru.c).
  *
  * body_answer(...) -> bytes
  *     The body phase's answer to Envoy as protobuf wire bytes (_answer.c).
@@ -38,6 +35,7 @@
 #include <string.h>
 
 #include "_answer.h"
+#include "_lru.h"
 #include "_price.h"
 
 #define XXH_INLINE_ALL
@@ -1008,216 +1006,6 @@ static PyObject *chain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ss
     return hashes;
 }
 
-/* roots[key] &= ~bit, the key gone when no pod holds it any more. */
-static int clear_root(PyObject *roots, PyObject *key, PyObject *not_bit)
-{
-    PyObject *mask = PyDict_GetItemWithError(roots, key);
-    if (mask == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    PyObject *kept = PyNumber_And(mask, not_bit);
-    if (kept == NULL)
-        return -1;
-    int truth = PyObject_IsTrue(kept);
-    int rc = truth < 0 ? -1 : truth ? PyDict_SetItem(roots, key, kept) : PyDict_DelItem(roots, key);
-    Py_DECREF(kept);
-    return rc;
-}
-
-/* The ``count`` least recently used blocks forgotten (the dict's first keys). */
-static int evict(PyObject *lru, PyObject *roots, PyObject *bit, Py_ssize_t count)
-{
-    PyObject *oldest = PyList_New(0);
-    if (oldest == NULL)
-        return -1;
-    Py_ssize_t pos = 0;
-    PyObject *key, *value;
-    while (PyList_GET_SIZE(oldest) < count && PyDict_Next(lru, &pos, &key, &value)) {
-        if (PyList_Append(oldest, key) < 0) {
-            Py_DECREF(oldest);
-            return -1;
-        }
-    }
-    PyObject *not_bit = PyNumber_Invert(bit);
-    int rc = not_bit == NULL ? -1 : 0;
-    for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(oldest); i++) {
-        key = PyList_GET_ITEM(oldest, i);
-        if (PyDict_DelItem(lru, key) < 0 || clear_root(roots, key, not_bit) < 0)
-            rc = -1;
-    }
-    Py_XDECREF(not_bit);
-    Py_DECREF(oldest);
-    return rc;
-}
-
-/* record(lru, blocks, roots, bit, capacity): routing/index.py's record_pure. Each
- * block moved to the end of the ``lru`` dict (most recent), the last block first, so
- * the first ends most recent; the first block's holders in ``roots`` gain ``bit``;
- * past ``capacity`` the oldest blocks are forgotten, and a forgotten root loses
- * ``bit``. BlockIndex.record without the interpreter. */
-static PyObject *record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError,
-                        "record(lru, blocks, roots, bit, capacity) takes 5 arguments");
-        return NULL;
-    }
-    PyObject *lru = args[0], *roots = args[2], *bit = args[3];
-    if (!PyDict_CheckExact(lru) || !PyDict_CheckExact(roots)) {
-        PyErr_SetString(PyExc_TypeError, "record: lru and roots must be dicts");
-        return NULL;
-    }
-    if (!PyLong_Check(bit)) {
-        PyErr_SetString(PyExc_TypeError, "record: bit must be an int");
-        return NULL;
-    }
-    Py_ssize_t capacity = PyLong_AsSsize_t(args[4]);
-    if (capacity == -1 && PyErr_Occurred())
-        return NULL;
-    PyObject *blocks = PySequence_Fast(args[1], "record: blocks must be a sequence");
-    if (blocks == NULL)
-        return NULL;
-    PyObject **items = PySequence_Fast_ITEMS(blocks);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks);
-    if (n == 0) { /* nothing recorded, nothing to make room for */
-        Py_DECREF(blocks);
-        Py_RETURN_NONE;
-    }
-    for (Py_ssize_t i = n - 1; i >= 0; i--) {
-        PyObject *h = items[i];
-        int held = PyDict_Contains(lru, h);
-        if (held < 0 || (held && PyDict_DelItem(lru, h) < 0) ||
-            PyDict_SetItem(lru, h, Py_None) < 0)
-            goto fail;
-    }
-    PyObject *mask = PyDict_GetItemWithError(roots, items[0]);
-    if (mask == NULL && PyErr_Occurred())
-        goto fail;
-    PyObject *marked = mask == NULL ? (Py_INCREF(bit), bit) : PyNumber_Or(mask, bit);
-    if (marked == NULL)
-        goto fail;
-    int rc = PyDict_SetItem(roots, items[0], marked);
-    Py_DECREF(marked);
-    if (rc < 0)
-        goto fail;
-    Py_ssize_t excess = PyDict_GET_SIZE(lru) - capacity;
-    if (excess > 0 && evict(lru, roots, bit, excess) < 0)
-        goto fail;
-    Py_DECREF(blocks);
-    Py_RETURN_NONE;
-fail:
-    Py_DECREF(blocks);
-    return NULL;
-}
-
-/* One holder's depth: the length of its held run of ``items`` (it holds the first). */
-static int held_run(PyObject *lru, PyObject **items, Py_ssize_t n, Py_ssize_t *depth)
-{
-    int held = PyDict_Contains(lru, items[n - 1]);
-    if (held != 0) {
-        *depth = n;
-        return held < 0 ? -1 : 0;
-    }
-    Py_ssize_t lo = 1, hi = n - 1; /* items[:lo] held, items[:hi + 1] not */
-    while (lo < hi) {
-        Py_ssize_t mid = (lo + hi + 1) >> 1;
-        held = PyDict_Contains(lru, items[mid - 1]);
-        if (held < 0)
-            return -1;
-        if (held)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    *depth = lo;
-    return 0;
-}
-
-/* depths[slot] = the slot's held run, its LRU looked up in ``lrus``. */
-static int put_depth(PyObject *depths, PyObject *lrus, long long slot, PyObject **items,
-                     Py_ssize_t n)
-{
-    PyObject *key = PyLong_FromLongLong(slot);
-    if (key == NULL)
-        return -1;
-    PyObject *lru = PyDict_GetItemWithError(lrus, key);
-    Py_ssize_t depth;
-    int rc = -1;
-    if (lru == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetObject(PyExc_KeyError, key);
-    } else if (!PyDict_Check(lru)) {
-        PyErr_SetString(PyExc_TypeError, "match: an LRU must be a dict");
-    } else if (held_run(lru, items, n, &depth) == 0) {
-        PyObject *value = PyLong_FromSsize_t(depth);
-        if (value != NULL) {
-            rc = PyDict_SetItem(depths, key, value);
-            Py_DECREF(value);
-        }
-    }
-    Py_DECREF(key);
-    return rc;
-}
-
-/* match(lrus, blocks, holders) -> {slot: depth}: routing/index.py's match_pure. */
-static PyObject *match(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "match(lrus, blocks, holders) takes 3 arguments");
-        return NULL;
-    }
-    PyObject *lrus = args[0], *holders = args[2];
-    if (!PyDict_Check(lrus) || !PyLong_Check(holders)) {
-        PyErr_SetString(PyExc_TypeError, "match: lrus must be a dict and holders an int");
-        return NULL;
-    }
-    PyObject *zero = PyLong_FromLong(0);
-    int negative = zero == NULL ? -1 : PyObject_RichCompareBool(holders, zero, Py_LT);
-    Py_XDECREF(zero);
-    if (negative) {
-        if (negative > 0)
-            PyErr_SetString(PyExc_ValueError, "match: holders must not be negative");
-        return NULL;
-    }
-    PyObject *blocks = PySequence_Fast(args[1], "match: blocks must be a sequence");
-    if (blocks == NULL)
-        return NULL;
-    PyObject *depths = PyDict_New();
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks);
-    PyObject *rest = holders; /* the bits not yet looked at, 64 at a time */
-    Py_INCREF(rest);
-    for (long long base = 0; depths != NULL && n > 0; base += 64) {
-        unsigned long long bits = PyLong_AsUnsignedLongLongMask(rest);
-        if (bits == (unsigned long long)-1 && PyErr_Occurred())
-            goto fail;
-        while (bits) {
-            int bit = __builtin_ctzll(bits);
-            bits &= bits - 1;
-            if (put_depth(depths, lrus, base + bit, PySequence_Fast_ITEMS(blocks), n) < 0)
-                goto fail;
-        }
-        PyObject *shift = PyLong_FromLong(64);
-        PyObject *next = shift == NULL ? NULL : PyNumber_Rshift(rest, shift);
-        Py_XDECREF(shift);
-        Py_DECREF(rest);
-        rest = next;
-        if (rest == NULL)
-            goto fail;
-        int more = PyObject_IsTrue(rest);
-        if (more < 0)
-            goto fail;
-        if (!more)
-            break;
-    }
-    Py_XDECREF(rest);
-    Py_DECREF(blocks);
-    return depths;
-fail:
-    Py_XDECREF(rest);
-    Py_XDECREF(depths);
-    Py_DECREF(blocks);
-    return NULL;
-}
-
 static PyMethodDef methods[] = {
     {"chat_prompt", (PyCFunction)chat_prompt, METH_O,
      "chat_prompt(body) -> (model, prompt, cacheable_end, has_router_fields, stream, "
@@ -1228,12 +1016,15 @@ static PyMethodDef methods[] = {
      "decides."},
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL,
      "chain(data, block_bytes, seed) -> the chained xxh3_64 hashes of data's full blocks."},
-    {"match", (PyCFunction)(void (*)(void))match, METH_FASTCALL,
+    {"match", (PyCFunction)(void (*)(void))ace_match, METH_FASTCALL,
      "match(lrus, blocks, holders) -> {slot: leading blocks held} for each slot of the "
-     "holders bitmask (each holds blocks[0])."},
-    {"record", (PyCFunction)(void (*)(void))record, METH_FASTCALL,
-     "record(lru, blocks, roots, bit, capacity): blocks moved to the dict's end (most "
-     "recent), the last first; the root marked; the oldest past capacity forgotten."},
+     "holders bitmask (each holds blocks[0]; lrus maps slots to BlockLRUs)."},
+    {"record", (PyCFunction)(void (*)(void))ace_record, METH_FASTCALL,
+     "record(lru, blocks, roots, bit, capacity): blocks moved to the BlockLRU's most "
+     "recent end, the last first; the root marked; the oldest past capacity forgotten."},
+    {"evict", (PyCFunction)(void (*)(void))ace_evict, METH_FASTCALL,
+     "evict(lru, roots, bit, count): the BlockLRU's count oldest blocks forgotten, a "
+     "forgotten root losing bit."},
     {"body_answer", (PyCFunction)(void (*)(void))ace_body_answer, METH_FASTCALL,
      "body_answer(headers, remove, clear_route_cache, body, namespaces) -> a serialized "
      "ProcessingResponse answering a request body (mutate.body_answer)."},
@@ -1252,5 +1043,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__speedups(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && ace_lru_add_type(m) < 0)
+        Py_CLEAR(m);
+    return m;
 }

@@ -1,6 +1,7 @@
-# The C fast path (_speedups.c, _answer.c, _price.c); request.py, prefix.py,
+# The C fast path (_speedups.c, _answer.c, _price.c, _lru.c); request.py, prefix.py,
 # routing/index.py, routing/pipeline.py and mutate.py hold the reference in Python.
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import final
 
 from ace_extproc.routing.fleet import PodLoad
 from ace_extproc.routing.index import RoomView
@@ -9,12 +10,21 @@ from ace_extproc.routing.pipeline import PriceParams
 def chat_prompt(body: bytes, /) -> tuple[str, bytes, int, bool, bool, bool] | None: ...
 def completion_prompt(body: bytes, /) -> tuple[str, bytes, None, bool, bool, bool] | None: ...
 def chain(data: bytes, block_bytes: int, seed: int, /) -> list[int]: ...
+
+@final
+class BlockLRU:
+    def __new__(cls, hashes: Iterable[int] = ..., /) -> BlockLRU: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, h: object, /) -> bool: ...
+    def __iter__(self) -> Iterator[int]: ...
+
 def match(
-    lrus: Mapping[int, dict[int, None]], blocks: Sequence[int], holders: int, /
+    lrus: Mapping[int, BlockLRU], blocks: Sequence[int], holders: int, /
 ) -> dict[int, int]: ...
 def record(
-    lru: dict[int, None], blocks: Sequence[int], roots: dict[int, int], bit: int, capacity: int, /
+    lru: BlockLRU, blocks: Sequence[int], roots: dict[int, int], bit: int, capacity: int, /
 ) -> None: ...
+def evict(lru: BlockLRU, roots: dict[int, int], bit: int, count: int, /) -> None: ...
 def price(
     slots: tuple[int, ...],
     depths: Mapping[int, int],

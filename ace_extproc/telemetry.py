@@ -86,8 +86,9 @@ def is_anomaly(action: str) -> bool:
 # requests; out of rotation for another reason.
 POD_STATES = ("removed", "down", "drained", "available", "unavailable")
 
-# Bytes per index entry, when the index cannot say (``BlockIndex.approx_bytes``):
-# one dict entry and one 64-bit int object, as bench.index_memory measures.
+# Bytes per index entry, when the index cannot say (``BlockIndex.approx_bytes``): the
+# Python reference's dict entry and 64-bit int object, as bench.index_memory measures
+# (the C BlockLRU's are fewer; an estimate should not be under).
 INDEX_BYTES_PER_ENTRY_ESTIMATE = 80
 
 

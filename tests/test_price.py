@@ -135,23 +135,24 @@ def test_bad_arguments_raise(args: tuple[Any, ...], error: type[Exception]) -> N
 def test_the_pipeline_picks_alike_on_the_c_calls_and_on_python(
     pods: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same requests through two pipelines, one on the C calls (price, match,
-    record) and one on their Python references: the same pick every time, on a fleet
+    """The same requests through two pipelines, one on the C calls and structures
+    (price; the BlockLRU's match and record) and one on their Python references (the
+    index's dicts): the same pick every time, on a fleet
     small enough for one machine word of slots and on one past it, with queues, full
     pods and sessions in play."""
     import random
 
     from ace_extproc.config import Settings, sim_fleet
     from ace_extproc.prefix import hash_prompt
-    from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, index, pipeline
+    from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, pipeline
     from ace_extproc.routing.policies import cost_policy
 
-    def build() -> tuple[FleetState, Any]:
+    def build(pure: bool) -> tuple[FleetState, Any]:
         fleet = FleetState(sim_fleet([f"10.0.{i // 250}.{i % 250}:8000" for i in range(pods)]))
-        return fleet, cost_policy(Settings())(fleet, BlockIndex(40))
+        return fleet, cost_policy(Settings())(fleet, BlockIndex(40, pure=pure))
 
-    fast_fleet, fast = build()
-    slow_fleet, slow = build()
+    fast_fleet, fast = build(pure=False)
+    slow_fleet, slow = build(pure=True)
     rng = random.Random(pods)
     systems = [rng.randbytes(2048) for _ in range(5)]
     picks = []
@@ -169,8 +170,6 @@ def test_the_pipeline_picks_alike_on_the_c_calls_and_on_python(
         a = fast.pick(request, candidates)
         with monkeypatch.context() as m:
             m.setattr(pipeline, "price", pipeline.price_pure)
-            m.setattr(index, "_match", index.match_pure)
-            m.setattr(index, "_record", index.record_pure)
             b = slow.pick(request, candidates)
         assert a == b, f"request {i}"
         picks.append(a.slot)

@@ -1,12 +1,11 @@
 """The native fast path (``ace_extproc._speedups``) against the pure-Python reference.
 
-Its contract: ``chain`` equals ``prefix.chain_pure`` exactly, ``record`` leaves an
-LRU dict and the roots as ``routing.index.record_pure`` does, and for ANY bytes
+Its contract: ``chain`` equals ``prefix.chain_pure`` exactly, and for ANY bytes
 ``chat_prompt`` returns either None (the pure path decides) or exactly the fields
 ``request.parse_pure`` returns, never accepting what the pure path rejects; so does
 ``completion_prompt`` for /v1/completions bodies. Both must also accept the plain
 shape (for chat: text messages, tool definitions, tool calls), or the fast path is
-never taken.
+never taken. (The block LRU's functions: ``test_lru.py``.)
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from hypothesis import strategies as st
 from ace_extproc import request
 from ace_extproc.prefix import chain_pure
 from ace_extproc.request import CHAT_PATH, COMPLETIONS_PATH, RequestError, parse_pure
-from ace_extproc.routing.index import match_pure, record_pure
 from tests.conftest import load_speedups
 
 speedups = load_speedups()
@@ -1690,77 +1688,6 @@ def test_public_parse_rejects_as_pure_does(path: str, data: bytes) -> None:
     with pytest.raises(RequestError) as public:
         request.parse(path, data)
     assert public.value.reason == pure.value.reason
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    held=st.lists(st.integers(0, 40), max_size=30, unique=True),
-    touched=st.lists(st.integers(0, 40), max_size=30),
-    roots=st.dictionaries(st.integers(0, 40), st.integers(1, 2**70)),
-    slot=st.sampled_from([0, 3, 63, 64, 100]),
-    capacity=st.integers(0, 50),
-)
-def test_record_leaves_the_lru_and_roots_as_the_pure_loop(
-    held: list[int], touched: list[int], roots: dict[int, int], slot: int, capacity: int
-) -> None:
-    # Held blocks, some touched again (moved to the end, the first touched last), some new;
-    # repeats within one prompt too; big hashes as well as small ones, as chain gives. The
-    # capacity may be under what is held: the oldest go, and roots they were lose the pod.
-    touched = [t * 2**58 + 1 if t % 3 == 0 else t for t in touched]
-    native, pure = dict.fromkeys(held), dict.fromkeys(held)
-    native_roots, pure_roots = dict(roots), dict(roots)
-    assert speedups.record(native, touched, native_roots, 1 << slot, capacity) is None
-    record_pure(pure, touched, pure_roots, 1 << slot, capacity)
-    assert list(native) == list(pure)
-    assert native_roots == pure_roots
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    data=st.data(),
-    n=st.integers(1, 70),
-    slots=st.sets(st.sampled_from([0, 1, 5, 63, 64, 65, 127, 128, 300]), min_size=1),
-)
-def test_match_finds_each_holders_run_as_the_pure_search(
-    data: st.DataObject, n: int, slots: set[int]
-) -> None:
-    # Each holder holds a leading run of the chain (1..n blocks) and unrelated blocks;
-    # some also hold a few later blocks past a gap, which the chain rules out for a real
-    # index but both searches must read alike.
-    blocks = [b * 2**40 + 7 for b in range(n)]
-    lrus: dict[int, dict[int, None]] = {}
-    for slot in slots:
-        run = data.draw(st.integers(1, n), label=f"run {slot}")
-        held = blocks[:run] + data.draw(st.lists(st.sampled_from(blocks), max_size=3))
-        lrus[slot] = dict.fromkeys([*held, -slot - 1])
-    holders = sum(1 << slot for slot in slots)
-    assert speedups.match(lrus, blocks, holders) == match_pure(lrus, blocks, holders)
-
-
-def test_match_of_a_holder_without_an_lru_or_a_bad_argument_raises() -> None:
-    with pytest.raises(KeyError):
-        speedups.match({0: {1: None}}, [1], 0b10)
-    with pytest.raises(KeyError):
-        speedups.match({}, [1], 1 << 100)
-    with pytest.raises(ValueError):
-        speedups.match({}, [1], -1)
-    for args in (([], [1], 1), ({}, 5, 1), ({}, [1], 1.0), ({0: [1]}, [1], 1), ({}, [1])):
-        with pytest.raises(TypeError):
-            speedups.match(*args)
-    assert speedups.match({}, [], 0b1) == {}  # no blocks: nothing held
-
-
-def test_record_rejects_what_is_not_a_dict_of_blocks() -> None:
-    for args in (
-        ([], [1], {}, 1, 10),
-        ({}, 5, {}, 1, 10),
-        ({}, [1], [], 1, 10),
-        ({}, [1], {}, 1.0, 10),
-        ({}, [1], {}, 1, "10"),
-        ({}, [1], {}, 1),
-    ):
-        with pytest.raises(TypeError):
-            speedups.record(*args)
 
 
 def test_the_type_stub_matches_the_extension() -> None:

@@ -1,8 +1,10 @@
 """Which pods hold which prefix blocks: the router's belief about the engines' caches.
 
 Each pod has a bounded LRU of block hashes, as the engine's own prefix cache is a
-bounded LRU of blocks. That is the only per-block structure (one dict entry and the
-hash's int object, ~80 bytes a block: ``bench.index_memory``).
+bounded LRU of blocks. That is the only per-block structure: where the extension was
+built a ``BlockLRU`` (``_lru.c``: a block's hash and its list links in 16 bytes, plus
+its slot in a hash table), else a plain dict of the hashes' ints in recency order, the
+reference (~80 bytes a block); ``bench.index_memory`` measures both.
 
 Lookups lean on the chain: block ``i``'s hash covers every block before it, and
 ``record`` refreshes a prompt's blocks tail first, so each pod's held blocks of any
@@ -15,14 +17,20 @@ only pods holding the prompt's first block need one: a small map from first bloc
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import islice
-from typing import TypeAlias
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 from ace_extproc.speedups import native
 
+if TYPE_CHECKING:
+    from ace_extproc._speedups import BlockLRU
+
 # The bytes a tracked block's hash int object takes (64-bit values need 3 digits).
 _INT_BYTES = sys.getsizeof(2**63)
+
+# A pod's blocks, least recently used first: the C type, or the reference dict.
+LRU: TypeAlias = "BlockLRU | dict[int, None]"
 
 
 def record_pure(
@@ -85,24 +93,41 @@ def match_pure(
 
 # What ``BlockIndex.room`` reads, for pricing every candidate in one call:
 # (slot -> LRU, slot -> capacity where known, the default capacity).
-RoomView: TypeAlias = tuple[dict[int, dict[int, None]], dict[int, int], int]
+RoomView: TypeAlias = tuple[dict[int, LRU], dict[int, int], int]
 
-# One C call for the whole prompt where the extension was built (speedups.py).
-_record = native.record if native is not None else record_pure
-_match = native.match if native is not None else match_pure
+
+class Structures(NamedTuple):
+    """One implementation of the index's per-pod LRU and its operations."""
+
+    new_lru: Callable[[], Any]
+    record: Callable[[Any, Sequence[int], dict[int, int], int, int], None]
+    evict: Callable[[Any, dict[int, int], int, int], None]
+    match: Callable[[dict[int, Any], Sequence[int], int], dict[int, int]]
+    ints_per_block: bool  # each held block keeps its hash's int object alive
+
+
+PURE = Structures(dict, record_pure, evict_pure, match_pure, True)
+# One C call for the whole prompt, on C structures, where the extension was built.
+NATIVE = (
+    Structures(native.BlockLRU, native.record, native.evict, native.match, False)
+    if native is not None
+    else PURE
+)
 
 
 class BlockIndex:
-    def __init__(self, capacity_per_pod: int) -> None:
+    def __init__(self, capacity_per_pod: int, *, pure: bool = False) -> None:
+        """``pure``: the Python reference structures even where the extension was
+        built (tests compare the two)."""
         self.capacity = capacity_per_pod  # until a pod's own is known (set_capacity)
         self._capacity: dict[int, int] = {}  # slot -> blocks, from the engine's KV size
-        # slot -> block hashes, least recently used first. A plain dict keeps insertion
-        # order in half the memory of an OrderedDict.
-        self._lru: dict[int, dict[int, None]] = {}
+        self._ops = PURE if pure else NATIVE
+        self._lru: dict[int, LRU] = {}  # slot -> block hashes, least recently used first
         self._roots: dict[int, int] = {}  # first block of a prompt -> bitmask of holders
 
     def add_pod(self, slot: int) -> None:
-        self._lru.setdefault(slot, {})
+        if slot not in self._lru:
+            self._lru[slot] = self._ops.new_lru()
 
     def set_capacity(self, slot: int, blocks: int) -> None:
         """Bound one pod's LRU by its engine's real KV capacity (in router blocks),
@@ -112,7 +137,7 @@ class BlockIndex:
         self._capacity[slot] = blocks
         lru = self._lru.get(slot)
         if lru is not None and len(lru) > blocks:
-            evict_pure(lru, self._roots, 1 << slot, len(lru) - blocks)
+            self._ops.evict(lru, self._roots, 1 << slot, len(lru) - blocks)
 
     def capacity_of(self, slot: int) -> int:
         return self._capacity.get(slot, self.capacity)
@@ -133,7 +158,7 @@ class BlockIndex:
         """How many leading blocks each candidate holds, for those holding any."""
         if not blocks:
             return {}
-        return _match(self._lru, blocks, self._roots.get(blocks[0], 0) & candidates)
+        return self._ops.match(self._lru, blocks, self._roots.get(blocks[0], 0) & candidates)
 
     def longest_match(self, blocks: Sequence[int], candidates: int) -> tuple[int, int]:
         """``(depth, pods)``: how many leading blocks the best candidates hold, and the
@@ -150,7 +175,8 @@ class BlockIndex:
         """The pod now holds these blocks (it is about to prefill them)."""
         lru = self._lru.get(slot)
         if lru is not None:
-            _record(lru, blocks, self._roots, 1 << slot, self._capacity.get(slot, self.capacity))
+            capacity = self._capacity.get(slot, self.capacity)
+            self._ops.record(lru, blocks, self._roots, 1 << slot, capacity)
 
     def blocks_held(self, slot: int) -> int:
         lru = self._lru.get(slot)
@@ -167,10 +193,12 @@ class BlockIndex:
         return self._lru, self._capacity, self.capacity
 
     def approx_bytes(self) -> int:
-        """The index's memory, from its dicts' table sizes and one int per entry
-        (an upper bound: a block held by several pods shares its int)."""
+        """The index's memory: its LRUs' and the roots' tables, and the hashes' int
+        objects (the dicts' one per entry, an upper bound: a block held by several pods
+        shares its int; the C LRU's none, so only the roots')."""
         tables = sum(sys.getsizeof(lru) for lru in self._lru.values())
-        return tables + sys.getsizeof(self._roots) + _INT_BYTES * len(self)
+        ints = len(self) if self._ops.ints_per_block else len(self._roots)
+        return tables + sys.getsizeof(self._roots) + _INT_BYTES * ints
 
     def __len__(self) -> int:
         """Blocks tracked, counted once per pod that holds them."""
