@@ -291,23 +291,31 @@ static int lru_contains(BlockLRU *lru, PyObject *h)
     return find(lru, key) != NIL;
 }
 
-/* Oldest first, as a list's iterator (a snapshot: iterate, then change). */
+/* Oldest first, as a list's iterator (a snapshot: iterate, then change). The hashes
+ * are copied out before any int is made: making one may run a collection, whose
+ * finalizers must not find the walk half done. */
 static PyObject *lru_iter(BlockLRU *lru)
 {
-    PyObject *keys = PyList_New(lru->used);
+    Py_ssize_t n = lru->used;
+    uint64_t *keys = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
     if (keys == NULL)
-        return NULL;
+        return PyErr_NoMemory();
     Py_ssize_t i = 0;
-    for (uint32_t e = lru->oldest; e != NIL; e = lru->entries[e].next) {
-        PyObject *h = PyLong_FromUnsignedLongLong(lru->entries[e].key);
-        if (h == NULL) {
-            Py_DECREF(keys);
-            return NULL;
-        }
-        PyList_SET_ITEM(keys, i++, h);
+    for (uint32_t e = lru->oldest; e != NIL; e = lru->entries[e].next)
+        keys[i++] = lru->entries[e].key;
+    PyObject *list = PyList_New(n), *it = NULL;
+    for (i = 0; list != NULL && i < n; i++) {
+        PyObject *h = PyLong_FromUnsignedLongLong(keys[i]);
+        if (h == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, h);
     }
-    PyObject *it = PyObject_GetIter(keys);
-    Py_DECREF(keys);
+    PyMem_Free(keys);
+    if (list != NULL) {
+        it = PyObject_GetIter(list);
+        Py_DECREF(list);
+    }
     return it;
 }
 
