@@ -8,7 +8,8 @@
  *
  *       slots    tuple of candidate slots (ints), in any order
  *       depths   {slot: leading blocks held}
- *       rooms    (slot -> LRU dict, slot -> capacity, default capacity): BlockIndex
+ *       rooms    (slot -> LRU, slot -> capacity, default capacity): BlockIndex
+ *                (an LRU is read for its length alone: a BlockLRU or a dict)
  *       load     list of PodLoad, indexed by slot (reads queued_prefill_tokens)
  *       n        the prompt's blocks; tokens: its tokens
  *       params   PriceParams (7 floats)

@@ -174,6 +174,12 @@ class Settings:
     # vllm:cache_config_info, or a destination's kv_capacity_tokens).
     index_blocks_per_pod: int = 200_000
     ttft_model: str = DEFAULT_MODEL
+    # How fast a pod prefills, in uncached prompt tokens a second: the rate at which
+    # the prefill this replica sent a pod is taken to drain (routing/monitor.py).
+    # 0: the TTFT model's (1000 / a_ms; 25,000 for the default). Set it when the pods
+    # are faster or slower than the model (`ace-extproc up` sets it for its simulated
+    # pods' clock).
+    prefill_tokens_per_s: float = 0.0
     policy: str = "cost"  # the picking policy (routing.policies)
     # cost policy: a warm match covering less than this share of the prompt (a system
     # prompt many conversations share) does not steer the pick (routing/pipeline.py);
@@ -456,6 +462,7 @@ _SETTING_TYPES: dict[str, type] = {
     "max_body_bytes": int,
     "index_blocks_per_pod": int,
     "ttft_model": str,
+    "prefill_tokens_per_s": float,
     "policy": str,
     "min_match": float,
     "place_sessions": bool,
@@ -506,6 +513,8 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("router.block_bytes: expected 16..65536")
     if settings.max_body_bytes <= 0 or settings.index_blocks_per_pod <= 0:
         raise ConfigError("router: max_body_bytes and index_blocks_per_pod must be positive")
+    if not 0.0 <= settings.prefill_tokens_per_s < float("inf"):
+        raise ConfigError("router.prefill_tokens_per_s: expected a rate >= 0 (0: the model's)")
     if not 0.0 <= settings.min_match <= 1.0:
         raise ConfigError("router.min_match: expected a share of the prompt, 0 to 1")
     if settings.upstream_mode not in ("cluster", "endpoint"):

@@ -34,6 +34,11 @@ class TTFTModel:
         """TTFT of one request alone on an idle engine."""
         return self.t0_ms + self.prefill_ms(uncached, cached)
 
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """A pod's prefill rate in uncached tokens a second, the attention term aside."""
+        return 1000.0 / self.a_ms
+
     def speedup(self, prompt_tokens: int, cached: int) -> float:
         """Cold TTFT over warm TTFT for a prompt of which ``cached`` tokens are warm."""
         cached = min(max(cached, 0), prompt_tokens)

@@ -247,14 +247,15 @@ class Processor:
             self.placements.note(hashes.prefix_key, pick.slot)
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
         if self.monitor is not None:
-            # What this replica sent since the pods' last scrape. Prefill counts as
-            # queued only behind an engine that reported a waiting queue: an engine with
-            # room admits and chunks new prompts at once (the simulation keeps these
-            # figures exact instead). The monitor drains and resets the estimate.
+            # What this replica sent since the pods' last scrape, and the prefill it
+            # adds ahead of the next request there: an engine prefills its running
+            # requests' prompts in turn (vLLM's chunked prefill shares each step's token
+            # budget among them), so a new one waits behind them whether or not the
+            # engine reports a waiting queue (the simulation keeps these figures exact).
+            # The monitor drains the estimate, and drops it when the engine is idle.
             load = self.fleet.load[pick.slot]
             load.inflight += 1
-            if load.waiting:
-                load.queued_prefill_tokens += prompt_tokens - saved
+            load.queued_prefill_tokens += prompt_tokens - saved
         outcome = Outcome(
             mode,
             pick.action,

@@ -29,6 +29,7 @@ import yaml
 from ace_extproc import config as config_mod
 from ace_extproc import envoy_config
 from ace_extproc.config import Config, ConfigError
+from ace_extproc.latency import DEFAULT_MODEL, get_model
 from ace_extproc.procs import die_with_parent
 
 SERVED_BY = "x-ace-served-by"
@@ -72,6 +73,29 @@ class StackOptions:
     startup_timeout_s: float = 60.0
 
 
+def sim_router_settings(o: StackOptions) -> dict[str, object]:
+    """The ``router:`` settings of a simulated fleet: the options' own, the upstream
+    mode, and the pods' prefill rate: they run on a scaled clock, so does their prefill,
+    and the router's estimate of the prefill it queued must drain as fast."""
+    router = dict(o.router)
+    if o.upstream_mode:
+        router["upstream_mode"] = o.upstream_mode
+    if o.time_scale > 0:
+        rate = get_model(_sim_ttft_model(o.sim_args)).prefill_tokens_per_s
+        router.setdefault("prefill_tokens_per_s", rate / o.time_scale)
+    return router
+
+
+def _sim_ttft_model(sim_args: list[str]) -> str:
+    """The TTFT model the simulated pods run (``--ttft-model`` among their flags)."""
+    for i, arg in enumerate(sim_args):
+        if arg == "--ttft-model" and i + 1 < len(sim_args):
+            return sim_args[i + 1]
+        if arg.startswith("--ttft-model="):
+            return arg.partition("=")[2]
+    return DEFAULT_MODEL
+
+
 class StackError(RuntimeError):
     pass
 
@@ -97,10 +121,7 @@ class Stack:
             if o.fleet_path is None:
                 fleet = config_mod.default_fleet(o.pods, o.first_pod_port)
                 fleet_path = self.workdir / "fleet.yaml"
-                router = dict(o.router)
-                if o.upstream_mode:
-                    router["upstream_mode"] = o.upstream_mode
-                doc = {**config_mod.fleet_to_dict(fleet), "router": router}
+                doc = {**config_mod.fleet_to_dict(fleet), "router": sim_router_settings(o)}
                 fleet_path.write_text(yaml.safe_dump(doc))
                 await self._start_pods(fleet)
             else:

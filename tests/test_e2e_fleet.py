@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import random
 import signal
@@ -37,7 +38,7 @@ import pytest
 import yaml
 
 from ace_extproc.config import Config, Destination, Fleet, Pod, sim_fleet
-from ace_extproc.stack import Stack, StackOptions, envoy_binary
+from ace_extproc.stack import Stack, StackOptions, envoy_binary, sim_router_settings
 from tests.conftest import free_ports
 from tests.test_discovery import FakeApi, _serve, _slice
 from tests.test_e2e import conversation
@@ -287,13 +288,21 @@ def test_pod_killed_under_load_requests_go_on_and_it_gets_nothing_new() -> None:
     assert not [r for r in late_records if dead in r["headers"][GIE].split(",")]
     assert last_retried < settled
 
-    # The victim's conversations each moved to one live pod and stay there; the others
-    # never moved at all.
-    for key in victims:
-        assert len({s.served_by for s in late if s.key == key}) == 1, key
-    for key in set(home) - set(victims):
-        assert {s.served_by for s in sent if s.key == key} == {home[key]}, key
+    # The victim's conversations each moved to a live pod and the others stayed where
+    # they were, but for load: a turn priced behind the prefill queued on its pod (the
+    # victim's conversations arriving cold on the live pods) spills to another, and the
+    # conversation follows it there. So within a conversation every change of pod is a
+    # spill, but a victim's move off the dead pod; and spills stay rare.
+    def moves(key: str) -> list[Sent]:
+        turns = sorted((s for s in sent if s.key == key and s.status == 200), key=lambda s: s.start)
+        return [b for a, b in itertools.pairwise(turns) if a.served_by != b.served_by]
 
+    for key in home:
+        unforced = [m for m in moves(key) if not (key in victims and m.start < settled)]
+        off_victim = [m for m in unforced if m.served_by != victim]
+        assert all(m.action == "spill" for m in off_victim), (key, off_victim)
+    spills = [s for s in sent if s.action == "spill"]
+    assert len(spills) <= 0.05 * len(sent), len(spills)
     print(
         f"\nkill: {len(sent)} requests from {len(victims)}/{clients} conversations on "
         f"{victim}; {len(failed)} failed ({len(open_on_victim)} named to it and started "
@@ -302,7 +311,7 @@ def test_pod_killed_under_load_requests_go_on_and_it_gets_nothing_new() -> None:
         f"{len(rescued)} named to it after the kill, served by a retry "
         f"({len(retried)} seen on live pods); last named {last_named - killed:.3f} s, "
         f"last retried arrival {last_retried - killed:.3f} s after the kill; "
-        f"{len(late)} requests after {PROBE_INTERVAL_S} s; envoy: "
+        f"{len(late)} requests after {PROBE_INTERVAL_S} s; {len(spills)} spills; envoy: "
         + ", ".join(
             f"{k}={stats.get(k, 0)}"
             for k in (
@@ -427,7 +436,9 @@ def test_pod_added_at_run_time_takes_its_share_of_new_prefixes(tmp_path: Path) -
         }
         doc = {
             "destinations": [{"id": "sim", "provider": "vllm", "discovery": discovery}],
-            "router": ROUTER,
+            # The pods run 1000x faster than the TTFT model: so must the router's queued
+            # prefill drain (what `ace-extproc up` sets for the pods it starts).
+            "router": sim_router_settings(StackOptions(time_scale=0.001, router=ROUTER)),
         }
         fleet_file.write_text(yaml.safe_dump(doc))
         ports = free_ports(3)
@@ -477,8 +488,10 @@ def test_pod_added_at_run_time_takes_its_share_of_new_prefixes(tmp_path: Path) -
                 random.Random(5).shuffle(mixed)
                 later = await fire(http, url, mixed, clients)
                 # The new prefixes that landed on the new pod come back: it holds them.
+                # One at a time: a burst of them would queue on it, and the router would
+                # rightly spill some (their prefill waiting behind the others').
                 on_new = [s.key for s in later if s.key in fresh and s.served_by == new.id]
-                again = await fire(http, url, [(k, conversation(1, k)) for k in on_new], clients)
+                again = await fire(http, url, [(k, conversation(1, k)) for k in on_new], 1)
                 got = await records(http, [new])
             return first, going, later, again, added[0], got
 

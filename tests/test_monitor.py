@@ -381,7 +381,7 @@ def test_no_monitor_no_count() -> None:
     assert p.fleet.load[0].inflight == 0
 
 
-def test_queued_prefill_drains_at_the_model_rate_and_clears_when_nothing_waits() -> None:
+def test_queued_prefill_drains_at_the_model_rate_and_clears_when_the_engine_is_idle() -> None:
     fleet = FleetState(sim_fleet(["127.0.0.1:1", "127.0.0.1:2"]))
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
     load = fleet.load[0]
@@ -395,8 +395,24 @@ def test_queued_prefill_drains_at_the_model_rate_and_clears_when_nothing_waits()
     assert load.queued_prefill_tokens == 7500
     monitor.apply(0, EngineStats(engine="vllm", running=3, waiting=2, kv_usage=0.5))
     assert load.queued_prefill_tokens == 7500  # the engine still has a queue
+    # Nothing waiting, but requests running: they may still be prefilling (chunked
+    # prefill admits them at once), so the estimate stands.
     monitor.apply(0, EngineStats(engine="vllm", running=3, waiting=0, kv_usage=0.5))
-    assert load.queued_prefill_tokens == 0  # nothing waiting: nothing queued ahead
+    assert load.queued_prefill_tokens == 7500
+    monitor.apply(0, EngineStats(engine="vllm", running=0, waiting=0, kv_usage=0.0))
+    assert load.queued_prefill_tokens == 0  # an idle engine has no prefill left
+
+
+def test_queued_prefill_drains_at_the_configured_prefill_rate() -> None:
+    """``prefill_tokens_per_s``: pods faster (or slower) than the TTFT model, such as
+    simulated pods on a scaled clock, drain the estimate at their own rate."""
+    fleet = FleetState(sim_fleet(["127.0.0.1:1"]))
+    monitor = FleetMonitor(fleet, BlockIndex(100), Settings(prefill_tokens_per_s=2_500_000))
+    load = fleet.load[0]
+    monitor.drain(1000.0)
+    load.queued_prefill_tokens = 10_000
+    monitor.drain(1000.002)  # 2 ms at 2,500 tokens a millisecond (the model's: 50)
+    assert abs(load.queued_prefill_tokens - 5000) <= 1
 
 
 def test_many_short_drains_drain_as_much_as_one_long_one() -> None:
@@ -417,6 +433,36 @@ def test_many_short_drains_drain_as_much_as_one_long_one() -> None:
     assert abs(load.queued_prefill_tokens - 7475) <= 1
 
 
+def test_the_prefill_rate_setting_is_checked() -> None:
+    from ace_extproc.config import ConfigError, parse_settings
+
+    assert parse_settings({"prefill_tokens_per_s": 50_000}).prefill_tokens_per_s == 50_000.0
+    assert parse_settings({}).prefill_tokens_per_s == 0.0  # the TTFT model's
+    for bad in (-1, float("nan"), float("inf"), "fast", True):
+        with pytest.raises(ConfigError, match=r"router\.prefill_tokens_per_s"):
+            parse_settings({"prefill_tokens_per_s": bad})
+
+
+def test_the_local_stack_drains_at_its_simulated_pods_clock() -> None:
+    """``ace-extproc up`` (and the live benchmark) run the pods on a scaled clock: the
+    router's prefill rate follows it, from the TTFT model the pods run; a rate the user
+    set is kept."""
+    from ace_extproc.latency import get_model
+    from ace_extproc.stack import StackOptions, sim_router_settings
+
+    default = get_model("llama-3.3-70b-fp8-tp4").prefill_tokens_per_s
+    assert sim_router_settings(StackOptions(time_scale=0.01)) == {
+        "prefill_tokens_per_s": pytest.approx(default * 100)
+    }
+    small = get_model("llama-3.1-8b-fp8").prefill_tokens_per_s
+    for args in (["--ttft-model", "llama-3.1-8b-fp8"], ["--ttft-model=llama-3.1-8b-fp8"]):
+        router = sim_router_settings(StackOptions(time_scale=0.5, sim_args=args))
+        assert router["prefill_tokens_per_s"] == pytest.approx(small * 2)
+    kept = StackOptions(time_scale=0.01, router={"prefill_tokens_per_s": 7.0})
+    assert sim_router_settings(kept)["prefill_tokens_per_s"] == 7.0
+    assert "prefill_tokens_per_s" not in sim_router_settings(StackOptions(time_scale=0))
+
+
 def test_drains_closer_than_a_millisecond_apart_leave_the_queue_for_the_next() -> None:
     fleet = FleetState(sim_fleet(["127.0.0.1:1"]))
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
@@ -433,7 +479,7 @@ def test_picks_add_their_uncached_prompt_to_the_queue_when_monitored() -> None:
     cfg = Config(sim_fleet(["127.0.0.1:1"]), Settings(salt_secret=b"s"))
     proc = Processor(cfg)
     proc.monitor = FleetMonitor(proc.fleet, proc.index, cfg.settings)
-    proc.fleet.load[0].waiting = 3  # the engine reported a queue at its last scrape
+    proc.fleet.load[0].running = 3  # busy, with nothing waiting, at its last scrape
     body = msgspec.json.encode(
         {"model": "m", "messages": [{"role": "user", "content": "x" * 4000}]}
     )
@@ -443,9 +489,4 @@ def test_picks_add_their_uncached_prompt_to_the_queue_when_monitored() -> None:
     assert 990 < first < 1010  # ~4 KB of prompt at ~4 bytes a token, nothing cached
     proc.on_body(proc.on_headers(headers, False), body)
     # The repeat is mostly warm: it queues only its uncached tail.
-    assert proc.fleet.load[0].queued_prefill_tokens - first < 200
-    # An engine with nothing waiting admits at once: no queue is assumed.
-    proc.fleet.load[0].waiting = 0
-    proc.fleet.load[0].queued_prefill_tokens = 0
-    proc.on_body(proc.on_headers(headers, False), body)
-    assert proc.fleet.load[0].queued_prefill_tokens == 0
+    assert 0 < proc.fleet.load[0].queued_prefill_tokens - first < 200

@@ -5,7 +5,9 @@ Two loops on the server's event loop share one keep-alive ``aiohttp`` session:
 * **scrape**: every ``scrape_interval_s``, each pod's ``/metrics`` (vLLM or SGLang
   names, ``metrics_text``) goes into ``fleet.load[slot]``: running, waiting,
   kv_usage, and ``inflight`` reset to running + waiting; the processor adds one per
-  pick until the next scrape, so a burst between scrapes is not invisible. The
+  pick until the next scrape, so a burst between scrapes is not invisible. Each pick
+  also adds its uncached prompt to the pod's queued prefill, which ``drain`` lets run
+  down at the pods' prefill rate and a scrape finding the engine idle clears. The
   first scrape that carries the KV size (``vllm:cache_config_info`` block_size x
   num_gpu_blocks, or ``sglang:max_total_num_tokens``) bounds that pod's index.
   A counter going backwards (or a new process start time) is an engine restart:
@@ -77,7 +79,8 @@ class FleetMonitor:
         self.fleet = fleet
         self.index = index
         self.settings = settings
-        self._ms_per_token = get_model(settings.ttft_model).a_ms  # prefill cost per token
+        rate = settings.prefill_tokens_per_s or get_model(settings.ttft_model).prefill_tokens_per_s
+        self._ms_per_token = 1000.0 / rate  # how fast the prefill this replica sent drains
         self._drained_at = time.monotonic()
         self._drain_carry = 0.0  # tokens drained but not yet whole, kept for the next call
         self._providers = {d.id: d.provider for d in fleet.fleet.destinations}
@@ -228,8 +231,9 @@ class FleetMonitor:
     # ------------------------------------------------------------- bookkeeping
 
     def drain(self, now: float | None = None) -> None:
-        """Let the prefill this replica queued (added per pick) drain at the model's
-        prefill rate since it was last looked at; called before each pick."""
+        """Let the prefill this replica queued (added per pick) drain at the pods'
+        prefill rate (``prefill_tokens_per_s``, else the TTFT model's) since it was last
+        looked at; called before each pick."""
         now = time.monotonic() if now is None else now
         elapsed_ms = (now - self._drained_at) * 1000
         # At most once a millisecond (~25 tokens at the model's rate): at thousands of
@@ -267,8 +271,10 @@ class FleetMonitor:
         if stats.kv_usage is not None:
             load.kv_usage = stats.kv_usage
         load.inflight = running + waiting  # picks since this scrape are added on top
-        # With nothing waiting, nothing is queued behind the running requests.
-        if waiting == 0:
+        # An idle engine has no prefill left: whatever the estimate still holds (a pod
+        # faster than the drain rate, prompts more cached than believed) is dropped. A
+        # busy one keeps the estimate: its running requests may still be prefilling.
+        if running == 0 and waiting == 0:
             load.queued_prefill_tokens = 0
         if st.last is not None and not st.down:
             why = metrics_text.restarted(st.last, stats)
