@@ -73,6 +73,10 @@ class StackOptions:
     startup_timeout_s: float = 60.0
 
 
+class StackError(RuntimeError):
+    pass
+
+
 def sim_router_settings(o: StackOptions) -> dict[str, object]:
     """The ``router:`` settings of a simulated fleet: the options' own, the upstream
     mode, and the pods' prefill rate: they run on a scaled clock, so does their prefill,
@@ -81,7 +85,10 @@ def sim_router_settings(o: StackOptions) -> dict[str, object]:
     if o.upstream_mode:
         router["upstream_mode"] = o.upstream_mode
     if o.time_scale > 0:
-        rate = get_model(_sim_ttft_model(o.sim_args)).prefill_tokens_per_s
+        try:
+            rate = get_model(_sim_ttft_model(o.sim_args)).prefill_tokens_per_s
+        except ValueError as exc:  # the pods would refuse it too: say so before starting
+            raise StackError(f"simulated pods: {exc}") from None
         router.setdefault("prefill_tokens_per_s", rate / o.time_scale)
     return router
 
@@ -94,10 +101,6 @@ def _sim_ttft_model(sim_args: list[str]) -> str:
         if arg.startswith("--ttft-model="):
             return arg.partition("=")[2]
     return DEFAULT_MODEL
-
-
-class StackError(RuntimeError):
-    pass
 
 
 class Stack:

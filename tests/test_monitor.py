@@ -448,7 +448,7 @@ def test_the_local_stack_drains_at_its_simulated_pods_clock() -> None:
     router's prefill rate follows it, from the TTFT model the pods run; a rate the user
     set is kept."""
     from ace_extproc.latency import get_model
-    from ace_extproc.stack import StackOptions, sim_router_settings
+    from ace_extproc.stack import StackError, StackOptions, sim_router_settings
 
     default = get_model("llama-3.3-70b-fp8-tp4").prefill_tokens_per_s
     assert sim_router_settings(StackOptions(time_scale=0.01)) == {
@@ -461,6 +461,8 @@ def test_the_local_stack_drains_at_its_simulated_pods_clock() -> None:
     kept = StackOptions(time_scale=0.01, router={"prefill_tokens_per_s": 7.0})
     assert sim_router_settings(kept)["prefill_tokens_per_s"] == 7.0
     assert "prefill_tokens_per_s" not in sim_router_settings(StackOptions(time_scale=0))
+    with pytest.raises(StackError, match="unknown TTFT model"):
+        sim_router_settings(StackOptions(time_scale=0.01, sim_args=["--ttft-model", "nope"]))
 
 
 def test_drains_closer_than_a_millisecond_apart_leave_the_queue_for_the_next() -> None:
