@@ -3,11 +3,14 @@
     python -m bench.report --suite seed800                 # the product's 800-prompt suite
     python -m bench.report --trace PATH                     # any Mooncake-format trace
     python -m bench.report --workload hot-prefix --pods 8 --policies ace,round_robin
+    python -m bench.report --trace PATH --policies ace,ace@min_match=0.1  # try a setting
 
 Each policy runs through the production ``Processor`` inside the fleet simulation
 (``bench.fleetsim``); the two bounds run with the simulation's pooled or unbounded
-caches. Prints the product-style report for ``ace`` and a table of every policy, and
-writes ``bench/results/report-<workload>.json`` plus PNG plots next to it.
+caches. ``ace@setting=value`` is ours with router settings changed
+(``baselines.resolve``), to see what a ``fleet.yaml`` setting would do to a trace before
+deploying it. Prints the product-style report for ``ace`` and a table of every policy,
+and writes ``bench/results/report-<workload>.json`` plus PNG plots next to it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 from ace_extproc import request as req
 from ace_extproc.prefix import hash_prompt, scope_seed
 from bench import workloads
-from bench.baselines import POLICIES
+from bench.baselines import POLICIES, resolve
 from bench.fleetsim import SimSettings, simulate, summarize
 from bench.workloads.base import Workload
 
@@ -68,7 +71,7 @@ def run_policy(
     policy_settings = replace(settings, **BOUND_SETTINGS.get(name, {}))
     result = simulate(
         workload,
-        POLICIES[name],
+        resolve(name),
         pods=pods,
         settings=policy_settings,
         progress=progress,
@@ -272,9 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        print(f"error: unknown policies {unknown}; known: {', '.join(POLICIES)}", file=sys.stderr)
+    try:
+        for p in policies:
+            resolve(p)
+    except ValueError as exc:  # a ConfigError too
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     slots = [e.slot for e in workload.events] + list(workload.initially_absent)
     if slots and max(slots) >= args.pods:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import workloads
-from bench.baselines import POLICIES
+from bench.baselines import resolve
 from bench.fleetsim import SimSettings
 from bench.report import run_policy
 
@@ -51,9 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="default: bench/results/seeds-<workload>[-<pods>pods].json")
     args = ap.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown or args.pods < 1 or args.replicas < 1:
-        ap.error(f"unknown policies {unknown}" if unknown else "pods and replicas must be >= 1")
+    if args.pods < 1 or args.replicas < 1:
+        ap.error("pods and replicas must be >= 1")
+    try:
+        for p in policies:
+            resolve(p)
+    except ValueError as exc:  # a ConfigError too
+        ap.error(str(exc))
     settings = SimSettings()
     if args.num_gpu_blocks:
         settings = replace(settings, num_gpu_blocks=args.num_gpu_blocks)

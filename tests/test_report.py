@@ -1,7 +1,10 @@
 """bench.report end to end on a small slice: the JSON other tools read, and the plots."""
 
 import json
+import re
 from pathlib import Path
+
+import pytest
 
 from bench import report
 
@@ -61,3 +64,77 @@ def test_seeds_runs_every_policy_on_each_seeds_workload(tmp_path: Path) -> None:
         a["prefill_saved_ratio"] > r["prefill_saved_ratio"] for a, r in zip(ace, rr, strict=True)
     )
     assert seeds.main(["--workload", "churn", "--pods", "4", "--out", str(out)]) == 2
+
+
+def test_policy_spec_builds_ours_with_those_router_settings() -> None:
+    from ace_extproc.config import default_fleet
+    from ace_extproc.routing import BlockIndex, FleetState, PrefixAffinityPicker
+    from ace_extproc.routing.pipeline import Pipeline
+    from bench.baselines import POLICIES, resolve
+
+    def build(spec: str) -> object:
+        return resolve(spec)(FleetState(default_fleet(4)), BlockIndex(1000))
+
+    assert resolve("ace") is POLICIES["ace"]
+    tuned = build("ace@min_match=0.1@place_sessions=false")
+    assert isinstance(tuned, Pipeline)
+    assert tuned.min_match == 0.1 and tuned.place_sessions is False and not tuned.balance_new
+    default = build("ace")
+    assert isinstance(default, Pipeline) and default.min_match == 0.25 and default.place_sessions
+    balanced = build("ace@policy=cost-balanced")
+    assert isinstance(balanced, Pipeline) and balanced.balance_new
+    assert isinstance(build("ace@policy=affinity"), PrefixAffinityPicker)
+    assert isinstance(build("ace@min_match=0"), Pipeline)  # YAML's int, as fleet.yaml takes it
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("nope", "unknown policy 'nope'"),
+        ("round_robin@min_match=0.1", "unknown policy"),
+        ("ace@", "expected setting=value"),
+        ("ace@min_match", "expected setting=value"),
+        ("ace@block_bytes=64", "'block_bytes' is not a setting the pick reads"),
+        ("ace@min_match=2", "router.min_match: expected a share of the prompt"),
+        ("ace@place_sessions=maybe", "router.place_sessions: expected bool"),
+        ("ace@policy=nope", "router.policy: unknown policy 'nope'"),
+        ("ace@min_match=0.1@min_match=0.2", "min_match given twice"),
+        ("ace@min_match=[1", "cannot read '[1'"),
+    ],
+)
+def test_policy_spec_errors_say_what_is_wrong(spec: str, message: str, tmp_path: Path) -> None:
+    from bench.baselines import resolve
+
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        resolve(spec)
+    if spec.startswith("ace@"):
+        assert str(err.value).startswith(f"{spec}: ")  # which of several policies
+    # Before any simulation: the report and the seeds runner refuse it at once.
+    args = ["--suite", "seed800", "--policies", f"ace,{spec}", "--out", str(tmp_path)]
+    assert report.main(args) == 2
+    from bench import seeds
+
+    with pytest.raises(SystemExit) as exit_:
+        seeds.main(["--workload", "seed800", "--policies", spec, "--out", str(tmp_path / "s.json")])
+    assert exit_.value.code == 2
+
+
+def test_report_runs_a_policy_spec_as_the_policy_it_names(tmp_path: Path) -> None:
+    """``ace@policy=affinity`` is the first version, figure for figure, and not the default:
+    the settings reach the picker the simulation runs."""
+    code = report.main(
+        [
+            "--suite", "seed800", "--limit", "80", "--pods", "4", "--no-progress",
+            "--policies", "ace,ace_affinity,ace@policy=affinity,ace@min_match=0.25",
+            "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    pol = json.loads((tmp_path / "report-seed800-4pods.json").read_text())["policies"]
+
+    def figures(policy: str) -> list[float]:
+        return [pol[policy][f] for f in ("cached_tokens", "hits", "ttft_p99_ms", "evictions")]
+
+    assert figures("ace@policy=affinity") == figures("ace_affinity")
+    assert figures("ace@min_match=0.25") == figures("ace")
+    assert figures("ace") != figures("ace_affinity")

@@ -8,6 +8,10 @@ Every factory is ``(FleetState, BlockIndex) -> Picker``. Every pick reports
 router's 512-byte blocks (0 for policies with no cache model), and ``action`` "hit" when
 it believes at least one block is warm, else "miss".
 
+Ours with other router settings is named ``ace@setting=value[@setting=value...]``
+(``resolve``), e.g. ``ace@min_match=0.1@place_sessions=false``: the settings a fleet
+would write under ``router:``, checked as ``fleet.yaml``'s are.
+
 Special simulation settings: ``bound_unbounded`` needs unbounded engine caches and
 router index, ``bound_pooled`` one KV cache pooled across all pods
 (``bounds.SIMULATION_SETTINGS``); every other entry runs under the normal settings.
@@ -17,7 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ace_extproc.config import Settings
+import yaml
+
+from ace_extproc.config import ConfigError, Settings, parse_settings
 from ace_extproc.routing import BlockIndex, FleetState, Picker, PrefixAffinityPicker, policies
 from bench.baselines.bounds import SIMULATION_SETTINGS, bound_pooled, bound_unbounded
 from bench.baselines.dynamo_cost import DynamoCostPicker
@@ -51,4 +57,44 @@ POLICIES: dict[str, PickerFactory] = {
     "bound_unbounded": bound_unbounded,
 }
 
-__all__ = ["POLICIES", "SIMULATION_SETTINGS", "PickerFactory"]
+# The router settings a policy spec may change: those that shape the pick. The others
+# (block size, TTFT model, ...) are the simulation's own and would not reach it.
+TUNABLE = ("policy", "min_match", "place_sessions")
+
+
+def resolve(name: str) -> PickerFactory:
+    """The policy ``name``: an entry of ``POLICIES``, or ours with router settings
+    changed, ``ace@setting=value[@setting=value...]`` (values read as YAML scalars, so
+    ``false`` and ``0.1`` mean what they do in ``fleet.yaml``). Raises ``ValueError``
+    (a ``ConfigError`` for a bad value) saying what is wrong."""
+    factory = POLICIES.get(name)
+    if factory is not None:
+        return factory
+    base, sep, rest = name.partition("@")
+    if base != "ace" or not sep:
+        raise ValueError(
+            f"unknown policy {name!r}; known: {', '.join(POLICIES)}, "
+            f"or ace@setting=value[@...] with a setting of {', '.join(TUNABLE)}"
+        )
+    raw: dict[str, object] = {"salt_secret": "bench"}  # not used here; skips generating one
+    for item in rest.split("@"):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{name}: expected setting=value after @, not {item!r}")
+        if key not in TUNABLE:
+            raise ValueError(
+                f"{name}: {key!r} is not a setting the pick reads; one of {', '.join(TUNABLE)}"
+            )
+        if key in raw:
+            raise ValueError(f"{name}: {key} given twice")
+        try:
+            raw[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ValueError(f"{name}: {key}: cannot read {value!r}") from None
+    try:
+        return policies.build(parse_settings(raw, env={}))
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+__all__ = ["POLICIES", "SIMULATION_SETTINGS", "TUNABLE", "PickerFactory", "resolve"]
