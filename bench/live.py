@@ -21,18 +21,22 @@ Every router gets the same bytes: the workload's bodies with streaming switched 
 exactly as the workload holds them.
 
 Per request: HTTP status, latency (request sent to last byte), TTFT (request sent to the
-first SSE ``data:`` event, which carries the first generated token; streaming only), and the
+first SSE ``data:`` event, which carries the first generated token; streaming only), the
 engine's own ``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens`` (from
-the final chunk when streaming). Per router: requests, errors, hit ratio (share of answered
-requests with any cached token), cached share (cached / prompt tokens, engine-reported),
-latency and TTFT p50/p99, requests per pod, and, as a cross-check, the pods' own /metrics
-counters (``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``, and
+the final chunk when streaming), and where the pods are simulated, the engine's TTFT on its
+simulated clock (``sim_ttft_ms``, next to the usage). Per router: requests, errors, hit
+ratio (share of answered requests with any cached token), cached share (cached / prompt
+tokens, engine-reported), latency and TTFT p50/p99, the engines' simulated TTFT p50/p99,
+requests per pod, and, as a cross-check, the pods' own /metrics counters
+(``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``, and
 ``vllm:prompt_tokens_cached_total`` / ``vllm:prompt_tokens_total``) summed over the pods,
 as the difference between just before and just after the replay.
 
 Time. ``--time-scale`` multiplies the pods' simulated durations (0.01: 100x faster); the
 routers' own costs are not scaled, so at small scales latencies are mostly gateway and
-machine time, and the hit ratio and cached share are the figures to compare. Fleet events
+machine time; the engines' simulated TTFT (``engine_ttft_ms``: from a request reaching
+its pod to its first token, on the pods' clock, queueing included) is what each router's
+placement gave, at any scale, and with the cached share the figure to compare. Fleet events
 of a workload (pods leaving or joining) are not replayed: every pod serves from the start.
 
 Writes ``bench/results/live-<workload>.json`` (``--out``), per-request records with
@@ -53,14 +57,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import msgspec
 import uvloop
 import yaml
 
-from ace_extproc.sim.app import POD_HEADER
+from ace_extproc.sim.app import POD_HEADER, TTFT_FIELD
 from ace_extproc.stack import Stack, StackError, StackOptions
 from bench import peers
 from bench.ceiling import ceiling
@@ -113,6 +117,7 @@ class Record:
     error: str | None
     latency_ms: float
     ttft_ms: float | None
+    engine_ttft_ms: float | None  # the simulated engine's, on its clock (sim_ttft_ms)
     prompt_tokens: int | None
     cached_tokens: int | None
     pod: str | None  # x-sim-pod of the answer
@@ -159,8 +164,14 @@ def previous_in_session(sessions: Sequence[str]) -> list[int | None]:
 # ------------------------------------------------------------------ the client
 
 
-def _usage(raw: bytes) -> tuple[int, int] | None:
-    """(prompt_tokens, cached_tokens) from an answer or an SSE chunk, if it has usage."""
+class Usage(NamedTuple):
+    prompt_tokens: int
+    cached_tokens: int
+    engine_ttft_ms: float | None  # the simulated engine's sim_ttft_ms; None from others
+
+
+def _usage(raw: bytes) -> Usage | None:
+    """What an answer or an SSE chunk says of its usage, if it has usage."""
     try:
         doc = msgspec.json.decode(raw)
     except msgspec.DecodeError:
@@ -170,7 +181,9 @@ def _usage(raw: bytes) -> tuple[int, int] | None:
         return None
     details = use.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return use["prompt_tokens"], cached if isinstance(cached, int) else 0
+    ttft = doc.get(TTFT_FIELD)
+    ttft = float(ttft) if isinstance(ttft, int | float) and not isinstance(ttft, bool) else None
+    return Usage(use["prompt_tokens"], cached if isinstance(cached, int) else 0, ttft)
 
 
 async def send(
@@ -208,8 +221,9 @@ async def send(
         error=error,
         latency_ms=round(latency * 1e3, 3),
         ttft_ms=None if ttft is None else round(ttft * 1e3, 3),
-        prompt_tokens=use[0] if use else None,
-        cached_tokens=use[1] if use else None,
+        engine_ttft_ms=use.engine_ttft_ms if use else None,
+        prompt_tokens=use.prompt_tokens if use else None,
+        cached_tokens=use.cached_tokens if use else None,
         pod=pod,
     )
 
@@ -314,6 +328,9 @@ def summarize(
         "cached_tokens": cached,
         "latency_ms": _quantiles([r.latency_ms for r in ok]),
         "ttft_ms": _quantiles([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        "engine_ttft_ms": _quantiles(
+            [r.engine_ttft_ms for r in ok if r.engine_ttft_ms is not None]
+        ),
         "wall_s": round(wall_s, 3),
         "rps": round(len(ok) / wall_s, 1) if wall_s > 0 else None,
         "pods": dict(sorted(pods.items())),
@@ -427,7 +444,8 @@ def _ms(q: dict[str, float] | None, key: str) -> str:
 def format_table(runs: Sequence[RouterRun]) -> str:
     head = (
         f"{'router':<10}{'reqs':>6}{'errors':>7}{'hit%':>8}{'cached%':>8}{'engine%':>8}"
-        f"{'lat p50':>9}{'p99':>9}{'ttft p50':>9}{'p99':>9}{'req/s':>8}{'busiest':>8}"
+        f"{'lat p50':>9}{'p99':>9}{'ttft p50':>9}{'p99':>9}{'sim p50':>9}{'p99':>9}"
+        f"{'req/s':>8}{'busiest':>8}"
     )
     lines = [head]
     for run in runs:
@@ -442,6 +460,7 @@ def format_table(runs: Sequence[RouterRun]) -> str:
             f"{_pct(s['cached_share'])}{_pct(engine)}"
             f"{_ms(s['latency_ms'], 'p50')}{_ms(s['latency_ms'], 'p99')}"
             f"{_ms(s['ttft_ms'], 'p50')}{_ms(s['ttft_ms'], 'p99')}"
+            f"{_ms(s.get('engine_ttft_ms'), 'p50')}{_ms(s.get('engine_ttft_ms'), 'p99')}"
             f"{s['rps'] or 0:>8.1f}{_pct(s['busiest_pod_share'])}"
         )
         if run.failed:
@@ -449,7 +468,8 @@ def format_table(runs: Sequence[RouterRun]) -> str:
     lines.append(
         "hit%: answered requests with any cached token; cached%: cached / prompt tokens "
         "(engine usage); engine%: pods' prefix_cache_hits / queries (/metrics); "
-        "ms; busiest: the busiest pod's share of requests"
+        "ms; sim: TTFT on the simulated pods' clock; busiest: the busiest pod's share of "
+        "requests"
     )
     families = sorted({f for run in runs if run.summary for f in run.summary["families"]})
     if len(families) > 1:

@@ -107,6 +107,7 @@ def _record(i: int, **kw: object) -> live.Record:
         "error": None,
         "latency_ms": float(i + 1),
         "ttft_ms": float(i + 1) / 2,
+        "engine_ttft_ms": float(i + 1) * 10,
         "prompt_tokens": 100,
         "cached_tokens": 0,
         "pod": "pod-0",
@@ -137,6 +138,7 @@ def test_summarize_from_fake_records() -> None:
     assert (s["prompt_tokens"], s["cached_tokens"]) == (300, 120)
     assert s["latency_ms"] == {"p50": 2.0, "p99": 3.0}
     assert s["ttft_ms"] == {"p50": 1.0, "p99": 1.5}
+    assert s["engine_ttft_ms"] == {"p50": 20.0, "p99": 30.0}
     assert s["rps"] == 1.5
     assert s["pods"] == {"pod-0": 2, "pod-1": 1}
     assert s["busiest_pod_share"] == round(2 / 3, 4)
@@ -152,7 +154,19 @@ def test_summarize_with_nothing_answered() -> None:
     s = live.summarize([_record(0, status=0, error="x", ttft_ms=None)], None, wall_s=0.0)
     assert s["ok"] == 0 and s["hit_ratio"] is None and s["cached_share"] is None
     assert s["latency_ms"] is None and s["ttft_ms"] is None and s["rps"] is None
+    assert s["engine_ttft_ms"] is None
     assert s["engine"] is None and s["busiest_pod_share"] is None
+
+
+def test_usage_reads_the_simulated_engines_ttft_where_it_is_given() -> None:
+    use = {"prompt_tokens": 90, "prompt_tokens_details": {"cached_tokens": 64}}
+    chunk = {"choices": [], "usage": use, "sim_ttft_ms": 21.5}
+    assert live._usage(json.dumps(chunk).encode()) == (90, 64, 21.5)
+    assert live._usage(json.dumps({**chunk, "sim_ttft_ms": 7}).encode()) == (90, 64, 7.0)
+    # A real engine's answer (no such key) or a key of another type: no figure.
+    for odd in ({"usage": use}, {**chunk, "sim_ttft_ms": True}, {**chunk, "sim_ttft_ms": "1"}):
+        assert live._usage(json.dumps(odd).encode()) == (90, 64, None)
+    assert live._usage(b'{"choices": [], "sim_ttft_ms": 3}') is None  # no usage
 
 
 def test_table_and_doc_name_skipped_and_failed_routers() -> None:
@@ -202,6 +216,9 @@ def test_live_smoke_through_every_installed_router(tmp_path: Path) -> None:
         assert s is not None
         assert (s["requests"], s["errors"]) == (9, 0), s["error_kinds"]
         assert s["ttft_ms"] is not None and s["ttft_ms"]["p50"] <= s["latency_ms"]["p50"]
+        # The engines' simulated TTFT came through every router, for every request.
+        assert s["engine_ttft_ms"] is not None
+        assert all(r.engine_ttft_ms is not None for r in run.records)
         assert sum(s["pods"].values()) == 9 and set(s["pods"]) <= {"pod-0", "pod-1"}
         # The client's sum of engine-reported cached tokens is what the pods counted.
         assert s["engine"]["prompt_tokens"] == s["prompt_tokens"]
@@ -238,6 +255,24 @@ def test_live_summary_puts_each_router_next_to_the_ceiling() -> None:
     assert table[0] == "| workload | ceiling | ace | sglang | vllm |"
     assert table[2] == "| seed800 (800) | 89.2% | 89.0% | **89.1%** | 88.9% |"
     assert table[3] == "| burst32k (800) | - | **0.7%** | - | **0.7%** |"  # a tie, shown as one
+
+
+def test_live_table_shows_the_engines_ttft_where_the_run_has_it() -> None:
+    from bench.tables import live_table
+
+    summary = live.summarize([_record(0, cached_tokens=50)], None, 1.0)
+    older = {k: v for k, v in summary.items() if k != "engine_ttft_ms"}  # an earlier run's
+    doc = {
+        "workload": {"name": "tiny", "requests": 1},
+        "command": "cmd",
+        "routers": {"ace": summary, "vllm": older, "sglang": {"skipped": "not installed"}},
+    }
+    rows = live_table(doc).splitlines()
+    assert "engines' TTFT p50 / p99 (simulated ms)" in rows[2]
+    assert all(row.count("|") == rows[2].count("|") for row in rows[2:])
+    assert rows[4].startswith("| ace |") and "| 10 / 10 |" in rows[4]
+    assert rows[5].startswith("| vllm |") and "| - |" in rows[5]
+    assert rows[6] == "| sglang | skipped: not installed | | | | | | |"
 
 
 def test_live_seeds_summarizes_each_router_over_seeds_and_runs() -> None:

@@ -442,6 +442,56 @@ def test_time_scale_orders_ttft() -> None:
     run(main)
 
 
+def test_answers_carry_the_engines_ttft_on_its_simulated_clock() -> None:
+    """``sim_ttft_ms`` sits next to the usage: for a request alone on an idle pod, the TTFT
+    model's figure for its uncached and cached tokens, at any time scale; queueing behind
+    another prefill adds to it; a request of several prompts reports its first token's."""
+    model = get_model(DEFAULT_MODEL)
+
+    def alone(answer: dict[str, Any]) -> float:
+        use = answer["usage"]
+        cached = use["prompt_tokens_details"]["cached_tokens"]
+        return model.ttft_ms(use["prompt_tokens"] - cached, cached)
+
+    async def main() -> None:
+        doc = [{"role": "system", "content": "alpha " * 3000}]  # past the step floor
+        turn = [{"role": "user", "content": "first?"}]
+        more = [{"role": "assistant", "content": "yes"}, {"role": "user", "content": "then?"}]
+        async with pod(time_scale=0.002) as (_, s):
+            first = await post(s, "/v1/chat/completions", {"messages": doc + turn})
+            body = {"messages": doc + turn + more, "stream": True, "max_tokens": 3}
+            streamed = await stream(
+                s, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}}
+            )
+            plain = await stream(s, "/v1/chat/completions", body)
+            batch = await post(
+                s, "/v1/completions", {"prompt": ["x " * 3000, "y " * 50], "max_tokens": 2}
+            )
+        # At the model's own pace, a long prompt sent while another's prefill runs waits
+        # for it: its TTFT counts that wait.
+        async with pod(time_scale=1.0) as (_, s):
+
+            async def long(c: str, after_s: float) -> dict[str, Any]:
+                await asyncio.sleep(after_s)
+                return await post(s, "/v1/completions", {"prompt": f"{c} " * 6000, "max_tokens": 1})
+
+            queued = await asyncio.gather(long("p", 0.0), long("q", 0.03))
+        assert first["sim_ttft_ms"] == pytest.approx(alone(first), abs=0.01)
+        last = streamed[-2]
+        assert last["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert last["sim_ttft_ms"] == pytest.approx(alone(last), abs=0.01)
+        assert last["sim_ttft_ms"] < first["sim_ttft_ms"]  # warm: less to prefill
+        assert not any("sim_ttft_ms" in e for e in plain[:-1])  # no usage, no figure
+        # Both prompts' prefills run in one batch: its end brings either's first token.
+        x, y = len(encode("x " * 3000)), len(encode("y " * 50))
+        assert model.ttft_ms(x) < batch["sim_ttft_ms"] <= model.ttft_ms(x + y) + 0.01
+        low, high = (q["sim_ttft_ms"] for q in queued)
+        assert low == pytest.approx(alone(queued[0]), rel=0.01)
+        assert high > 1.5 * low  # its own prefill after most of the other's
+
+    run(main)
+
+
 def test_record_keeps_the_last_n_requests() -> None:
     async def main() -> None:
         async with pod(record=2) as (_, s):

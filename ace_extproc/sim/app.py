@@ -8,7 +8,12 @@ Endpoints (vLLM's shapes unless noted): ``POST /v1/chat/completions``,
 ``GET /server_info``; and, sim only, ``GET``/``DELETE /debug/requests``.
 
 Every response carries ``x-sim-pod: <pod id>``, a sim-only debug header
-(no real engine sends it) so tests can see which pod answered.
+(no real engine sends it) so tests can see which pod answered. The object that
+carries a completion's ``usage`` (the answer, or the stream's usage chunk) also
+carries ``sim_ttft_ms``, sim only: the request's time to first token on the
+engine's simulated clock (its first prompt's, for several), so a benchmark run with
+the pods' clock sped up can still compare the TTFT each router's placement gave.
+Clients ignore an unknown key.
 
 ``--record N`` keeps the last N requests received (except the polled
 ``/health``, ``/metrics``, ``/get_load``, ``/server_info`` and ``/debug/*``)
@@ -67,6 +72,7 @@ from .tokenizer import TemplateError, encode, render_chat
 
 VERSION = "0.33.0+sim"  # the vLLM release whose behaviour the sim follows
 POD_HEADER = "x-sim-pod"
+TTFT_FIELD = "sim_ttft_ms"  # sim only, next to usage: TTFT on the simulated clock
 MAX_BODY = 64 * 1024 * 1024  # aiohttp's default is 1 MiB; vLLM takes long prompts
 # Polled paths that would push the interesting requests out of --record's window.
 _UNRECORDED = frozenset({"/health", "/metrics", "/get_load", "/server_info"})
@@ -193,22 +199,29 @@ async def _generate(
     if params.stream:
         return await _stream(request, pod, kind, prompts, params, max_tokens, rid, created)
 
-    async def one(prompt: Prompt) -> int:
+    async def one(prompt: Prompt) -> tuple[int, float]:
         async with engine.generate(
             prompt, salt=params.cache_salt, max_tokens=max_tokens, n=params.n
         ) as req:
             await engine.decode(req, max_tokens - 1)
-        return req.cached_tokens
+        return req.cached_tokens, req.ttft_s
 
     if len(prompts) == 1:
-        cached = await one(prompts[0])
+        done = [await one(prompts[0])]
     else:
-        cached = sum(await asyncio.gather(*(one(t) for t in prompts)))
-    use = usage(prompt_tokens, completion_tokens, cached)
+        done = await asyncio.gather(*(one(t) for t in prompts))
+    use = usage(prompt_tokens, completion_tokens, sum(cached for cached, _ in done))
     text = filler_text(max_tokens)
     if kind == "chat":
-        return _json(chat_response(rid, model, created, text, params.n, use))
-    return _json(completion_response(rid, model, created, [text] * (params.n * len(prompts)), use))
+        answer = chat_response(rid, model, created, text, params.n, use)
+    else:
+        answer = completion_response(rid, model, created, [text] * (params.n * len(prompts)), use)
+    answer[TTFT_FIELD] = _ms(min(ttft for _, ttft in done))
+    return _json(answer)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
 
 
 def _sse(value: Any) -> bytes:
@@ -234,6 +247,7 @@ async def _stream(
     # Headers go out at once, as from vLLM (Starlette's StreamingResponse).
     await response.prepare(request)
     cached: list[int] = []
+    ttfts: list[float] = []
 
     def chunk(base: int, i: int) -> bytes:
         piece = filler_piece(i)
@@ -268,6 +282,7 @@ async def _stream(
                 await engine.decode(req, 1)
                 await response.write(chunk(base, i))
         cached.append(req.cached_tokens)
+        ttfts.append(req.ttft_s)
 
     try:
         if len(prompts) == 1:
@@ -281,7 +296,9 @@ async def _stream(
                 sum(_num_tokens(p) for p in prompts), max_tokens * n * len(prompts), sum(cached)
             )
             obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-            await response.write(_sse(usage_chunk(rid, obj, model, created, use)))
+            last = usage_chunk(rid, obj, model, created, use)
+            last[TTFT_FIELD] = _ms(min(ttfts))
+            await response.write(_sse(last))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except* ConnectionError:
