@@ -8,8 +8,9 @@ pod depends on timing), so a comparison between routers needs several.
 
 Each run is a plain ``bench.live`` run (fresh pods per router), written to
 ``bench/results/live-seeds/<workload>[-<tag>]-seed<S>-run<R>.json``; the summary (per
-router: each seed's mean, the mean over all runs, the lowest and highest run, and the
-ceiling of each seed from ``bench.ceiling``) goes to
+router: each seed's mean cached share, the mean over all runs, the lowest and highest run,
+and the ceiling of each seed from ``bench.ceiling``; and the simulated pods' TTFT p50 and
+p99, the median over the runs and the range of the p99, since one run's tail is noisy) goes to
 ``bench/results/seeds-live-<workload>[-<tag>].json``. ``--router-setting`` is passed to
 ``bench.live`` (ace-extproc's ``router:`` settings); ``--tag`` names such a variant's files.
 """
@@ -33,7 +34,8 @@ def _ints(text: str) -> list[int]:
 
 
 def summarize(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per router: cached share by seed (mean of its runs), over all runs, and the range."""
+    """Per router: cached share by seed (mean of its runs), over all runs, and the range;
+    the engines' TTFT p50 and p99 over the runs that report it (median, p99's range)."""
     seeds = sorted({d["options"]["seed"] for d in docs})
     routers = list(dict.fromkeys(name for d in docs for name in d["routers"]))
     out: dict[str, Any] = {"seeds": seeds, "runs": len(docs), "ceiling": {}, "routers": {}}
@@ -58,6 +60,16 @@ def summarize(docs: list[dict[str, Any]]) -> dict[str, Any]:
             "lowest": round(min(every), 4),
             "highest": round(max(every), 4),
         }
+        ttfts = [t for d in docs if (t := d["routers"].get(name, {}).get("engine_ttft_ms"))]
+        if ttfts:
+            p99s = [t["p99"] for t in ttfts]
+            out["routers"][name]["engine_ttft_ms"] = {
+                "runs": len(ttfts),
+                "p50_median": round(statistics.median(t["p50"] for t in ttfts), 1),
+                "p99_median": round(statistics.median(p99s), 1),
+                "p99_lowest": round(min(p99s), 1),
+                "p99_highest": round(max(p99s), 1),
+            }
     return out
 
 
@@ -96,6 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     for router, r in summary["routers"].items():
         cells = "".join(f"{r['by_seed'].get(str(s), float('nan')):>9.1%}" for s in summary["seeds"])
         print(f"{router:<10}{cells}{r['mean']:>8.1%}{r['lowest']:>8.1%}{r['highest']:>8.1%}")
+    timed = {k: r["engine_ttft_ms"] for k, r in summary["routers"].items() if "engine_ttft_ms" in r}
+    if timed:
+        print("\nthe pods' TTFT on their simulated clock, ms: median over the runs (p99's range)")
+        print(f"{'router':<10}{'runs':>6}{'p50':>9}{'p99':>9}{'lowest':>9}{'highest':>9}")
+        for router, t in timed.items():
+            print(
+                f"{router:<10}{t['runs']:>6}{t['p50_median']:>9.0f}{t['p99_median']:>9.0f}"
+                f"{t['p99_lowest']:>9.0f}{t['p99_highest']:>9.0f}"
+            )
     path = Path(f"bench/results/seeds-live-{name}.json")
     command = "python -m bench.live_seeds " + " ".join(sys.argv[1:] if argv is None else argv)
     path.write_text(json.dumps({"command": command.strip(), **summary}, indent=2) + "\n")

@@ -285,22 +285,36 @@ def test_live_seeds_summarizes_each_router_over_seeds_and_runs() -> None:
             "routers": {k: {"cached_share": v} for k, v in shares.items()},
         }
 
+    def timed(d: dict[str, Any], router: str, p50: float, p99: float) -> dict[str, Any]:
+        d["routers"][router]["engine_ttft_ms"] = {"p50": p50, "p99": p99}
+        return d
+
     s = summarize(
         [
-            doc(0, {"ace": 0.88, "vllm": 0.80}),
-            doc(0, {"ace": 0.86, "vllm": 0.60}),
-            doc(1, {"ace": 0.87, "vllm": 0.70}),
+            timed(doc(0, {"ace": 0.88, "vllm": 0.80}), "ace", 40.0, 700.0),
+            timed(doc(0, {"ace": 0.86, "vllm": 0.60}), "ace", 30.0, 900.0),
+            timed(doc(1, {"ace": 0.87, "vllm": 0.70}), "ace", 35.0, 650.0),
             doc(1, {"ace": 0.85, "vllm": None}),  # vllm failed this run: no cached_share
             doc(2, {"ace": 0.0, "vllm": 0.0}),  # nothing reused is a figure too
         ]
     )
     assert s["seeds"] == [0, 1, 2] and s["runs"] == 5
     assert s["ceiling"] == {"0": 0.9, "1": 0.89, "2": 0.88}
-    assert s["routers"]["ace"] == {
+    ace = {k: v for k, v in s["routers"]["ace"].items() if k != "engine_ttft_ms"}
+    assert ace == {
         "by_seed": {"0": 0.87, "1": 0.86, "2": 0.0},
         "mean": 0.692,
         "lowest": 0.0,
         "highest": 0.88,
     }
+    # The engines' TTFT over the runs that report it (older runs, and other engines, do not).
+    assert s["routers"]["ace"]["engine_ttft_ms"] == {
+        "runs": 3,
+        "p50_median": 35.0,
+        "p99_median": 700.0,
+        "p99_lowest": 650.0,
+        "p99_highest": 900.0,
+    }
+    assert "engine_ttft_ms" not in s["routers"]["vllm"]
     assert s["routers"]["vllm"]["by_seed"] == {"0": 0.7, "1": 0.7, "2": 0.0}
     assert s["routers"]["vllm"]["lowest"] == 0.0
