@@ -39,11 +39,6 @@ class TTFTModel:
         """A pod's prefill rate in uncached tokens a second, the attention term aside."""
         return 1000.0 / self.a_ms
 
-    def speedup(self, prompt_tokens: int, cached: int) -> float:
-        """Cold TTFT over warm TTFT for a prompt of which ``cached`` tokens are warm."""
-        cached = min(max(cached, 0), prompt_tokens)
-        return self.ttft_ms(prompt_tokens) / self.ttft_ms(prompt_tokens - cached, cached)
-
 
 MODELS: dict[str, TTFTModel] = {
     m.name: m

@@ -47,7 +47,8 @@ class Outcome:
     pod: Pod | None = None  # pinned only in prod
     would_pick: Pod | None = None  # the decision, in any mode
     saved_tokens: int = 0
-    speedup: float = 1.0
+    speedup: float = 1.0  # estimated: cold TTFT over warm (calibrated TTFT model)
+    saved_ms: float = 0.0  # estimated: cold TTFT less warm, for the metrics
     body: bytes | None = None  # the rewritten body (prod)
     reject_status: int = 0  # answer the client directly with this status
     reject_body: bytes = b""
@@ -174,10 +175,6 @@ class Processor:
         return outcome
 
     def _count(self, ctx: RequestContext, outcome: Outcome, latency_ns: int) -> None:
-        saved_ms = 0.0
-        if outcome.saved_tokens:
-            cold = self.ttft.ttft_ms(outcome.prompt_tokens)
-            saved_ms = cold - cold / outcome.speedup
         self.telemetry.decision(
             outcome.mode,  # a StrEnum, so the str itself
             outcome.action,
@@ -185,7 +182,7 @@ class Processor:
             outcome.slot,
             outcome.prompt_tokens,
             outcome.saved_tokens,
-            saved_ms,
+            outcome.saved_ms,
             latency_ns,
         )
 
@@ -256,13 +253,17 @@ class Processor:
             load = self.fleet.load[pick.slot]
             load.inflight += 1
             load.queued_prefill_tokens += prompt_tokens - saved
+        # The estimate the trace header and the metrics report, computed once.
+        cold = self.ttft.ttft_ms(prompt_tokens)
+        warm = self.ttft.ttft_ms(prompt_tokens - saved, saved) if saved else cold
         outcome = Outcome(
             mode,
             pick.action,
             hashes.prefix_key,
             would_pick=pick.pod,
             saved_tokens=saved,
-            speedup=self.ttft.speedup(prompt_tokens, saved),
+            speedup=cold / warm,
+            saved_ms=cold - warm,
             slot=pick.slot,
             prompt_tokens=prompt_tokens,
         )

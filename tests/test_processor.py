@@ -58,6 +58,11 @@ def test_prod_pins_rewrites_and_reports():
     )
     assert second.action == "hit" and second.pod == first.pod
     assert second.saved_tokens > 600 and second.speedup > 1.5
+    # The estimate, from the calibrated model: cold TTFT over (and less) the warm one.
+    model, n, c = p.ttft, second.prompt_tokens, second.saved_tokens
+    assert second.speedup == model.ttft_ms(n) / model.ttft_ms(n - c, c)
+    assert second.saved_ms == model.ttft_ms(n) - model.ttft_ms(n - c, c)
+    assert first.saved_tokens == 0 and first.speedup == 1.0 and first.saved_ms == 0.0
     assert second.trace == (
         f"mode=prod,action=hit,prefix_key={second.prefix_key},"
         f"saved_prefill_tokens={second.saved_tokens},speedup={second.speedup:.2f}"
