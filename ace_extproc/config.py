@@ -183,8 +183,9 @@ class Settings:
     policy: str = "cost"  # the picking policy (routing.policies)
     # cost policy: a warm match covering less than this share of the prompt (a system
     # prompt many conversations share) does not steer the pick (routing/pipeline.py);
-    # 0 lets any match steer. Measured in bench/RESULTS.md ("Shallow matches").
-    min_match: float = 0.25
+    # 0 lets any match steer. Requests with session ids are placed by their session
+    # anyway; measured in bench/RESULTS.md ("The shallow-match threshold").
+    min_match: float = 0.1
     # cost policy: a session's (x-session-id / x-user-id) first request this replica
     # sees is placed by the session, not drawn to a pod by a prefix other sessions share.
     place_sessions: bool = True

@@ -155,7 +155,7 @@ def test_replicas_place_a_new_conversation_the_same_way_on_every_turn() -> None:
         b_fleet, _, replica_b = setup(8)
         for fleet, picker in ((a_fleet, replica_a), (b_fleet, replica_b)):
             assert picker.pick(request(system + b"warm" * 2000), fleet.available)  # both know it
-        turn1 = system + bytes([i]) * 6000 + b"first question"
+        turn1 = system + bytes([i]) * 12000 + b"first question"  # 2 of 25 blocks shared
         turn2 = turn1 + b"an answer" * 300 + b"second question"
         first = replica_a.pick(request(turn1), a_fleet.available)
         second = replica_b.pick(request(turn2), b_fleet.available)

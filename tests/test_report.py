@@ -76,11 +76,11 @@ def test_policy_spec_builds_ours_with_those_router_settings() -> None:
         return resolve(spec)(FleetState(default_fleet(4)), BlockIndex(1000))
 
     assert resolve("ace") is POLICIES["ace"]
-    tuned = build("ace@min_match=0.1@place_sessions=false")
+    tuned = build("ace@min_match=0.3@place_sessions=false")
     assert isinstance(tuned, Pipeline)
-    assert tuned.min_match == 0.1 and tuned.place_sessions is False and not tuned.balance_new
+    assert tuned.min_match == 0.3 and tuned.place_sessions is False and not tuned.balance_new
     default = build("ace")
-    assert isinstance(default, Pipeline) and default.min_match == 0.25 and default.place_sessions
+    assert isinstance(default, Pipeline) and default.min_match == 0.1 and default.place_sessions
     balanced = build("ace@policy=cost-balanced")
     assert isinstance(balanced, Pipeline) and balanced.balance_new
     assert isinstance(build("ace@policy=affinity"), PrefixAffinityPicker)
@@ -125,7 +125,7 @@ def test_report_runs_a_policy_spec_as_the_policy_it_names(tmp_path: Path) -> Non
     code = report.main(
         [
             "--suite", "seed800", "--limit", "80", "--pods", "4", "--no-progress",
-            "--policies", "ace,ace_affinity,ace@policy=affinity,ace@min_match=0.25",
+            "--policies", "ace,ace_affinity,ace@policy=affinity,ace@min_match=0.1",
             "--out", str(tmp_path),
         ]
     )  # fmt: skip
@@ -136,5 +136,5 @@ def test_report_runs_a_policy_spec_as_the_policy_it_names(tmp_path: Path) -> Non
         return [pol[policy][f] for f in ("cached_tokens", "hits", "ttft_p99_ms", "evictions")]
 
     assert figures("ace@policy=affinity") == figures("ace_affinity")
-    assert figures("ace@min_match=0.25") == figures("ace")
+    assert figures("ace@min_match=0.1") == figures("ace")
     assert figures("ace") != figures("ace_affinity")
