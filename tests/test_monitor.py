@@ -385,9 +385,10 @@ def test_queued_prefill_drains_at_the_model_rate_and_clears_when_the_engine_is_i
     fleet = FleetState(sim_fleet(["127.0.0.1:1", "127.0.0.1:2"]))
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
     load = fleet.load[0]
-    start = time.monotonic()
-    # The time since the monitor was made drains nothing queued (on a slow machine it
-    # could be past one token's worth: the queue is filled after it).
+    # The time since the monitor was made drains nothing queued: the queue is filled
+    # after it. Past the drain's 1 ms step, so this call does take that time (under it,
+    # the call would leave it to the next: 0.04 ms of it, one token, failed a CI run).
+    start = time.monotonic() + 0.01
     monitor.drain(start)
     load.queued_prefill_tokens = 10_000  # as picks left it
     monitor.drain(start + 0.1)
