@@ -4,7 +4,8 @@ pod depends on timing), so a comparison between routers needs several.
 
     python -m bench.live_seeds [--workload seed800] [--seeds 0,1,2,3] [--repeats 2]
                                [--routers ace,sglang,vllm] [--limit 800]
-                               [--router-setting KEY=VALUE ...] [--tag NAME]
+                               [--router-setting KEY=VALUE ...] [--time-scale 0.01]
+                               [--tag NAME]
 
 Each run is a plain ``bench.live`` run (fresh pods per router), written to
 ``bench/results/live-seeds/<workload>[-<tag>]-seed<S>-run<R>.json``; the summary (per
@@ -12,7 +13,9 @@ router: each seed's mean cached share, the mean over all runs, the lowest and hi
 and the ceiling of each seed from ``bench.ceiling``; and the simulated pods' TTFT p50 and
 p99, the median over the runs and the range of the p99, since one run's tail is noisy) goes to
 ``bench/results/seeds-live-<workload>[-<tag>].json``. ``--router-setting`` is passed to
-``bench.live`` (ace-extproc's ``router:`` settings); ``--tag`` names such a variant's files.
+``bench.live`` (ace-extproc's ``router:`` settings), and so is ``--time-scale`` (the pods'
+clock: slower pods make machine time a smaller share of the engines' TTFT); ``--tag`` names
+such a variant's files.
 """
 
 from __future__ import annotations
@@ -81,19 +84,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routers", default="ace,sglang,vllm")
     ap.add_argument("--limit", type=int, default=800)
     ap.add_argument("--router-setting", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--time-scale", type=float, help="the pods' clock (bench.live's default)")
     ap.add_argument("--tag", default="", help="a suffix for this variant's files")
     args = ap.parse_args(argv)
     if args.repeats < 1 or not args.seeds:
         ap.error("--repeats must be at least 1 and --seeds name one seed or more")
     name = f"{args.workload}-{args.tag}" if args.tag else args.workload
-    settings = [x for item in args.router_setting for x in ("--router-setting", item)]
+    extra = [x for item in args.router_setting for x in ("--router-setting", item)]
+    if args.time_scale is not None:
+        extra += ["--time-scale", str(args.time_scale)]
     docs = []
     for seed in args.seeds:
         for run in range(args.repeats):
             out = RUNS / f"{name}-seed{seed}-run{run}.json"
             code = live.main(
                 ["--workload", args.workload, "--limit", str(args.limit), "--seed", str(seed),
-                 "--routers", args.routers, "--out", str(out), *settings]
+                 "--routers", args.routers, "--out", str(out), *extra]
             )  # fmt: skip
             if code == 0:
                 docs.append(json.loads(out.read_text()))
