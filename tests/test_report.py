@@ -3,22 +3,23 @@
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench import report
 
 
+def suite_report(out: Path, requests: int, policies: str) -> dict[str, Any]:
+    """``bench.report`` on the suite's first requests, 4 pods: the JSON it wrote."""
+    args = ["--suite", "seed800", "--limit", str(requests), "--pods", "4", "--no-progress"]
+    assert report.main([*args, "--policies", policies, "--out", str(out)]) == 0
+    data: dict[str, Any] = json.loads((out / "report-seed800-4pods.json").read_text())
+    return data
+
+
 def test_report_json_shape_and_plots(tmp_path: Path, capsys) -> None:
-    code = report.main(
-        [
-            "--suite", "seed800", "--limit", "60", "--pods", "4", "--no-progress",
-            "--policies", "ace,round_robin,bound_pooled,bound_unbounded",
-            "--out", str(tmp_path),
-        ]
-    )  # fmt: skip
-    assert code == 0
-    data = json.loads((tmp_path / "report-seed800-4pods.json").read_text())
+    data = suite_report(tmp_path, 60, "ace,round_robin,bound_pooled,bound_unbounded")
     assert data["workload"] == "seed800" and data["pods"] == 4 and data["requests"] == 60
     assert set(data["policies"]) == {"ace", "round_robin", "bound_pooled", "bound_unbounded"}
     for p in data["policies"].values():
@@ -122,15 +123,8 @@ def test_policy_spec_errors_say_what_is_wrong(spec: str, message: str, tmp_path:
 def test_report_runs_a_policy_spec_as_the_policy_it_names(tmp_path: Path) -> None:
     """``ace@policy=affinity`` is the first version, figure for figure, and not the default:
     the settings reach the picker the simulation runs."""
-    code = report.main(
-        [
-            "--suite", "seed800", "--limit", "80", "--pods", "4", "--no-progress",
-            "--policies", "ace,ace_affinity,ace@policy=affinity,ace@min_match=0.1",
-            "--out", str(tmp_path),
-        ]
-    )  # fmt: skip
-    assert code == 0
-    pol = json.loads((tmp_path / "report-seed800-4pods.json").read_text())["policies"]
+    specs = "ace,ace_affinity,ace@policy=affinity,ace@min_match=0.1"
+    pol = suite_report(tmp_path, 80, specs)["policies"]
 
     def figures(policy: str) -> list[float]:
         return [pol[policy][f] for f in ("cached_tokens", "hits", "ttft_p99_ms", "evictions")]
