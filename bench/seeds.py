@@ -26,7 +26,7 @@ from bench.baselines import resolve
 from bench.fleetsim import SimSettings
 from bench.report import run_policy
 
-FIGURES = ("prefill_saved_ratio", "ttft_p99_ms", "imbalance")
+FIGURES = ("prefill_saved_ratio", "ttft_p50_ms", "ttft_p99_ms", "imbalance")
 
 
 def _seeds(text: str) -> list[int]:
