@@ -20,6 +20,7 @@ import logging
 import re
 import weakref
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 import yaml
@@ -258,13 +259,16 @@ def _slots(mask: int) -> list[int]:
 
 def config_document(config: Config) -> dict[str, Any]:
     """The configuration in ``fleet.yaml`` form (``config.load`` reads it back), less the
-    salt secret; API keys appear only as ``sha256:`` digests, as the file may hold them."""
+    salt secret and the share URL's password (``****``); API keys appear only as
+    ``sha256:`` digests, as the file may hold them."""
     s = config.settings
     router: dict[str, Any] = {"mode": s.mode.value}
     for f in dataclasses.fields(Settings):
         if f.name in ("mode", "tenants", "salt_secret", "salt_secret_generated"):
             continue
         value = getattr(s, f.name)
+        if f.name == "share_url":
+            value = _without_password(value)
         if value is not None:
             router[f.name] = value
     t = s.tenants
@@ -275,6 +279,15 @@ def config_document(config: Config) -> dict[str, Any]:
         tenants["api_keys"] = {f"sha256:{d.hex()}": name for d, name in t.key_digests.items()}
     router["tenants"] = tenants
     return {**fleet_to_dict(config.fleet), "router": router}
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:****@{host}"))
 
 
 # -------------------------------------------------------------------- serving

@@ -190,6 +190,12 @@ class Settings:
     # sees is placed by the session, not drawn to a pod by a prefix other sessions share.
     place_sessions: bool = True
     upstream_mode: str = "cluster"  # "cluster": per-pod Envoy clusters; "endpoint": ip:port
+    # Replicas share their placements through Redis pub/sub (routing/replicas.py), so
+    # each prices pods against the whole fleet's traffic and follows the prefixes and
+    # sessions the others placed: redis://[:password@]host:port/db, rediss://, or
+    # unix:///path. "" (the default): each replica learns only from what it routes.
+    share_url: str = ""
+    share_channel: str = "ace-extproc:placements"
     scrape_interval_s: float = 0.1  # pods' /metrics
     probe_interval_s: float = 1.0  # pods' /health
     probe_timeout_s: float = 0.5
@@ -225,6 +231,7 @@ class Settings:
 
 
 LOG_FORMATS = ("json", "text")
+SHARE_SCHEMES = ("redis", "rediss", "unix")
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,6 +475,8 @@ _SETTING_TYPES: dict[str, type] = {
     "min_match": float,
     "place_sessions": bool,
     "upstream_mode": str,
+    "share_url": str,
+    "share_channel": str,
     "scrape_interval_s": float,
     "probe_interval_s": float,
     "probe_timeout_s": float,
@@ -520,6 +529,13 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("router.min_match: expected a share of the prompt, 0 to 1")
     if settings.upstream_mode not in ("cluster", "endpoint"):
         raise ConfigError("router.upstream_mode: expected cluster or endpoint")
+    if settings.share_url and urlsplit(settings.share_url).scheme not in SHARE_SCHEMES:
+        raise ConfigError(
+            f"router.share_url: expected a redis://, rediss:// or unix:// URL, "
+            f"got {settings.share_url!r}"
+        )
+    if not settings.share_channel:
+        raise ConfigError("router.share_channel: expected a channel name")
     check_admin_listen(settings.admin_listen, "router.admin_listen")
     if settings.metrics_listen != "off":
         check_listen(settings.metrics_listen, "router.metrics_listen", allow_off=True)

@@ -29,6 +29,7 @@ from ace_extproc.tenants import MissingKey, Tenants, UnknownKey
 if TYPE_CHECKING:
     from ace_extproc.routing.discovery import Discovery
     from ace_extproc.routing.monitor import FleetMonitor
+    from ace_extproc.routing.replicas import PlacementSink
 
 log = logging.getLogger("ace_extproc")
 
@@ -104,6 +105,9 @@ class Processor:
         self.placements: PrefixPlacements | None = PrefixPlacements()
         # Set by server.start: the loops that add and remove pods at run time.
         self.discoveries: list[Discovery] = []
+        # Set by server.start when router.share_url is: this replica's placements go to
+        # the other replicas, and theirs come into this one's index and load view.
+        self.sharing: PlacementSink | None = None
 
     # ------------------------------------------------------------ header phase
 
@@ -253,6 +257,10 @@ class Processor:
             load = self.fleet.load[pick.slot]
             load.inflight += 1
             load.queued_prefill_tokens += prompt_tokens - saved
+        if self.sharing is not None:  # queued for the other replicas; no I/O here
+            self.sharing.note(
+                pick.pod.key, hashes.blocks, ctx.tenant, ctx.session, prompt_tokens - saved
+            )
         # The estimate the trace header and the metrics report, computed once.
         cold = self.ttft.ttft_ms(prompt_tokens)
         warm = self.ttft.ttft_ms(prompt_tokens - saved, saved) if saved else cold

@@ -47,6 +47,7 @@ from ace_extproc.processor import Outcome, Processor, RequestContext
 from ace_extproc.procs import die_with_parent
 from ace_extproc.routing.discovery import for_destination
 from ace_extproc.routing.monitor import FleetMonitor
+from ace_extproc.routing.replicas import Learner, ReplicaSync
 
 log = logging.getLogger("ace_extproc")
 
@@ -275,7 +276,9 @@ async def start(
     """Serve ``processor`` (a new one when None) and, unless ``probe_interval_s <= 0``,
     watch its pods: the monitor is ``processor.monitor``, for the caller to stop.
     Destinations with ``discovery:`` get a discovery loop each
-    (``processor.discoveries``), stopped by ``stop_discovery(processor)``.
+    (``processor.discoveries``), stopped by ``stop_discovery(processor)``. With
+    ``share_url`` the replica shares its placements (``processor.sharing``, a
+    ``ReplicaSync`` for the caller to stop).
     The admin API (``admin_listen``, unless ``off``) runs until the server has stopped."""
     s = config.settings
     processor = processor or Processor(config)
@@ -301,6 +304,16 @@ async def start(
         ]
         for discovery in processor.discoveries:
             await discovery.start()
+    if s.share_url and processor.sharing is None:
+        remember = getattr(processor.picker, "remember", None)
+        sync = ReplicaSync(
+            Learner(processor.fleet, processor.index, remember),
+            s.share_url,
+            s.block_bytes,
+            s.share_channel,
+        )
+        await sync.start()  # connects in the background: Redis may come up later
+        processor.sharing = sync
     await serve_admin(config, processor, follow=server)  # its own port; stops after server
     for name in ("", _SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -358,6 +371,8 @@ async def serve(config: Config) -> None:
     if processor.monitor is not None:
         await processor.monitor.stop()
     await server.stop(s.shutdown_grace_s)
+    if isinstance(processor.sharing, ReplicaSync):
+        await processor.sharing.stop()
     if metrics is not None:
         metrics.stop()
     log.info("ace-extproc stopped")

@@ -67,6 +67,7 @@ def run_policy(
     settings: SimSettings,
     progress: bool,
     replicas: int = 1,
+    share_delay_s: float | None = None,
 ) -> dict[str, Any]:
     policy_settings = replace(settings, **BOUND_SETTINGS.get(name, {}))
     result = simulate(
@@ -76,9 +77,11 @@ def run_policy(
         settings=policy_settings,
         progress=progress,
         replicas=replicas,
+        share_delay_s=share_delay_s,
     )
     summary = summarize(result)
     summary["replicas"] = replicas
+    summary["share_delay_ms"] = None if share_delay_s is None else share_delay_s * 1000
     summary["session_moves"] = _session_moves(result)
     summary["wall_s"] = round(result.wall_s, 2)
     # "Any cached token" counts the chat template's first block, warm on every pod; a
@@ -162,14 +165,15 @@ def product_report(workload: Workload, pods: int, report: dict[str, Any]) -> str
 
 
 def policy_table(report: dict[str, Any]) -> str:
+    w = max(20, *(len(name) + 1 for name in report["policies"]))  # names: a column apart
     head = (
-        f"{'policy':<20}{'hit%':>7}{'warm%':>7}{'saved%':>8}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}"
-        f"{'imbal':>7}{'evict':>9}{'rps':>8}{'moves%':>8}"
+        f"{'policy':<{w}}{'hit%':>7}{'warm%':>7}{'saved%':>8}"
+        f"{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'imbal':>7}{'evict':>9}{'rps':>8}{'moves%':>8}"
     )
     rows = [head, "-" * len(head)]
     for name, p in report["policies"].items():
         rows.append(
-            f"{name:<20}{p['hit_ratio'] * 100:>7.1f}{p['warm_hit_ratio'] * 100:>7.1f}"
+            f"{name:<{w}}{p['hit_ratio'] * 100:>7.1f}{p['warm_hit_ratio'] * 100:>7.1f}"
             f"{p['prefill_saved_ratio'] * 100:>8.1f}"
             f"{p['ttft_p50_ms']:>9.1f}{p['ttft_p95_ms']:>9.1f}{p['ttft_p99_ms']:>9.1f}"
             f"{p['imbalance']:>7.2f}{p['evictions']:>9}{p['throughput_rps']:>8.1f}"
@@ -261,9 +265,18 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="also run our policies as N independent replicas (requests spread over them)",
     )
+    ap.add_argument(
+        "--share-ms",
+        type=float,
+        help="with --replicas: also run them sharing placements (router.share_url), "
+        "each reaching the others this many ms later",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
+    if args.share_ms is not None and (args.share_ms < 0 or args.replicas < 2):
+        print("error: --share-ms needs --replicas 2 or more and a delay >= 0", file=sys.stderr)
+        return 2
     name = args.suite or args.workload or ("trace:" + args.trace if args.trace else "seed800")
     if name == "all":
         rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "all"]
@@ -311,6 +324,18 @@ def main(argv: list[str] | None = None) -> int:
         report["policies"][name] = run_policy(
             workload, p, args.pods, settings, not args.no_progress, args.replicas
         )
+        if args.share_ms is not None:
+            name += "_shared"
+            print(f"{name} ...", file=sys.stderr, flush=True)
+            report["policies"][name] = run_policy(
+                workload,
+                p,
+                args.pods,
+                settings,
+                not args.no_progress,
+                args.replicas,
+                args.share_ms / 1000,
+            )
 
     if "ace" in report["policies"]:
         print(product_report(workload, args.pods, report))

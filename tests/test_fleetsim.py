@@ -7,8 +7,16 @@ import json
 
 import pytest
 
+from ace_extproc.config import Settings
 from ace_extproc.latency import DEFAULT_MODEL, get_model
-from ace_extproc.routing import BlockIndex, FleetState, Pick, PrefixAffinityPicker, RoutingRequest
+from ace_extproc.routing import (
+    BlockIndex,
+    FleetState,
+    Pick,
+    PrefixAffinityPicker,
+    RoutingRequest,
+    policies,
+)
 from bench.fleetsim import RequestRecord, RunResult, SimSettings, simulate, summarize
 from bench.workloads.base import FleetEvent, Request, Workload
 
@@ -361,3 +369,23 @@ def test_replayed_trace_reuse_matches_its_hash_ids() -> None:
     # The engine caches whole 16-token blocks and recomputes a fully cached prompt's last
     # token, so it can fall a hair short of the 512-token-block count, never above it.
     assert expected - 0.005 < saved <= expected + 1e-9
+
+
+def test_replicas_sharing_placements_route_as_one() -> None:
+    # A hot prefix arriving faster than one pod prefills it: where each request goes
+    # depends on the queue the router sees, which unshared replicas see a part of.
+    text = "a hot shared system prompt " * 400
+    requests = [
+        completion(i * 0.02, text + f" question {i}" * 20, session=f"s{i}") for i in range(40)
+    ]
+    workload = Workload("t", "", requests)
+    picker = policies.cost_policy(Settings())
+
+    def pods(**kw: object) -> list[int]:
+        result = simulate(workload, picker, pods=4, progress=False, **kw)  # type: ignore[arg-type]
+        return [r.pod for r in by_arrival(result)]
+
+    one = pods()
+    assert len(set(one)) > 1  # the hot prefix spilled: the queue mattered
+    assert pods(replicas=3) != one
+    assert pods(replicas=3, share_delay_s=0.0) == one

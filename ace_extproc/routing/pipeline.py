@@ -222,7 +222,8 @@ class Pipeline:
             )
         return slots
 
-    def _remember(self, session: tuple[str, str], slot: int) -> None:
+    def remember(self, session: tuple[str, str], slot: int) -> None:
+        """``(tenant, session id)`` went to ``slot`` (here, or by another replica)."""
         sessions = self._sessions
         sessions[session] = slot
         if len(sessions) > self._sessions_remembered:
@@ -278,7 +279,7 @@ class Pipeline:
         )
         index.record(chosen, blocks)
         if session is not None:
-            self._remember(session, chosen)
+            self.remember(session, chosen)
         # The action names what steered: a shallow match placed as new is a miss. The
         # depth reported is what the chosen pod really holds (the saved-prefill estimate).
         best_depth = max(depths.values(), default=0)

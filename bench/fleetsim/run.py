@@ -7,13 +7,14 @@ import hashlib
 import heapq
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ace_extproc.config import Config, Mode, Settings, TenantConfig, default_fleet
 from ace_extproc.latency import get_model
 from ace_extproc.processor import Processor
 from ace_extproc.routing.policies import PickerFactory
+from ace_extproc.routing.replicas import Learner, Placement
 from ace_extproc.sim.kvcache import PrefixCache
 from bench.fleetsim.metrics import RequestRecord, RunResult
 from bench.fleetsim.pod import Job, SimPod
@@ -24,7 +25,7 @@ from bench.workloads.base import FleetEvent, Request, Workload
 # Event kinds, in the order they run when simultaneous: steps end (freeing blocks)
 # before the fleet changes, before new requests arrive, before routed ones land,
 # before an idle pod starts (so all requests landing at one instant share a step).
-_STEP_END, _FLEET, _ARRIVAL, _ENTER, _WAKE = 0, 1, 2, 3, 4
+_STEP_END, _FLEET, _ARRIVAL, _ENTER, _WAKE, _SHARED = 0, 1, 2, 3, 4, 5
 _UNBOUNDED_BLOCKS = 1 << 60
 
 
@@ -38,8 +39,12 @@ def simulate(
     progress: bool = True,
     salt_secret: bytes = b"bench",
     replicas: int = 1,
+    share_delay_s: float | None = None,
 ) -> RunResult:
-    """Run ``workload`` over ``pods`` simulated pods routed by ``picker``."""
+    """Run ``workload`` over ``pods`` simulated pods routed by ``picker``.
+
+    ``share_delay_s``: replicas share their placements (``router.share_url``), each
+    reaching the others this long after it was made; None: they share nothing."""
     if pods < 1 or replicas < 1:
         raise ValueError("pods and replicas must be at least 1")
     slots = [e.slot for e in workload.events] + list(workload.initially_absent)
@@ -50,6 +55,8 @@ def simulate(
         )
     begin = time.perf_counter()
     sim = _Run(workload, picker, pods, settings, Mode.parse(mode), salt_secret, replicas)
+    if share_delay_s is not None and replicas > 1:
+        sim.share(share_delay_s)
     with _progress(len(workload.requests), workload.name, progress) as tick:
         sim.tick = tick
         sim.run()
@@ -114,6 +121,8 @@ class _Run:
             ),
         )
         self.procs = [Processor(config, picker) for _ in range(replicas)]
+        self.learners: list[Learner] = []  # set by share()
+        self.load_shared = False
         if not settings.unbounded_cache:
             # What the fleet monitor does on its first scrape of vllm:cache_config_info:
             # bound each pod's index by the pod's real KV capacity.
@@ -192,6 +201,11 @@ class _Run:
                 self._schedule(payload, pod.poke(at))
             elif kind == _ARRIVAL:
                 self._route_new(payload)
+            elif kind == _SHARED:
+                sender, placement = payload
+                for replica, learner in enumerate(self.learners):
+                    if replica != sender:
+                        learner.apply((placement,))
             else:
                 self._fleet_event(payload)
 
@@ -206,6 +220,23 @@ class _Run:
             for proc in self.procs:
                 load = proc.fleet.load[pod.slot]
                 load.running, load.waiting, load.kv_usage = pod.running, len(pod.waiting), kv
+
+    # -- replicas sharing placements ----------------------------------------------------
+    def share(self, delay_s: float) -> None:
+        """Replicas share what they place, as ``router.share_url`` makes them: each
+        placement reaches the others' index and session map through the production
+        ``Learner`` ``delay_s`` later (Redis pub/sub: the publisher's batching, then the
+        network). The load view is kept exact and common to all replicas instead (one
+        list of ``PodLoad``), as this simulation keeps a single replica's: in
+        production each replica's monitor drains what it learned at the pods' rate."""
+        load = self.procs[0].fleet.load
+        self.learners = []
+        for replica, proc in enumerate(self.procs):
+            proc.fleet.load = load
+            remember = getattr(proc.picker, "remember", None)
+            self.learners.append(Learner(proc.fleet, proc.index, remember, count_load=False))
+            proc.sharing = _Shared(self, replica, delay_s)
+        self.load_shared = True
 
     # -- routing ----------------------------------------------------------------------
     def _route_new(self, index: int) -> None:
@@ -278,7 +309,8 @@ class _Run:
             slot = (self.fallback_rr + k) % n
             if not (fleet.available >> slot) & 1:
                 continue
-            inflight = sum(p.fleet.load[slot].inflight for p in self.procs)
+            views = self.procs[:1] if self.load_shared else self.procs
+            inflight = sum(p.fleet.load[slot].inflight for p in views)
             if best is None or inflight < best_load:
                 best, best_load = slot, inflight
         return best
@@ -384,6 +416,21 @@ class _Run:
             for pod in self.pods:
                 if pod.slot != slot and pod.waiting:
                     self._schedule(pod.slot, pod.poke(now))
+
+
+class _Shared:
+    """A replica's ``PlacementSink``: its placements reach the others after a delay."""
+
+    def __init__(self, run: _Run, replica: int, delay_s: float) -> None:
+        self.run = run
+        self.replica = replica
+        self.delay_s = delay_s
+
+    def note(
+        self, pod: str, blocks: Sequence[int], tenant: str, session: str | None, tokens: int
+    ) -> None:
+        placement = Placement(pod, blocks, tenant, session, tokens)
+        self.run.push(self.run.now + self.delay_s, _SHARED, (self.replica, placement))
 
 
 def _job(index: int, r: Request, prompt: EnginePrompt, replica: int) -> Job:

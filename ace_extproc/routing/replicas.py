@@ -1,0 +1,307 @@
+"""Router replicas that share what they placed, so N of them route as one.
+
+Each replica learns only from the requests it routes: which blocks each pod holds,
+where each session went, the prefill it queued on each pod. Behind Envoy, N replicas
+each see 1/N of the traffic, so each prices pods against a third of their queue and
+follows prefixes it never saw placed (measured in the fleet simulation: with three
+replicas TTFT p99 rises 1.5-3.6 times; ``bench/RESULTS.md``). With ``router.share_url``
+set, every replica publishes each placement on a Redis pub/sub channel and applies
+the others' to its own index, session map and load view, as if it had routed them.
+
+Nothing on the request path touches the network: a pick appends one tuple to an
+outbox (``note``); a task publishes the outbox in batches every ``flush_s``, another
+applies what arrives between requests, on the same event loop. Pub/sub delivers at
+most once, and that is enough: a lost batch leaves an index a little staler, which
+the next placements and the pods' own scrapes correct. Redis down costs sharing,
+never a request: the outbox is bounded, and both tasks reconnect with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import msgspec
+
+from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.index import BlockIndex
+
+log = logging.getLogger("ace_extproc.replicas")
+
+VERSION = 1
+DEFAULT_CHANNEL = "ace-extproc:placements"
+FLUSH_S = 0.002  # a batch waits this long for company: one message per ~burst
+MAX_OUTBOX = 50_000  # placements held while Redis is away; beyond, the newest are dropped
+_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class Placement(NamedTuple):
+    """A request one replica sent to a pod: what the others should learn from it."""
+
+    pod: str  # Pod.key: slots differ between replicas whose discovery saw pods in turn
+    blocks: Sequence[int]  # the prompt's chained block hashes, as recorded in the index
+    tenant: str
+    session: str | None  # x-session-id / x-user-id
+    queued_tokens: int  # its uncached prompt tokens: prefill now queued on the pod
+
+
+def encode(replica: str, block_bytes: int, placements: Sequence[Placement]) -> bytes:
+    """One message: ``[version, replica, block_bytes, [[pod, blocks, tenant, session,
+    tokens], ...]]`` in msgpack, each prompt's hashes packed as little-endian uint64."""
+    rows = [(p.pod, _pack(p.blocks), p.tenant, p.session, p.queued_tokens) for p in placements]
+    return _ENCODER.encode((VERSION, replica, block_bytes, rows))
+
+
+def decode(data: bytes) -> tuple[str, int, list[Placement]]:
+    """``(replica, block_bytes, placements)``; ``ValueError`` for anything malformed."""
+    try:
+        version, replica, block_bytes, rows = _DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"not a placement batch: {exc}") from None
+    if version != VERSION:
+        raise ValueError(f"placement batch version {version}, expected {VERSION}")
+    placements = []
+    for pod, packed, tenant, session, tokens in rows:
+        if len(packed) % 8:
+            raise ValueError("block hashes not a whole number of uint64")
+        placements.append(Placement(pod, _unpack(packed), tenant, session, max(tokens, 0)))
+    return replica, block_bytes, placements
+
+
+# Typed, so a wrong shape fails the decode instead of the code that reads it.
+_Row = tuple[str, bytes, str, str | None, int]
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(tuple[int, str, int, list[_Row]])
+
+
+def _pack(blocks: Sequence[int]) -> bytes:
+    packed = array("Q", blocks)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack(data: bytes) -> list[int]:
+    packed = array("Q")
+    packed.frombytes(data)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()
+
+
+class PlacementSink(Protocol):
+    """Where ``Processor`` reports each placement it makes (``ReplicaSync``, or the
+    fleet simulation's stand-in for Redis)."""
+
+    def note(
+        self, pod: str, blocks: Sequence[int], tenant: str, session: str | None, tokens: int
+    ) -> None: ...
+
+
+class Learner:
+    """Applies other replicas' placements to this replica's routing state."""
+
+    def __init__(
+        self,
+        fleet: FleetState,
+        index: BlockIndex,
+        remember: Callable[[tuple[str, str], int], None] | None,
+        *,
+        count_load: bool = True,
+    ) -> None:
+        """``remember``: the picker's session map (``Pipeline.remember``), if it has one.
+        ``count_load``: add the placement to the pod's in-flight count and queued
+        prefill (off where the load view is kept some other way: the simulation's)."""
+        self.fleet = fleet
+        self.index = index
+        self.remember = remember
+        self.count_load = count_load
+        self.applied = 0  # placements learned, for tests and the log
+        self.skipped = 0  # for pods this replica does not route to (not, or no longer)
+
+    def apply(self, placements: Sequence[Placement]) -> None:
+        fleet, index, remember = self.fleet, self.index, self.remember
+        for p in placements:
+            slot = fleet.slot_of(p.pod)
+            if slot is None or not fleet.is_member(slot):
+                self.skipped += 1
+                continue
+            index.record(slot, p.blocks)
+            if remember is not None and p.session is not None:
+                remember((p.tenant, p.session), slot)
+            self.applied += 1
+            if not self.count_load:
+                continue
+            load = fleet.load[slot]
+            load.inflight += 1
+            load.queued_prefill_tokens += p.queued_tokens
+
+
+class ReplicaSync:
+    """Publishes this replica's placements and applies the others', through Redis."""
+
+    def __init__(
+        self,
+        learner: Learner,
+        url: str,
+        block_bytes: int,
+        channel: str = DEFAULT_CHANNEL,
+        flush_s: float = FLUSH_S,
+    ) -> None:
+        self.learner = learner
+        self.url = url
+        self.channel = channel
+        self.block_bytes = block_bytes
+        self.flush_s = flush_s
+        self.replica = os.urandom(8).hex()  # tells this replica's own messages apart
+        self._outbox: list[Placement] = []
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._clients: list[Any] = []
+        self.published = 0  # placements sent
+        self.dropped = 0  # placements not sent: the outbox was full (Redis away)
+        self.subscribed = asyncio.Event()  # set while the subscription is live
+        self._complaints: set[str] = set()  # logged once per outage
+
+    # ------------------------------------------------------------ request path
+
+    def note(
+        self, pod: str, blocks: Sequence[int], tenant: str, session: str | None, tokens: int
+    ) -> None:
+        """A placement this replica made: queued for the others (no I/O here)."""
+        if len(self._outbox) >= MAX_OUTBOX:
+            self.dropped += 1
+            return
+        self._outbox.append(Placement(pod, blocks, tenant, session, tokens))
+        if not self._wake.is_set():
+            self._wake.set()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._tasks:
+            return
+        import redis.asyncio as redis  # only replicas that share need the client
+
+        # Separate connections: a subscribed connection can do nothing else.
+        publisher = redis.Redis.from_url(self.url, socket_connect_timeout=1.0, socket_timeout=1.0)
+        subscriber = redis.Redis.from_url(self.url, socket_connect_timeout=1.0)
+        self._clients = [publisher, subscriber]
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._publish(publisher), name="ace-share-publish"),
+            loop.create_task(self._subscribe(subscriber), name="ace-share-subscribe"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop both tasks; placements still in the outbox are published first, briefly."""
+        tasks, self._tasks = self._tasks, []
+        if not tasks:
+            return
+        if self._outbox:
+            # Shutting down: what cannot be sent now is only sharing lost.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._send(self._clients[0]), timeout=1.0)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for client in self._clients:
+            await client.aclose()
+        self._clients = []
+        self.subscribed.clear()
+
+    # ------------------------------------------------------------ the two tasks
+
+    async def _publish(self, client: Any) -> None:
+        failures = 0
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self.flush_s)  # let a burst's placements share a message
+            self._wake.clear()
+            try:
+                await self._send(client)
+            except Exception as exc:  # any client error: back off, go on
+                self._complain("publish", exc)
+                failures += 1
+                await asyncio.sleep(_BACKOFF_S[min(failures, len(_BACKOFF_S)) - 1])
+                if self._outbox:
+                    self._wake.set()
+                continue
+            failures = 0
+            self._resolved("publish")
+
+    async def _send(self, client: Any) -> None:
+        batch, self._outbox = self._outbox, []
+        if not batch:
+            return
+        try:
+            await client.publish(self.channel, encode(self.replica, self.block_bytes, batch))
+        except BaseException:
+            # Kept for the next try, ahead of what came since (bounded all the same).
+            self._outbox[:0] = batch[: max(0, MAX_OUTBOX - len(self._outbox))]
+            raise
+        self.published += len(batch)
+
+    async def _subscribe(self, client: Any) -> None:
+        failures = 0
+        while True:
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel)
+                self.subscribed.set()
+                self._resolved("subscribe")
+                failures = 0
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None:
+                        self._receive(message.get("data"))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # reconnect whatever went wrong
+                self.subscribed.clear()
+                self._complain("subscribe", exc)
+                failures += 1
+                await asyncio.sleep(_BACKOFF_S[min(failures, len(_BACKOFF_S)) - 1])
+            finally:
+                await _close_quietly(pubsub)
+
+    def _receive(self, data: object) -> None:
+        if not isinstance(data, bytes):
+            return
+        try:
+            replica, block_bytes, placements = decode(data)
+        except ValueError as exc:
+            self._complain("message", exc)
+            return
+        if replica == self.replica:
+            return  # our own, echoed back
+        if block_bytes != self.block_bytes:
+            # Its hashes cover other spans of the prompt: they would never match ours.
+            self._complain(
+                "block_bytes",
+                f"replica {replica} hashes {block_bytes}-byte blocks, this one "
+                f"{self.block_bytes}: its placements are ignored (set router.block_bytes alike)",
+            )
+            return
+        self.learner.apply(placements)
+
+    def _complain(self, what: str, problem: object) -> None:
+        if what not in self._complaints:
+            self._complaints.add(what)
+            log.warning("replica sharing (%s, %s): %s", what, self.channel, problem)
+
+    def _resolved(self, what: str) -> None:
+        if what in self._complaints:
+            self._complaints.discard(what)
+            log.info("replica sharing (%s, %s): working again", what, self.channel)
+
+
+async def _close_quietly(pubsub: Any) -> None:
+    with contextlib.suppress(Exception):  # the connection is being dropped anyway
+        await pubsub.aclose()

