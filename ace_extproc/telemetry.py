@@ -139,6 +139,9 @@ class Telemetry(Collector):
         self._anomalies = RateLimit(ANOMALY_BURST, 1.0)
         # What became of the requests (observe.Ledger): set by the processor.
         self.ledger: Ledger | None = None
+        # This replica's placement sharing (routing/replicas.py): set by the processor,
+        # a callable returning it, since the server starts it after the processor exists.
+        self.sharing: Callable[[], object] = lambda: None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         if process_metrics:
@@ -283,6 +286,9 @@ class Telemetry(Collector):
             yield from self._index_families(self.index)
         if self.ledger is not None:
             yield from self._response_families(self.ledger)
+        stats = getattr(self.sharing(), "stats", None)
+        if stats is not None:
+            yield from self._sharing_families(stats())
 
     def _parser_family(self) -> Metric:
         parsed = CounterMetricFamily(
@@ -538,6 +544,24 @@ class Telemetry(Collector):
         )
         size.add_metric([], _retry(lambda: _index_bytes(index), 0))
         yield from (entries, size, held, bound)
+
+    def _sharing_families(self, stats: dict[str, int]) -> Iterator[Metric]:
+        """Placements shared with the other replicas (``router.share_url``)."""
+        for key, name, doc in (
+            ("published", "ace_share_published_placements", "Placements sent to the others."),
+            ("dropped", "ace_share_dropped_placements", "Placements not sent: Redis away."),
+            ("learned", "ace_share_learned_placements", "The others' placements applied."),
+            ("skipped", "ace_share_skipped_placements", "The others' placements on pods "
+             "this replica does not route to."),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], stats[key])
+            yield family
+        subscribed = GaugeMetricFamily(
+            "ace_share_subscribed", "1 while subscribed to the replicas' channel, else 0."
+        )
+        subscribed.add_metric([], stats["subscribed"])
+        yield subscribed
 
     def _response_families(self, ledger: Ledger) -> Iterator[Metric]:
         """Responses as the observe filter saw them: the engines' own reuse (usage

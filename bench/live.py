@@ -7,6 +7,9 @@ its own fresh simulated engine pods; hit ratios come from what the engines repor
 
 Routers, each started in front of new pod processes on new ports (every cache starts cold):
   ace       Envoy + ace-extproc, as ``ace-extproc up`` runs them (``Stack``; buffered, prod)
+  ace_xN    the same with N ace-extproc servers behind Envoy (round robin), each learning
+            only from what it routes; ace_xN_shared: sharing placements through a
+            redis-server the stack starts (``router.share_url``)
   envoy_rr  Envoy alone, the default cluster balanced ROUND_ROBIN (no ext_proc)
   sglang    the SGLang Model Gateway, ``--policy cache_aware`` (``--peer-policy``)
   vllm      the vLLM Router, ``--policy cache_aware``
@@ -50,6 +53,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import shlex
 import sys
 import time
@@ -72,6 +76,19 @@ from bench.overhead import free_ports, metric_sums, percentile
 from bench.workloads.base import Workload
 
 ROUTERS = ("ace", "envoy_rr", *peers.PEERS)
+# Also accepted: ace_xN (N ace-extproc servers behind one Envoy, each learning only from
+# what it routes) and ace_xN_shared (the same sharing placements through a redis-server).
+_REPLICATED = re.compile(r"ace_x([2-9]|[1-9][0-9])(_shared)?")
+
+
+def ace_replicas(name: str) -> tuple[int, bool] | None:
+    """``(servers, sharing)`` for an ace router name, else None."""
+    if name == "ace":
+        return 1, False
+    m = _REPLICATED.fullmatch(name)
+    return (int(m.group(1)), m.group(2) is not None) if m else None
+
+
 COUNTERS = {
     "vllm:prefix_cache_hits_total": "prefix_cache_hits",
     "vllm:prefix_cache_queries_total": "prefix_cache_queries",
@@ -394,7 +411,10 @@ async def run_router(name: str, requests: Sequence[Prepared], options: LiveOptio
         router=dict(options.router),
         env={"ACE_SALT_SECRET": SALT_SECRET},
     )
-    stack = Stack(stack_options) if name == "ace" else peers.PeerStack(stack_options)
+    replicas = ace_replicas(name)
+    if replicas is not None:
+        stack_options.ext_proc_replicas, stack_options.share = replicas
+    stack = Stack(stack_options) if replicas is not None else peers.PeerStack(stack_options)
     try:
         url, *pod_urls = await _start(name, stack, ports, options)
         before = await scrape(pod_urls)
@@ -442,8 +462,9 @@ def _ms(q: dict[str, float] | None, key: str) -> str:
 
 
 def format_table(runs: Sequence[RouterRun]) -> str:
+    w = max([10, *(len(run.name) + 1 for run in runs)])
     head = (
-        f"{'router':<10}{'reqs':>6}{'errors':>7}{'hit%':>8}{'cached%':>8}{'engine%':>8}"
+        f"{'router':<{w}}{'reqs':>6}{'errors':>7}{'hit%':>8}{'cached%':>8}{'engine%':>8}"
         f"{'lat p50':>9}{'p99':>9}{'ttft p50':>9}{'p99':>9}{'sim p50':>9}{'p99':>9}"
         f"{'req/s':>8}{'busiest':>8}"
     )
@@ -452,11 +473,11 @@ def format_table(runs: Sequence[RouterRun]) -> str:
         s = run.summary
         if s is None:
             reason = f"skipped: {run.skipped}" if run.skipped else f"FAILED: {run.failed}"
-            lines.append(f"{run.name:<10}{reason}")
+            lines.append(f"{run.name:<{w}}{reason}")
             continue
         engine = s["engine"]["hit_share"] if s["engine"] else None
         lines.append(
-            f"{run.name:<10}{s['requests']:>6}{s['errors']:>7}{_pct(s['hit_ratio'])}"
+            f"{run.name:<{w}}{s['requests']:>6}{s['errors']:>7}{_pct(s['hit_ratio'])}"
             f"{_pct(s['cached_share'])}{_pct(engine)}"
             f"{_ms(s['latency_ms'], 'p50')}{_ms(s['latency_ms'], 'p99')}"
             f"{_ms(s['ttft_ms'], 'p50')}{_ms(s['ttft_ms'], 'p99')}"
@@ -464,7 +485,7 @@ def format_table(runs: Sequence[RouterRun]) -> str:
             f"{s['rps'] or 0:>8.1f}{_pct(s['busiest_pod_share'])}"
         )
         if run.failed:
-            lines.append(f"{'':<10}FAILED: {run.failed}")
+            lines.append(f"{'':<{w}}FAILED: {run.failed}")
     lines.append(
         "hit%: answered requests with any cached token; cached%: cached / prompt tokens "
         "(engine usage); engine%: pods' prefix_cache_hits / queries (/metrics); "
@@ -474,7 +495,7 @@ def format_table(runs: Sequence[RouterRun]) -> str:
     families = sorted({f for run in runs if run.summary for f in run.summary["families"]})
     if len(families) > 1:
         lines.append("\ncached% by family (requests)")
-        lines.append(f"{'router':<10}" + "".join(f"{f[:14]:>16}" for f in families))
+        lines.append(f"{'router':<{w}}" + "".join(f"{f[:14]:>16}" for f in families))
         for run in runs:
             if run.summary is None:
                 continue
@@ -484,7 +505,7 @@ def format_table(runs: Sequence[RouterRun]) -> str:
                 share = None if x is None else x["cached_share"]
                 text = "-" if x is None else f"{_pct(share).strip()} ({x['requests']})"
                 cells.append(f"{text:>16}")
-            lines.append(f"{run.name:<10}" + "".join(cells))
+            lines.append(f"{run.name:<{w}}" + "".join(cells))
     return "\n".join(lines)
 
 
@@ -567,9 +588,11 @@ def load_workload(name: str, limit: int | None, rate: float | None, seed: int = 
 
 def _routers(text: str) -> list[str]:
     names = [x for x in text.split(",") if x]
-    bad = [x for x in names if x not in ROUTERS]
+    bad = [x for x in names if x not in ROUTERS and ace_replicas(x) is None]
     if not names or bad:
-        raise argparse.ArgumentTypeError(f"expected some of {','.join(ROUTERS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected some of {','.join(ROUTERS)}, ace_xN or ace_xN_shared, got {text!r}"
+        )
     return names
 
 

