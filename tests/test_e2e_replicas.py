@@ -13,7 +13,7 @@ import redis.asyncio as redis
 
 from ace_extproc.routing import replicas
 from ace_extproc.stack import Stack, StackOptions, redis_server_binary
-from tests.conftest import free_ports
+from tests import test_e2e as e2e
 from tests.test_e2e import conversation
 
 pytestmark = pytest.mark.skipif(
@@ -30,19 +30,7 @@ def trace(headers: Any) -> dict[str, str]:
 
 
 def options(share: bool) -> StackOptions:
-    ports = free_ports(6)
-    return StackOptions(
-        pods=2,
-        first_pod_port=ports[0],
-        listen=f"127.0.0.1:{ports[2]}",
-        admin=f"127.0.0.1:{ports[3]}",
-        ext_proc=f"127.0.0.1:{ports[4]}",
-        metrics=f"127.0.0.1:{ports[5]}",
-        time_scale=0.01,
-        ext_proc_replicas=2,
-        share=share,
-        env={"ACE_SALT_SECRET": "e2e-secret"},
-    )
+    return e2e.options(ext_proc_replicas=2, share=share)
 
 
 async def turns(stack: Stack) -> tuple[list[str], set[str]]:
