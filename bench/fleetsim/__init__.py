@@ -17,7 +17,10 @@ deterministic); these are counted in ``RunResult.bypassed``.  A 401 is counted i
 ``rejected``.  Tenants: one per distinct bearer token in the workload (a key map,
 as an operator configures ``router.tenants.api_keys``); no token is anonymous.
 ``replicas=N`` builds N independent Processors and sends request ``i`` to
-replica ``i % N``; each replica's index learns only from what it routed.
+replica ``i % N``; each replica's index learns only from what it routed, unless
+``share_delay_s`` is set: then they share their placements as ``router.share_url``
+makes them (``routing/replicas.py``'s ``Learner``), each reaching the others that
+long later, with one exact load view common to all (``_Run.share``).
 
 **The engine** (per pod, like vLLM v1 with prefix caching and chunked prefill):
 

@@ -24,7 +24,9 @@ from bench.workloads.base import FleetEvent, Request, Workload
 
 # Event kinds, in the order they run when simultaneous: steps end (freeing blocks)
 # before the fleet changes, before new requests arrive, before routed ones land,
-# before an idle pod starts (so all requests landing at one instant share a step).
+# before an idle pod starts (so all requests landing at one instant share a step),
+# and last, a placement shared between replicas is learned (a request arriving at
+# that same instant has not seen it).
 _STEP_END, _FLEET, _ARRIVAL, _ENTER, _WAKE, _SHARED = 0, 1, 2, 3, 4, 5
 _UNBOUNDED_BLOCKS = 1 << 60
 
