@@ -20,7 +20,6 @@ import logging
 import re
 import weakref
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 import yaml
@@ -29,6 +28,7 @@ from ace_extproc import __version__
 from ace_extproc.config import Config, Settings, fleet_to_dict
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.placements import PrefixPlacements
+from ace_extproc.routing.replicas import redacted_url
 
 try:
     from ace_extproc._proto.ace.admin.v1 import admin_pb2 as pb
@@ -264,11 +264,11 @@ def config_document(config: Config) -> dict[str, Any]:
     s = config.settings
     router: dict[str, Any] = {"mode": s.mode.value}
     for f in dataclasses.fields(Settings):
-        if f.name in ("mode", "tenants", "salt_secret", "salt_secret_generated"):
+        if f.name in ("mode", "tenants", "salt_secret", "salt_secret_generated", "share_password"):
             continue
         value = getattr(s, f.name)
         if f.name == "share_url":
-            value = _without_password(value)
+            value = redacted_url(value)
         if value is not None:
             router[f.name] = value
     t = s.tenants
@@ -279,15 +279,6 @@ def config_document(config: Config) -> dict[str, Any]:
         tenants["api_keys"] = {f"sha256:{d.hex()}": name for d, name in t.key_digests.items()}
     router["tenants"] = tenants
     return {**fleet_to_dict(config.fleet), "router": router}
-
-
-def _without_password(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:****@{host}"))
 
 
 # -------------------------------------------------------------------- serving

