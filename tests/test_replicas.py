@@ -439,3 +439,34 @@ def test_the_sharing_cost_benchmark_measures_every_step(tmp_path: Path) -> None:
         assert r["per_request_3_replicas"] == pytest.approx(
             r["note"] + r["encode"] + 2 * (r["decode"] + r["apply"]), abs=0.5
         )
+
+
+def test_sharing_resumes_after_redis_restarts(tmp_path: Path) -> None:
+    port = free_port()
+    server = RedisServer(tmp_path, port)
+
+    async def test() -> None:
+        nonlocal server
+        a, b = processor(), processor()
+        sync_a, sync_b = syncing(a, server.url), syncing(b, server.url)
+        await sync_a.start()
+        await sync_b.start()
+        await until(lambda: sync_a.subscribed.is_set() and sync_b.subscribed.is_set())
+        route(a, chat("before"))
+        await until(lambda: sync_b.learner.applied == 1)
+        server.proc.kill()  # no goodbye: the connections just die
+        server.proc.wait(10)
+        await until(lambda: not sync_b.subscribed.is_set())
+        route(a, chat("during", system=f"x {SYSTEM}"))  # kept in the outbox meanwhile
+        server = await asyncio.to_thread(RedisServer, tmp_path, port)
+        await until(lambda: sync_a.subscribed.is_set() and sync_b.subscribed.is_set())
+        route(a, chat("after", system=f"y {SYSTEM}"))
+        await until(lambda: sync_a.published == 3)
+        await until(lambda: sync_b.learner.applied >= 2)  # "after" at least: at most once
+        await sync_a.stop()
+        await sync_b.stop()
+
+    try:
+        run_async(test, timeout=60)
+    finally:
+        server.stop()

@@ -217,7 +217,9 @@ class ReplicaSync:
         if self._password is not None:
             options["password"] = self._password
         publisher = redis.Redis.from_url(self.url, socket_timeout=1.0, **options)
-        subscriber = redis.Redis.from_url(self.url, **options)
+        # A subscription waits for messages with no deadline; pinging an idle one finds a
+        # connection that died silently (a failover, a dropped NAT entry) and reconnects.
+        subscriber = redis.Redis.from_url(self.url, health_check_interval=5, **options)
         self._clients = [publisher, subscriber]
         loop = asyncio.get_running_loop()
         self._tasks = [
