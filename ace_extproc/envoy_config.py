@@ -357,13 +357,16 @@ def _ext_proc_cluster(
         # The server may bind a wildcard; Envoy must dial a concrete loopback address.
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
         endpoints.append((host, port, None))
-    extra: dict[str, Any] = {"typed_extension_protocol_options": _http2_options()}
-    if len(endpoints) > 1:
-        # Each stream to the less busy of two replicas drawn at random. Not round robin:
-        # with the observe-only filter every request opens two streams, and with two
-        # replicas round robin would send every routing stream to the same one.
-        extra["lb_policy"] = "LEAST_REQUEST"
-    return _cluster(EXT_PROC_CLUSTER, endpoints, **extra)
+    # Several servers (listed, or a DNS name resolving to several): each stream to the
+    # less busy of two drawn at random. Not round robin: with the observe-only filter
+    # every request opens two streams, and with an even number of servers round robin
+    # would send every routing stream to the same half of them.
+    return _cluster(
+        EXT_PROC_CLUSTER,
+        endpoints,
+        lb_policy="LEAST_REQUEST",
+        typed_extension_protocol_options=_http2_options(),
+    )
 
 
 # ---------------------------------------------------------------- HTTP connection manager
