@@ -18,6 +18,8 @@
  *     Each block moved to the most recent end, the last block first, so the first
  *     ends most recent; the first block's holders in ``roots`` gain ``bit``; past
  *     ``capacity`` the oldest blocks are forgotten, and a forgotten root loses ``bit``.
+ *     ``blocks`` is a sequence of ints, or an ``array("Q")`` (what another replica's
+ *     placement decodes to: read in place, with no int made for each hash).
  *
  * evict(lru, roots, bit, count) -> None
  *     The ``count`` least recently used blocks forgotten, roots cleared as above.
@@ -445,6 +447,61 @@ PyObject *ace_evict(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* The first block's holders gain ``bit``; then the LRU is cut back to ``capacity``. */
+static int mark_root(BlockLRU *lru, PyObject *first, PyObject *roots, PyObject *bit,
+                     Py_ssize_t capacity)
+{
+    PyObject *mask = PyDict_GetItemWithError(roots, first);
+    if (mask == NULL && PyErr_Occurred())
+        return -1;
+    PyObject *marked = mask == NULL ? (Py_INCREF(bit), bit) : PyNumber_Or(mask, bit);
+    if (marked == NULL)
+        return -1;
+    int rc = PyDict_SetItem(roots, first, marked);
+    Py_DECREF(marked);
+    if (rc < 0)
+        return -1;
+    return evict_oldest(lru, roots, bit, (Py_ssize_t)lru->used - capacity);
+}
+
+/* An array("Q") (or any buffer of native 64-bit unsigned ints): hashes read in place. */
+static int is_uint64_array(PyObject *obj)
+{
+    if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj) || !PyObject_CheckBuffer(obj))
+        return 0;
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const char *f = view.format;
+    int ok = view.itemsize == 8 && f != NULL && (f[0] == 'Q' || f[0] == 'L') && f[1] == 0;
+    PyBuffer_Release(&view);
+    return ok;
+}
+
+static PyObject *record_packed(BlockLRU *lru, PyObject *blocks, PyObject *roots,
+                               PyObject *bit, Py_ssize_t capacity)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(blocks, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    const uint64_t *keys = (const uint64_t *)view.buf;
+    Py_ssize_t n = view.len / 8;
+    int rc = 0;
+    for (Py_ssize_t i = n - 1; i >= 0 && rc == 0; i--)
+        rc = touch(lru, keys[i]);
+    if (rc == 0 && n > 0) {
+        PyObject *first = PyLong_FromUnsignedLongLong(keys[0]);
+        rc = first == NULL ? -1 : mark_root(lru, first, roots, bit, capacity);
+        Py_XDECREF(first);
+    }
+    PyBuffer_Release(&view);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 PyObject *ace_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5) {
@@ -459,6 +516,8 @@ PyObject *ace_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssiz
     Py_ssize_t capacity = PyLong_AsSsize_t(args[4]);
     if (capacity == -1 && PyErr_Occurred())
         return NULL;
+    if (is_uint64_array(args[1]))
+        return record_packed(lru, args[1], roots, bit, capacity);
     PyObject *blocks = PySequence_Fast(args[1], "record: blocks must be a sequence");
     if (blocks == NULL)
         return NULL;
@@ -472,15 +531,7 @@ PyObject *ace_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssiz
     for (Py_ssize_t i = n - 1; i >= 0; i--)
         if (as_key(items[i], &key) < 0 || touch(lru, key) < 0)
             goto fail;
-    PyObject *mask = PyDict_GetItemWithError(roots, items[0]);
-    if (mask == NULL && PyErr_Occurred())
-        goto fail;
-    PyObject *marked = mask == NULL ? (Py_INCREF(bit), bit) : PyNumber_Or(mask, bit);
-    if (marked == NULL)
-        goto fail;
-    int rc = PyDict_SetItem(roots, items[0], marked);
-    Py_DECREF(marked);
-    if (rc < 0 || evict_oldest(lru, roots, bit, (Py_ssize_t)lru->used - capacity) < 0)
+    if (mark_root(lru, items[0], roots, bit, capacity) < 0)
         goto fail;
     Py_DECREF(blocks);
     Py_RETURN_NONE;

@@ -5,13 +5,14 @@
 Per placement, for prompts of 1K/4K/16K/32K tokens (8/32/128/256 router blocks):
 ``note`` (all that sharing adds to the request path: a tuple appended to the outbox),
 ``encode`` (the publisher, in batches of 16, as a burst makes them), ``decode`` and
-``apply`` (the subscriber: ``Learner.apply`` records the blocks in this replica's index
-as its own pick would, and counts the load). A replica publishes what it places and
-applies what each other replica places, so with three replicas sharing, one routed
-request costs the fleet ``note + encode`` once and ``decode + apply`` twice: the last
-column. Each figure is the best of ``--rounds`` rounds, each timing every step in turn
-over the same placements (so a noisy neighbour hits all alike). Writes
-``bench/results/sharing_cost.json``.
+``apply`` (the subscriber: ``Learner.apply`` records the decoded blocks in this
+replica's index as its own pick would, and counts the load). A replica publishes what
+it places and applies what each other replica places, so with N replicas sharing, one
+routed request costs the fleet ``note + encode`` once and ``decode + apply`` N - 1 times
+(the last columns, N = 3 and 10); with the traffic spread evenly that is also each
+replica's cost per request it routes. Each figure is the best of ``--rounds`` rounds,
+each timing every step in turn over the same placements (so a noisy neighbour hits all
+alike). Writes ``bench/results/sharing_cost.json``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ace_extproc.routing.replicas import Learner, Placement, ReplicaSync, decode
 
 SIZES = (1024, 4096, 16384, 32768)  # prompt tokens
 BATCH = 16  # placements a message
+REPLICAS = (3, 10)  # the simulation's three; the chart's autoscaler's default maximum
 
 
 def processor() -> Processor:
@@ -58,6 +60,7 @@ def measure(tokens: int, count: int, rounds: int) -> dict[str, float]:
     sync = ReplicaSync(Learner(sender.fleet, sender.index, None), "redis://unused", 512)
     learner = Learner(receiver.fleet, receiver.index, getattr(receiver.picker, "remember", None))
     messages = [encode("r", 512, batch[i : i + BATCH]) for i in range(0, count, BATCH)]
+    received = [decode(m)[2] for m in messages]  # as the subscriber applies them
 
     def note() -> None:
         n = sync.note
@@ -74,8 +77,8 @@ def measure(tokens: int, count: int, rounds: int) -> dict[str, float]:
             decode(m)
 
     def apply() -> None:
-        for i in range(0, count, BATCH):
-            learner.apply(batch[i : i + BATCH])
+        for placed in received:
+            learner.apply(placed)
         for load in receiver.fleet.load:  # as the monitor's drain would, between rounds
             load.inflight = load.queued_prefill_tokens = 0
 
@@ -91,10 +94,16 @@ def measure(tokens: int, count: int, rounds: int) -> dict[str, float]:
             t = time.perf_counter_ns()
             step()
             best[name] = min(best[name], (time.perf_counter_ns() - t) / count)
-    best["per_request_3_replicas"] = (
-        best["note"] + best["encode"] + 2 * (best["decode"] + best["apply"])
-    )
+    for replicas in REPLICAS:
+        best[f"per_request_{replicas}_replicas"] = per_request(best, replicas)
     return {k: round(v, 1) for k, v in best.items()}
+
+
+def per_request(steps: dict[str, float], replicas: int) -> float:
+    """CPU a routed request costs the fleet with ``replicas`` sharing: published once,
+    learned by each other replica. With the traffic spread evenly it is also what each
+    replica spends per request it routes itself, so it grows with the replica count."""
+    return steps["note"] + steps["encode"] + (replicas - 1) * (steps["decode"] + steps["apply"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,14 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         f"({speedups.describe()} path)"
     )
     print(f"{'tokens':>7}{'blocks':>7}{'note':>9}{'encode':>9}{'decode':>9}{'apply':>9}"
-          f"{'3 replicas, a request':>24}")  # fmt: skip
+          + "".join(f"{f'a request, {n} replicas':>24}" for n in REPLICAS))  # fmt: skip
     for tokens in SIZES:
         r = measure(tokens, args.placements, args.rounds)
         rows[str(tokens)] = r
         blocks = tokens * 4 // Settings().block_bytes
         print(
             f"{tokens:>7}{blocks:>7}{r['note']:>9.0f}{r['encode']:>9.0f}{r['decode']:>9.0f}"
-            f"{r['apply']:>9.0f}{r['per_request_3_replicas']:>24.0f}"
+            f"{r['apply']:>9.0f}"
+            + "".join(f"{r[f'per_request_{n}_replicas']:>24.0f}" for n in REPLICAS)
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import sys
+from array import array
 
 import pytest
 from hypothesis import given, settings
@@ -87,6 +88,38 @@ def test_record_leaves_the_lru_and_roots_as_the_pure_loop(
     record_pure(pure, touched, pure_roots, 1 << slot, capacity)
     assert list(native) == list(pure)
     assert native_roots == pure_roots
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    held=st.lists(hashes, max_size=30, unique=True),
+    touched=st.lists(hashes, max_size=30),
+    roots=st.dictionaries(hashes, st.integers(1, 2**70)),
+    capacity=st.integers(-2, 50),
+)
+def test_a_uint64_array_records_as_the_list_of_its_ints(
+    held: list[int], touched: list[int], roots: dict[int, int], capacity: int
+) -> None:
+    """Another replica's placement decodes to an ``array("Q")``, read in place."""
+    touched = touched + held[::3]
+    from_list, list_roots = BlockLRU(held), dict(roots)
+    speedups.record(from_list, touched, list_roots, 1 << 5, capacity)
+    packed = array("Q", touched)
+    for blocks in (packed, memoryview(packed.tobytes()).cast("Q")):
+        lru, lru_roots = BlockLRU(held), dict(roots)
+        assert speedups.record(lru, blocks, lru_roots, 1 << 5, capacity) is None
+        assert list(lru) == list(from_list)
+        assert lru_roots == list_roots
+        assert all(type(h) is int for h in lru_roots)
+
+
+def test_arrays_of_other_items_are_read_as_sequences_of_ints() -> None:
+    for blocks in (array("I", [3, 4]), array("q", [3, 4]), array("B", [3, 4])):
+        lru, roots = BlockLRU([9]), {}
+        speedups.record(lru, blocks, roots, 2, 10)
+        assert list(lru) == [9, 4, 3] and roots == {3: 2}
+    with pytest.raises(OverflowError):  # a negative hash is no hash
+        speedups.record(BlockLRU(), array("q", [-1]), {}, 2, 10)
 
 
 @settings(max_examples=200, deadline=None)

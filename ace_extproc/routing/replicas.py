@@ -88,12 +88,14 @@ def _pack(blocks: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def _unpack(data: bytes) -> list[int]:
+def _unpack(data: bytes) -> array[int]:
+    """An ``array("Q")``, not a list: the index's C record reads it in place (no int
+    made for each hash); as a sequence it gives ints like the list would."""
     packed = array("Q")
     packed.frombytes(data)
     if sys.byteorder == "big":
         packed.byteswap()
-    return packed.tolist()
+    return packed
 
 
 def redacted_url(url: str) -> str:
