@@ -418,3 +418,16 @@ def test_the_chart_s_redis_runs_and_asks_for_the_password(tmp_path: Path) -> Non
 def test_the_chart_s_redis_refuses_a_second_one(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError, match=message):
         render({"shareRedis": {"enabled": True}, **values})
+
+
+def test_the_prometheus_rule_carries_the_shipped_alerts() -> None:
+    assert not [d for d in render() if d["kind"] == "PrometheusRule"]  # off by default
+    docs = render({"prometheusRule": {"enabled": True, "labels": {"release": "kps"}}})
+    rule = one(docs, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    shipped = yaml.safe_load((CHART.parent.parent / "dashboards" / "alerts.yaml").read_text())
+    assert rule["spec"] == shipped  # the annotations' {{ $labels }} left for Prometheus
+    for doc in docs:  # the rest is still plain, valid Kubernetes
+        if doc["kind"] != "PrometheusRule":
+            kubernetes_validate.validate(doc, KUBERNETES, strict=True)

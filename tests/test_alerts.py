@@ -1,0 +1,302 @@
+"""The shipped Prometheus alerting rules (dashboards/alerts.yaml): each expression parses
+(a real PromQL parser, ``promql-parser``), reads only series and labels ace-extproc
+exports, and the rules that fire on the fleet's state fire when that state is real and
+stay quiet otherwise: evaluated here, by a small evaluator of the PromQL they use, on
+expositions of a real ``Telemetry`` (two scrapes a minute apart for ``rate``)."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import promql_parser as promql
+import pytest
+import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ace_extproc import telemetry as tm
+from ace_extproc.config import Settings, sim_fleet
+from ace_extproc.observe import Ledger, Observation
+from ace_extproc.routing import BlockIndex, FleetState
+from tests.test_dashboard import exported_names, metric_names
+
+RULES = Path(__file__).resolve().parent.parent / "dashboards" / "alerts.yaml"
+CHART_RULES = RULES.parent.parent / "charts" / "ace-extproc" / "files" / "alerts.yaml"
+SEVERITIES = {"critical", "warning", "info"}
+# Labels Prometheus adds to every scraped series.
+TARGET_LABELS = {"instance", "job"}
+
+
+def rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load(RULES.read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def rule(name: str) -> dict[str, Any]:
+    (found,) = [r for r in rules() if r["alert"] == name]
+    return found
+
+
+def test_the_rules_are_well_formed_and_the_chart_ships_the_same() -> None:
+    names = [r["alert"] for r in rules()]
+    assert len(names) == len(set(names)) >= 8
+    for r in rules():
+        assert set(r) == {"alert", "expr", "for", "labels", "annotations"}, r["alert"]
+        assert r["labels"]["severity"] in SEVERITIES
+        assert r["annotations"]["summary"] and r["annotations"]["description"]
+        assert re.fullmatch(r"\d+[smh]", r["for"])
+    assert CHART_RULES.read_text() == RULES.read_text()  # a link to the same file
+
+
+@pytest.mark.parametrize("name", [r["alert"] for r in rules()])
+def test_every_expression_parses_and_reads_what_is_exported(name: str) -> None:
+    expr = rule(name)["expr"]
+    tree = promql.parse(expr)  # raises on a syntax error
+    samples, _ = exported_names()
+    assert metric_names(expr) <= samples
+    labels = exported_labels()
+    for series, matchers in selectors(tree):
+        used = {m.name for m in matchers}
+        assert used <= labels[series] | TARGET_LABELS, (series, used)
+
+
+def test_a_malformed_expression_is_caught() -> None:
+    with pytest.raises(ValueError):
+        promql.parse("sum by (instance) (rate(ace_decisions_total[5m])")
+
+
+# ------------------------------------------------------------------ firing, on real state
+
+
+def test_no_pod_available_fires_only_when_every_pod_is_out() -> None:
+    fleet = Fleet()
+    assert fired("AceNoPodAvailable", fleet.scrape()) == []
+    fleet.state.set_available(0, False)  # down, as the health checks mark it
+    assert fired("AceNoPodAvailable", fleet.scrape()) == []  # the other one still takes
+    assert fired("AcePodsDown", fleet.scrape()) == [({"destination": "sim"}, 1.0)]
+    fleet.state.drain(1)
+    assert fired("AceNoPodAvailable", fleet.scrape()) == [({"destination": "sim"}, 0.0)]
+
+
+def test_a_full_kv_cache_fires_for_that_pod() -> None:
+    fleet = Fleet()
+    fleet.state.load[0].kv_usage = 0.96
+    assert fired("AcePodKvCacheFull", fleet.scrape()) == []
+    fleet.state.load[1].kv_usage = 0.99
+    (labels, value), *more = fired("AcePodKvCacheFull", fleet.scrape())
+    assert not more and labels["pod"] == fleet.state.pods[1].id and value == 0.99
+
+
+def test_bypasses_fire_on_anomalies_not_on_other_paths() -> None:
+    routine, anomalous = Fleet(), Fleet()
+    actions = ((routine, "bypass_unknown_path"), (anomalous, "bypass_bad_json"))
+    for fleet, action in actions:  # series exist before the window: rate needs two samples
+        fleet.decide("hit", 1)
+        fleet.decide(action, 1)
+    before = routine.scrape(), anomalous.scrape()
+    for fleet, action in actions:
+        fleet.decide("hit", 90)
+        fleet.decide(action, 10)
+    assert fired("AceBypassesHigh", before[0], routine.scrape()) == []
+    ((_, share),) = fired("AceBypassesHigh", before[1], anomalous.scrape())
+    assert share == pytest.approx(0.1)
+
+
+def test_reuse_below_the_estimate_fires_when_the_engines_disagree() -> None:
+    agreeing, disagreeing = Fleet(), Fleet()
+    for fleet in (agreeing, disagreeing):
+        fleet.respond(estimated=1, cached=1)
+    before = agreeing.scrape(), disagreeing.scrape()
+    agreeing.respond(estimated=800, cached=700)
+    disagreeing.respond(estimated=800, cached=100)
+    assert fired("AceCacheReuseBelowEstimate", before[0], agreeing.scrape()) == []
+    assert len(fired("AceCacheReuseBelowEstimate", before[1], disagreeing.scrape())) == 1
+
+
+def test_sharing_alerts_follow_the_subscription_and_the_outbox() -> None:
+    fleet = Fleet()
+    assert fired("AceSharingDisconnected", fleet.scrape()) == []  # no sharing: no series
+    fleet.sharing = {"published": 5, "dropped": 0, "learned": 7, "skipped": 0, "subscribed": 1}
+    before = fleet.scrape()
+    assert fired("AceSharingDisconnected", before) == []
+    fleet.sharing = {"published": 5, "dropped": 40, "learned": 7, "skipped": 0, "subscribed": 0}
+    after = fleet.scrape()
+    assert len(fired("AceSharingDisconnected", after)) == 1
+    assert len(fired("AceSharingDropping", before, after)) == 1
+
+
+# ------------------------------------------------------------------ the fleet and its scrapes
+
+Sample = tuple[dict[str, str], float]
+Scrape = tuple[float, dict[str, list[Sample]]]  # (seconds, series name -> samples)
+
+
+class Fleet:
+    """One ace-extproc's metrics over two pods: its real Telemetry, state set by hand."""
+
+    def __init__(self) -> None:
+        self.state = FleetState(sim_fleet(["127.0.0.1:9001", "127.0.0.1:9002"]))
+        index = BlockIndex(100)
+        self.telemetry = tm.Telemetry(Settings(), self.state, index, None)
+        self.ledger = Ledger()
+        self.telemetry.ledger = self.ledger
+        self.sharing: dict[str, int] | None = None
+        self.telemetry.sharing = lambda: None if self.sharing is None else _Stats(self.sharing)
+        self.clock = 0.0
+
+    def decide(self, action: str, count: int) -> None:
+        for _ in range(count):
+            self.telemetry.decision("prod", action, "anon", 0 if action == "hit" else -1)
+
+    def respond(self, estimated: int, cached: int) -> None:
+        seen = Observation(mode="prod", saved_tokens=estimated, status=200)
+        usage = b'{"usage": {"prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": '
+        seen.on_body(usage + str(cached).encode() + b"}}}")
+        seen.read_usage()
+        self.ledger.add(seen, self.state.pods[0].key)
+
+    def scrape(self) -> Scrape:
+        self.clock += 60.0
+        series: dict[str, list[Sample]] = defaultdict(list)
+        text = generate_latest(self.telemetry.registry).decode()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                series[s.name].append(({**s.labels, "instance": "gw-0"}, s.value))
+        return self.clock, dict(series)
+
+
+class _Stats:
+    def __init__(self, stats: dict[str, int]) -> None:
+        self._stats = stats
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+
+def exported_labels() -> dict[str, set[str]]:
+    """Label names of each exported series, from the populated exposition."""
+    _, families = exported_names()
+    fleet = Fleet()
+    fleet.sharing = {"published": 1, "dropped": 1, "learned": 1, "skipped": 1, "subscribed": 1}
+    fleet.decide("hit", 1)
+    fleet.decide("bypass_bad_json", 1)
+    fleet.respond(estimated=10, cached=5)
+    labels: dict[str, set[str]] = defaultdict(set)
+    for name, samples in fleet.scrape()[1].items():
+        for sample_labels, _ in samples:
+            labels[name] |= set(sample_labels) - {"instance"}
+    assert families  # the dashboard's exposition and this one are of the same collector
+    return labels
+
+
+def selectors(tree: Any) -> list[tuple[str, list[Any]]]:
+    found: list[tuple[str, list[Any]]] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, promql.VectorSelector):
+            found.append((node.name, list(node.matchers.matchers)))
+        elif isinstance(node, promql.MatrixSelector):
+            visit(node.vector_selector)
+        elif isinstance(node, promql.BinaryExpr):
+            visit(node.lhs)
+            visit(node.rhs)
+        elif isinstance(node, promql.AggregateExpr):
+            visit(node.expr)
+        elif isinstance(node, promql.Call):
+            for arg in node.args:
+                visit(arg)
+        elif isinstance(node, promql.ParenExpr):
+            visit(node.expr)
+
+    visit(tree)
+    return found
+
+
+# ------------------------------------------------------------------ a small PromQL evaluator
+
+Vector = dict[frozenset[tuple[str, str]], float]
+
+
+def fired(name: str, *scrapes: Scrape) -> list[Sample]:
+    """What the rule's expression returns on these scrapes (the last is "now"): the
+    alerts it would raise once its ``for`` has passed."""
+    result = evaluate(promql.parse(rule(name)["expr"]), scrapes)
+    out = [({k: v for k, v in key if k != "instance"}, value) for key, value in result.items()]
+    return sorted(out, key=lambda s: sorted(s[0].items()))
+
+
+def evaluate(node: Any, scrapes: tuple[Scrape, ...]) -> Vector | float:
+    if isinstance(node, promql.NumberLiteral):
+        return float(node.val)
+    if isinstance(node, promql.ParenExpr):
+        return evaluate(node.expr, scrapes)
+    if isinstance(node, promql.VectorSelector):
+        return _select(node, scrapes[-1][1])
+    if isinstance(node, promql.Call) and node.func.name == "rate":
+        (matrix,) = node.args
+        if len(scrapes) < 2:
+            return {}
+        (t0, first), (t1, last) = scrapes[0], scrapes[-1]
+        old = _select(matrix.vector_selector, first)
+        new = _select(matrix.vector_selector, last)
+        return {k: (v - old[k]) / (t1 - t0) for k, v in new.items() if k in old}
+    if isinstance(node, promql.AggregateExpr) and str(node.op) == "sum":
+        by = set(node.modifier.labels) if node.modifier is not None else set()
+        inner = evaluate(node.expr, scrapes)
+        assert isinstance(inner, dict)
+        sums: dict[frozenset[tuple[str, str]], float] = defaultdict(float)
+        for key, value in inner.items():
+            sums[frozenset((k, v) for k, v in key if k in by)] += value
+        return dict(sums)
+    if isinstance(node, promql.BinaryExpr):
+        return _binary(str(node.op), evaluate(node.lhs, scrapes), evaluate(node.rhs, scrapes))
+    raise NotImplementedError(f"not evaluated here: {node}")
+
+
+_COMPARE = {
+    "==": float.__eq__,
+    "!=": float.__ne__,
+    ">": float.__gt__,
+    ">=": float.__ge__,
+    "<": float.__lt__,
+    "<=": float.__le__,
+}
+_ARITHMETIC = {"*": float.__mul__, "/": float.__truediv__, "+": float.__add__}
+
+
+def _binary(op: str, lhs: Vector | float, rhs: Vector | float) -> Vector | float:
+    if isinstance(lhs, float) and isinstance(rhs, float):
+        return _ARITHMETIC[op](lhs, rhs)
+    if isinstance(lhs, float):  # a number and a vector: only arithmetic here
+        assert isinstance(rhs, dict)
+        return {k: _ARITHMETIC[op](lhs, v) for k, v in rhs.items()}
+    if isinstance(rhs, float):
+        if op in _COMPARE:  # a filter: the series for which it holds, as they are
+            return {k: v for k, v in lhs.items() if _COMPARE[op](v, rhs)}
+        return {k: _ARITHMETIC[op](v, rhs) for k, v in lhs.items()}
+    # Two vectors: matched on all their labels.
+    matched = {k: (v, rhs[k]) for k, v in lhs.items() if k in rhs}
+    if op in _COMPARE:
+        return {k: a for k, (a, b) in matched.items() if _COMPARE[op](a, b)}
+    if op == "/":
+        return {k: a / b for k, (a, b) in matched.items() if b}
+    return {k: _ARITHMETIC[op](a, b) for k, (a, b) in matched.items()}
+
+
+def _select(selector: Any, series: dict[str, list[Sample]]) -> Vector:
+    out: Vector = {}
+    for labels, value in series.get(selector.name, []):
+        if all(_matches(m, labels.get(m.name, "")) for m in selector.matchers.matchers):
+            out[frozenset(labels.items())] = value
+    return out
+
+
+def _matches(matcher: Any, value: str) -> bool:
+    op = str(matcher.op)
+    if op.endswith("Equal"):
+        return (value == matcher.value) == (op == "MatchOp.Equal")
+    anchored = re.fullmatch(matcher.value, value) is not None
+    return anchored == (op == "MatchOp.Re")
