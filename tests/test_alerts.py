@@ -116,6 +116,19 @@ def test_reuse_below_the_estimate_fires_when_the_engines_disagree() -> None:
     assert len(fired("AceCacheReuseBelowEstimate", before[1], disagreeing.scrape())) == 1
 
 
+def test_failing_responses_fire_past_one_in_twenty() -> None:
+    fleet = Fleet()
+    fleet.answer(200, 1)
+    fleet.answer(500, 1)
+    before = fleet.scrape()
+    fleet.answer(200, 97)
+    fleet.answer(503, 3)
+    assert fired("AceResponsesFailing", before, fleet.scrape()) == []  # 3%
+    fleet.answer(502, 10)
+    ((_, share),) = fired("AceResponsesFailing", before, fleet.scrape())
+    assert share == pytest.approx(13 / 110)
+
+
 def test_sharing_alerts_follow_the_subscription_and_the_outbox() -> None:
     fleet = Fleet()
     assert fired("AceSharingDisconnected", fleet.scrape()) == []  # no sharing: no series
@@ -157,6 +170,10 @@ class Fleet:
         seen.on_body(usage + str(cached).encode() + b"}}}")
         seen.read_usage()
         self.ledger.add(seen, self.state.pods[0].key)
+
+    def answer(self, status: int, count: int) -> None:
+        for _ in range(count):
+            self.ledger.add(Observation(mode="prod", status=status), self.state.pods[0].key)
 
     def scrape(self) -> Scrape:
         self.clock += 60.0
