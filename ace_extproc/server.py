@@ -478,6 +478,8 @@ def _run_workers(cfg: Config, workers: int) -> int:
     before any gRPC object exists, so every worker salts tenants alike. Each worker
     keeps its own prefix index; new prefixes still land alike (rendezvous), and
     Envoy's connection to a worker is long-lived, so a worker sees a stable share.
+    With ``router.share_url`` each worker shares its placements as a replica would
+    (its sharing starts in the worker, after the fork: an id and a connection each).
     """
     import multiprocessing
 
