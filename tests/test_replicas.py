@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import subprocess
+import sys
 import time
 from array import array
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -473,3 +475,81 @@ def test_sharing_resumes_after_redis_restarts(tmp_path: Path) -> None:
         run_async(test, timeout=60)
     finally:
         server.stop()
+
+
+def test_serve_workers_share_their_placements_with_each_other(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """``serve --workers 2`` with a share URL: each forked worker is a replica of its own
+    (its own id, or each would skip the other's messages as its own) and learns the
+    other's placements."""
+    import urllib.request
+
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from tests.test_server import body_msg, headers_msg
+
+    listen, metrics = free_port(), free_port()
+    fleet = tmp_path / "fleet.yaml"
+    pods = "\n".join(
+        f"      - {{id: pod-{i}, base_url: http://127.0.0.1:{8001 + i}}}" for i in range(4)
+    )
+    fleet.write_text(
+        "destinations:\n  - id: sim\n    provider: vllm\n    base_url: http://127.0.0.1:8001\n"
+        f"    models: [sim-llama]\n    pods:\n{pods}\n"
+        f"router:\n  probe_interval_s: 0\n  share_url: {redis_server.url}\n"
+    )
+    argv = [sys.executable, "-m", "ace_extproc.cli", "serve", "--fleet", str(fleet),
+            "--workers", "2", "--listen", f"127.0.0.1:{listen}",
+            "--metrics-listen", f"127.0.0.1:{metrics}"]  # fmt: skip
+    env = {**os.environ, "ACE_SALT_SECRET": "shared"}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+
+    def tallies(worker: int) -> dict[str, float]:
+        url = f"http://127.0.0.1:{metrics + worker}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return {
+            line.split()[0]: float(line.split()[1])
+            for line in text.splitlines()
+            if line.startswith("ace_share_")
+        }
+
+    async def send(requests: int) -> None:
+        for i in range(requests):  # fresh connections: SO_REUSEPORT spreads them
+            options = [("grpc.use_local_subchannel_pool", 1)]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{listen}", options=options) as ch:
+                call = pb_grpc.ExternalProcessorStub(ch).Process()
+                await call.write(headers_msg())
+                await call.write(body_msg(chat(f"conversation {i} " * 200)))
+                for _ in range(2):
+                    await asyncio.wait_for(call.read(), 5)
+                await call.done_writing()
+
+    try:
+        assert proc.stdout is not None
+        seen = ""
+        while seen.count("serving ext_proc on") < 2:
+            line = proc.stdout.readline()
+            assert line, seen
+            seen += line
+        deadline = time.monotonic() + 10
+        while not all(tallies(w).get("ace_share_subscribed") == 1.0 for w in (0, 1)):
+            assert time.monotonic() < deadline, [tallies(w) for w in (0, 1)]
+            time.sleep(0.05)
+        asyncio.run(send(24))  # all 24 on one worker: 1 in 2**23
+        deadline = time.monotonic() + 10
+        while True:
+            both = [tallies(w) for w in (0, 1)]
+            published = [t["ace_share_published_placements_total"] for t in both]
+            learned = [t["ace_share_learned_placements_total"] for t in both]
+            if sum(published) == 24 and learned == published[::-1]:
+                break  # each learned exactly what the other published
+            assert time.monotonic() < deadline, both
+            time.sleep(0.05)
+        assert min(published) > 0
+    finally:
+        proc.terminate()
+        proc.wait(20)
