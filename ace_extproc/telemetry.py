@@ -469,7 +469,10 @@ class Telemetry(Collector):
             labels=pl,
         )
         counts: dict[tuple[str, str], int] = {}
-        for dest in {p.destination for p in pods}:
+        # Every destination, with or without pods: one whose discovery has found none
+        # yet reports available 0 (what an alert on it must see), not nothing.
+        configured = getattr(getattr(fleet, "fleet", None), "destinations", ())
+        for dest in {d.id for d in configured} | {p.destination for p in pods}:
             for state in POD_STATES:
                 counts[dest, state] = 0
         for slot, pod in enumerate(pods):

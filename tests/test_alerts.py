@@ -18,7 +18,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ace_extproc import telemetry as tm
-from ace_extproc.config import Settings, sim_fleet
+from ace_extproc.config import Destination, DiscoveryConfig, Settings, sim_fleet
+from ace_extproc.config import Fleet as FleetConfig
 from ace_extproc.observe import Ledger, Observation
 from ace_extproc.routing import BlockIndex, FleetState
 from tests.test_dashboard import exported_names, metric_names
@@ -79,6 +80,17 @@ def test_no_pod_available_fires_only_when_every_pod_is_out() -> None:
     assert fired("AcePodsDown", fleet.scrape()) == [({"destination": "sim"}, 1.0)]
     fleet.state.drain(1)
     assert fired("AceNoPodAvailable", fleet.scrape()) == [({"destination": "sim"}, 0.0)]
+
+
+def test_no_pod_available_fires_for_a_destination_discovery_found_nothing_for() -> None:
+    """A destination whose pods are found at run time, and none were (a wrong service
+    name, say): its requests have nowhere to go from the start."""
+    sim = sim_fleet(["127.0.0.1:9001"])
+    empty = Destination(
+        "llama", "vllm", "http://llama:8000", 1.0, (), discovery=DiscoveryConfig("dns", 8000)
+    )
+    fleet = Fleet(FleetConfig((*sim.destinations, empty)))
+    assert fired("AceNoPodAvailable", fleet.scrape()) == [({"destination": "llama"}, 0.0)]
 
 
 def test_a_full_kv_cache_fires_for_that_pod() -> None:
@@ -150,8 +162,8 @@ Scrape = tuple[float, dict[str, list[Sample]]]  # (seconds, series name -> sampl
 class Fleet:
     """One ace-extproc's metrics over two pods: its real Telemetry, state set by hand."""
 
-    def __init__(self) -> None:
-        self.state = FleetState(sim_fleet(["127.0.0.1:9001", "127.0.0.1:9002"]))
+    def __init__(self, config: FleetConfig | None = None) -> None:
+        self.state = FleetState(config or sim_fleet(["127.0.0.1:9001", "127.0.0.1:9002"]))
         index = BlockIndex(100)
         self.telemetry = tm.Telemetry(Settings(), self.state, index, None)
         self.ledger = Ledger()
