@@ -1,8 +1,9 @@
 """The shipped Prometheus alerting rules (dashboards/alerts.yaml): each expression parses
 (a real PromQL parser, ``promql-parser``), reads only series and labels ace-extproc
-exports, and the rules that fire on the fleet's state fire when that state is real and
-stay quiet otherwise: evaluated here, by a small evaluator of the PromQL they use, on
-expositions of a real ``Telemetry`` (two scrapes a minute apart for ``rate``)."""
+exports, and each rule fires when what it names is real and stays quiet otherwise:
+evaluated here, by a small evaluator of the PromQL they use (selectors, ``rate`` over
+two scrapes a minute apart, ``sum by``, ``histogram_quantile``, comparisons and
+arithmetic), on expositions of a real ``Telemetry``."""
 
 from __future__ import annotations
 
@@ -141,6 +142,17 @@ def test_failing_responses_fire_past_one_in_twenty() -> None:
     assert share == pytest.approx(13 / 110)
 
 
+def test_slow_decisions_fire_at_milliseconds_not_microseconds() -> None:
+    fleet = Fleet()
+    fleet.decide("hit", 1, latency_ns=50_000)
+    before = fleet.scrape()
+    fleet.decide("hit", 200, latency_ns=60_000)
+    assert fired("AceDecisionSlow", before, fleet.scrape()) == []
+    fleet.decide("hit", 100, latency_ns=4_000_000)  # a third of them at 4 ms
+    ((_, p99),) = fired("AceDecisionSlow", before, fleet.scrape())
+    assert 0.0025 < p99 <= 0.005  # within the 2.5-5 ms bucket
+
+
 def test_sharing_alerts_follow_the_subscription_and_the_outbox() -> None:
     fleet = Fleet()
     assert fired("AceSharingDisconnected", fleet.scrape()) == []  # no sharing: no series
@@ -172,9 +184,10 @@ class Fleet:
         self.telemetry.sharing = lambda: None if self.sharing is None else _Stats(self.sharing)
         self.clock = 0.0
 
-    def decide(self, action: str, count: int) -> None:
+    def decide(self, action: str, count: int, latency_ns: int = 0) -> None:
+        slot = 0 if action == "hit" else -1
         for _ in range(count):
-            self.telemetry.decision("prod", action, "anon", 0 if action == "hit" else -1)
+            self.telemetry.decision("prod", action, "anon", slot, latency_ns=latency_ns)
 
     def respond(self, estimated: int, cached: int) -> None:
         seen = Observation(mode="prod", saved_tokens=estimated, status=200)
@@ -272,6 +285,10 @@ def evaluate(node: Any, scrapes: tuple[Scrape, ...]) -> Vector | float:
         old = _select(matrix.vector_selector, first)
         new = _select(matrix.vector_selector, last)
         return {k: (v - old[k]) / (t1 - t0) for k, v in new.items() if k in old}
+    if isinstance(node, promql.Call) and node.func.name == "histogram_quantile":
+        q, buckets = (evaluate(arg, scrapes) for arg in node.args)
+        assert isinstance(q, float) and isinstance(buckets, dict)
+        return _histogram_quantile(q, buckets)
     if isinstance(node, promql.AggregateExpr) and str(node.op) == "sum":
         by = set(node.modifier.labels) if node.modifier is not None else set()
         inner = evaluate(node.expr, scrapes)
@@ -283,6 +300,33 @@ def evaluate(node: Any, scrapes: tuple[Scrape, ...]) -> Vector | float:
     if isinstance(node, promql.BinaryExpr):
         return _binary(str(node.op), evaluate(node.lhs, scrapes), evaluate(node.rhs, scrapes))
     raise NotImplementedError(f"not evaluated here: {node}")
+
+
+def _histogram_quantile(q: float, buckets: Vector) -> Vector:
+    """As Prometheus computes it: per series (all labels but ``le``), the bucket that
+    holds rank q x count, interpolated linearly within it; the highest finite bound if
+    the rank falls in +Inf."""
+    series: dict[frozenset[tuple[str, str]], list[tuple[float, float]]] = defaultdict(list)
+    for key, count in buckets.items():
+        labels = dict(key)
+        le = float(labels.pop("le"))
+        series[frozenset(labels.items())].append((le, count))
+    out: Vector = {}
+    for key, points in series.items():
+        points.sort()
+        total = points[-1][1]
+        if not total:
+            continue
+        rank, lower, below = q * total, 0.0, 0.0
+        for le, count in points:
+            if count >= rank:
+                if le == float("inf"):
+                    out[key] = lower
+                else:
+                    out[key] = lower + (le - lower) * (rank - below) / (count - below)
+                break
+            lower, below = le, count
+    return out
 
 
 _COMPARE = {
