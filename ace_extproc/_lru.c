@@ -464,30 +464,29 @@ static int mark_root(BlockLRU *lru, PyObject *first, PyObject *roots, PyObject *
     return evict_oldest(lru, roots, bit, (Py_ssize_t)lru->used - capacity);
 }
 
-/* An array("Q") (or any buffer of native 64-bit unsigned ints): hashes read in place. */
-static int is_uint64_array(PyObject *obj)
+/* 1 with ``view`` filled (the caller releases it) when ``obj`` is an array("Q") or any
+ * contiguous buffer of native 64-bit unsigned ints; 0 otherwise, no error set. */
+static int uint64_view(PyObject *obj, Py_buffer *view)
 {
     if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj) || !PyObject_CheckBuffer(obj))
         return 0;
-    Py_buffer view;
-    if (PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
         PyErr_Clear();
         return 0;
     }
-    const char *f = view.format;
-    int ok = view.itemsize == 8 && f != NULL && (f[0] == 'Q' || f[0] == 'L') && f[1] == 0;
-    PyBuffer_Release(&view);
-    return ok;
+    const char *f = view->format;
+    if (view->itemsize == 8 && f != NULL && (f[0] == 'Q' || f[0] == 'L') && f[1] == 0)
+        return 1;
+    PyBuffer_Release(view);
+    return 0;
 }
 
-static PyObject *record_packed(BlockLRU *lru, PyObject *blocks, PyObject *roots,
+/* record() on hashes read in place from ``view``, which it releases. */
+static PyObject *record_packed(BlockLRU *lru, Py_buffer *view, PyObject *roots,
                                PyObject *bit, Py_ssize_t capacity)
 {
-    Py_buffer view;
-    if (PyObject_GetBuffer(blocks, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    const uint64_t *keys = (const uint64_t *)view.buf;
-    Py_ssize_t n = view.len / 8;
+    const uint64_t *keys = (const uint64_t *)view->buf;
+    Py_ssize_t n = view->len / 8;
     int rc = 0;
     for (Py_ssize_t i = n - 1; i >= 0 && rc == 0; i--)
         rc = touch(lru, keys[i]);
@@ -496,7 +495,7 @@ static PyObject *record_packed(BlockLRU *lru, PyObject *blocks, PyObject *roots,
         rc = first == NULL ? -1 : mark_root(lru, first, roots, bit, capacity);
         Py_XDECREF(first);
     }
-    PyBuffer_Release(&view);
+    PyBuffer_Release(view);
     if (rc < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -516,8 +515,9 @@ PyObject *ace_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssiz
     Py_ssize_t capacity = PyLong_AsSsize_t(args[4]);
     if (capacity == -1 && PyErr_Occurred())
         return NULL;
-    if (is_uint64_array(args[1]))
-        return record_packed(lru, args[1], roots, bit, capacity);
+    Py_buffer view;
+    if (uint64_view(args[1], &view))
+        return record_packed(lru, &view, roots, bit, capacity);
     PyObject *blocks = PySequence_Fast(args[1], "record: blocks must be a sequence");
     if (blocks == NULL)
         return NULL;
