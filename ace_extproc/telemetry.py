@@ -471,8 +471,7 @@ class Telemetry(Collector):
         counts: dict[tuple[str, str], int] = {}
         # Every destination, with or without pods: one whose discovery has found none
         # yet reports available 0 (what an alert on it must see), not nothing.
-        configured = getattr(getattr(fleet, "fleet", None), "destinations", ())
-        for dest in {d.id for d in configured} | {p.destination for p in pods}:
+        for dest in {d.id for d in fleet.fleet.destinations} | {p.destination for p in pods}:
             for state in POD_STATES:
                 counts[dest, state] = 0
         for slot, pod in enumerate(pods):
