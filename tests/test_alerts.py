@@ -219,8 +219,7 @@ class _Stats:
 
 
 def exported_labels() -> dict[str, set[str]]:
-    """Label names of each exported series, from the populated exposition."""
-    _, families = exported_names()
+    """Label names of each exported series, from an exposition with every family."""
     fleet = Fleet()
     fleet.sharing = {"published": 1, "dropped": 1, "learned": 1, "skipped": 1, "subscribed": 1}
     fleet.decide("hit", 1)
@@ -230,7 +229,6 @@ def exported_labels() -> dict[str, set[str]]:
     for name, samples in fleet.scrape()[1].items():
         for sample_labels, _ in samples:
             labels[name] |= set(sample_labels) - {"instance"}
-    assert families  # the dashboard's exposition and this one are of the same collector
     return labels
 
 
