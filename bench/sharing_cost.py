@@ -21,6 +21,7 @@ import argparse
 import json
 import platform
 import random
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
-        "command": "python -m bench.sharing_cost",
+        "command": "python -m bench.sharing_cost "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "python": platform.python_version(),
         "path": speedups.describe(),
         "rounds": args.rounds,
