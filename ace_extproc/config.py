@@ -189,6 +189,13 @@ class Settings:
     # cost policy: a session's (x-session-id / x-user-id) first request this replica
     # sees is placed by the session, not drawn to a pod by a prefix other sessions share.
     place_sessions: bool = True
+    # cost policy: a pod priced within this share plus these milliseconds of the
+    # cheapest is a near-tie, and among near-ties the deepest match wins. Wider keeps
+    # more requests on the pod holding their prefix (more reuse, less prefill work) at
+    # the cost of waiting behind its queue (a higher TTFT tail); measured in
+    # bench/RESULTS.md ("The affinity slack").
+    affinity_slack: float = 0.10
+    affinity_slack_ms: float = 5.0
     upstream_mode: str = "cluster"  # "cluster": per-pod Envoy clusters; "endpoint": ip:port
     # Replicas share their placements through Redis pub/sub (routing/replicas.py), so
     # each prices pods against the whole fleet's traffic and follows the prefixes and
@@ -478,6 +485,8 @@ _SETTING_TYPES: dict[str, type] = {
     "policy": str,
     "min_match": float,
     "place_sessions": bool,
+    "affinity_slack": float,
+    "affinity_slack_ms": float,
     "upstream_mode": str,
     "share_url": str,
     "share_channel": str,
@@ -532,6 +541,9 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("router.prefill_tokens_per_s: expected a rate >= 0 (0: the model's)")
     if not 0.0 <= settings.min_match <= 1.0:
         raise ConfigError("router.min_match: expected a share of the prompt, 0 to 1")
+    for name in ("affinity_slack", "affinity_slack_ms"):
+        if not 0.0 <= getattr(settings, name) < float("inf"):
+            raise ConfigError(f"router.{name}: expected a number >= 0")
     if settings.upstream_mode not in ("cluster", "endpoint"):
         raise ConfigError("router.upstream_mode: expected cluster or endpoint")
     if settings.share_url and urlsplit(settings.share_url).scheme not in SHARE_SCHEMES:

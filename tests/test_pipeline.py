@@ -1,6 +1,8 @@
 """The default policy: pods priced by estimated time to first token."""
 
-from ace_extproc.config import Settings, sim_fleet
+import pytest
+
+from ace_extproc.config import ConfigError, Settings, parse_settings, sim_fleet
 from ace_extproc.latency import get_model
 from ace_extproc.prefix import hash_prompt
 from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, policies, rendezvous
@@ -62,6 +64,37 @@ def test_near_ties_keep_affinity_instead_of_flapping() -> None:
     fleet.load[first.slot].queued_prefill_tokens = 60  # ~2 ms more: within the slack
     again = picker.pick(request(short), fleet.available)
     assert again is not None and again.slot == first.slot
+
+
+@pytest.mark.parametrize(
+    ("slack", "stays"),
+    [({}, False), ({"affinity_slack": 1.0}, True), ({"affinity_slack_ms": 10_000.0}, True)],
+)
+def test_the_affinity_slack_sets_how_long_a_queued_warm_pod_keeps_its_prefix(
+    slack: dict[str, float], stays: bool
+) -> None:
+    """A warm pod whose queue makes it cost half as much again as a cold pod: the
+    default spills; a slack of 100% (or of ten seconds) keeps the request there."""
+    settings = Settings(**slack)
+    fleet = FleetState(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(4)]))
+    picker = policies.cost_policy(settings)(fleet, BlockIndex(10_000))
+    first = picker.pick(request(), fleet.available)
+    assert first is not None
+    model = get_model(settings.ttft_model)
+    cold_ms = model.prefill_ms(len(PROMPT) // 4, 0)
+    fleet.load[first.slot].queued_prefill_tokens = int(1.5 * cold_ms / model.a_ms)
+    again = picker.pick(request(), fleet.available)
+    assert again is not None and (again.slot == first.slot) is stays
+    assert again.action == ("hit" if stays else "spill")
+
+
+def test_affinity_slack_settings_are_checked() -> None:
+    parsed = parse_settings({"affinity_slack": 0.5, "affinity_slack_ms": 20})
+    assert (parsed.affinity_slack, parsed.affinity_slack_ms) == (0.5, 20.0)
+    for name in ("affinity_slack", "affinity_slack_ms"):
+        for bad in (-0.1, float("inf"), float("nan"), "wide"):
+            with pytest.raises(ConfigError, match=rf"router\.{name}"):
+                parse_settings({name: bad})
 
 
 def test_saturated_kv_caches_are_avoided_unless_all_are() -> None:

@@ -86,6 +86,9 @@ def test_policy_spec_builds_ours_with_those_router_settings() -> None:
     assert isinstance(balanced, Pipeline) and balanced.balance_new
     assert isinstance(build("ace@policy=affinity"), PrefixAffinityPicker)
     assert isinstance(build("ace@min_match=0"), Pipeline)  # YAML's int, as fleet.yaml takes it
+    wide = build("ace@affinity_slack=0.5@affinity_slack_ms=20")
+    assert isinstance(wide, Pipeline) and wide.params.slack_ratio == 0.5
+    assert wide.params.slack_ms == 20.0 and default.params.slack_ratio == 0.1
 
 
 @pytest.mark.parametrize(

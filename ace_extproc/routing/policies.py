@@ -45,6 +45,8 @@ def cost_policy(
             balance_new=balance_new,
             min_match=share,
             place_sessions=by_session,
+            slack_ratio=settings.affinity_slack,
+            slack_ms=settings.affinity_slack_ms,
         )
 
     return build

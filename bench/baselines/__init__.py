@@ -59,7 +59,7 @@ POLICIES: dict[str, PickerFactory] = {
 
 # The router settings a policy spec may change: those that shape the pick. The others
 # (block size, TTFT model, ...) are the simulation's own and would not reach it.
-TUNABLE = ("policy", "min_match", "place_sessions")
+TUNABLE = ("policy", "min_match", "place_sessions", "affinity_slack", "affinity_slack_ms")
 
 
 def resolve(name: str) -> PickerFactory:
