@@ -146,13 +146,13 @@ class Observer:
         self.monitor: FleetMonitor | None = None  # set by server.start
         self.ledger = Ledger()
         self._by_address: dict[str, int] = {}
-        self._seen: tuple[int, int] = (-1, -1)
+        self._seen = -1  # the fleet's membership version _by_address was built at
 
     def slot_at(self, address: str) -> int | None:
         """The slot of the member pod at ``ip:port`` (pods given by hostname never match)."""
         fleet = self.fleet
-        if self._seen != (len(fleet.pods), fleet.members):
-            self._seen = (len(fleet.pods), fleet.members)
+        if self._seen != fleet.version:
+            self._seen = fleet.version
             self._by_address = {
                 p.address: slot for slot, p in enumerate(fleet.pods) if fleet.is_member(slot)
             }

@@ -21,6 +21,7 @@ from ace_extproc.latency import get_model
 from ace_extproc.observe import Observer
 from ace_extproc.prefix import cache_prefix_id, hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, Picker, RoutingRequest, policies
+from ace_extproc.routing.fleet import RETIRED
 from ace_extproc.routing.placements import PrefixPlacements
 from ace_extproc.routing.policies import PickerFactory
 from ace_extproc.telemetry import Telemetry
@@ -109,6 +110,14 @@ class Processor:
         # the other replicas, and theirs come into this one's index and load view.
         self.sharing: PlacementSink | None = None
         self.telemetry.sharing = lambda: self.sharing
+        self.fleet.on_change.append(self._fleet_changed)
+
+    def _fleet_changed(self, slot: int, change: str) -> None:
+        if change == RETIRED:  # another pod takes the slot: forget the one that left
+            self.index.retire_pod(slot)
+            self.telemetry.retire_slot(slot)
+            if self.placements is not None:
+                self.placements.forget_slot(slot)
 
     # ------------------------------------------------------------ header phase
 

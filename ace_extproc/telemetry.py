@@ -13,7 +13,8 @@ see one decision counted and its tokens not yet: the next scrape has both. Count
 never go backwards.
 
 **Labels.** ``mode`` and ``action`` come from a fixed vocabulary, pods from the fleet
-(slots are never reused), steps and states are fixed. A ``tenant`` label exists only
+(the pods present, and those gone whose slot no new pod has taken: see
+``retire_slot``), steps and states are fixed. A ``tenant`` label exists only
 with ``router.metrics_tenant_label``: the tenants the configuration names are labels,
 others get one while fewer than ``metrics_max_tenants`` are labelled, the rest fold
 into ``other``.
@@ -45,6 +46,7 @@ from ace_extproc.logs import ANOMALY_BURST, RateLimit, log_decision
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from ace_extproc.config import Pod
     from ace_extproc.observe import Ledger
     from ace_extproc.routing.fleet import FleetState
     from ace_extproc.routing.index import BlockIndex
@@ -191,6 +193,29 @@ class Telemetry(Collector):
         processor (the server's ``internal_error``)."""
         self.decision(mode, "bypass_" + reason, tenant, latency_ns=latency_ns)
 
+    def retire_slot(self, slot: int) -> None:
+        """The pod that was in ``slot`` is gone and another takes the slot: its per-pod
+        series end, and what it counted stays in the totals (under no pod), so no
+        counter goes backwards. One new dict swapped in, of new tallies where merged,
+        so a scrape copying the old one meanwhile still reads a consistent state."""
+        old = self._tallies
+        if all(key[3] != slot for key in old):
+            return
+        new = {key: t for key, t in old.items() if key[3] != slot}
+        for (mode, action, label, s), t in old.items():
+            if s != slot:
+                continue
+            key = (mode, action, label, -1)
+            merged = _Tally(t.anomaly)
+            for part in (new.get(key), t):
+                if part is not None:
+                    merged.count += part.count
+                    merged.prompt_tokens += part.prompt_tokens
+                    merged.cached_tokens += part.cached_tokens
+                    merged.saved_ms += part.saved_ms
+            new[key] = merged
+        self._tallies = new
+
     def step_ns(self, step: int, ns: int) -> None:
         """One step's time (``PARSE``, ``HASH``, ``PICK``, ``REWRITE``)."""
         self._hist[step][bisect_left(BOUNDS_NS, ns)] += 1
@@ -270,12 +295,6 @@ class Telemetry(Collector):
         pods = self.fleet.pods if self.fleet is not None else []
         return pods[slot].key if slot < len(pods) else f"slot-{slot}"
 
-    def _pod_labels(self, slot: int) -> list[str]:
-        pods = self.fleet.pods if self.fleet is not None else []
-        if 0 <= slot < len(pods):
-            return [pods[slot].destination, pods[slot].id]
-        return ["", f"slot-{slot}"]
-
     def collect(self) -> Iterator[Metric]:
         yield from self._decision_families()
         yield from self._latency_families()
@@ -303,6 +322,9 @@ class Telemetry(Collector):
         return parsed
 
     def _decision_families(self) -> Iterator[Metric]:
+        # The pods first: a slot retired after this copy has its tallies out of the
+        # copy below, so a gone pod's counts are never labelled with its successor.
+        pods = list(self.fleet.pods) if self.fleet is not None else []
         tallies = self._tallies.copy()  # atomic: the loop may add keys meanwhile
         tenant = ["tenant"] if self.by_tenant else []
         decisions = CounterMetricFamily(
@@ -361,7 +383,7 @@ class Telemetry(Collector):
         for reason, count in sorted(by_reason.items()):
             bypasses.add_metric([reason], count)
         for (mode, slot), (n, p_tok, c_tok, ms) in sorted(by_pod.items()):
-            labels = [mode, *self._pod_labels(slot)]
+            labels = [mode, *_pod_labels(pods, slot)]
             picks.add_metric(labels, n)
             prompt.add_metric(labels, p_tok)
             cached.add_metric(labels, c_tok)
@@ -623,6 +645,12 @@ def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
         running += n
         out.append((le, float(running)))
     return out
+
+
+def _pod_labels(pods: list[Pod], slot: int) -> list[str]:
+    if 0 <= slot < len(pods):
+        return [pods[slot].destination, pods[slot].id]
+    return ["", f"slot-{slot}"]
 
 
 def _is_down(monitor: FleetMonitor, slot: int) -> bool:

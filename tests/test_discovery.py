@@ -79,7 +79,7 @@ def test_add_and_remove_pod_masks_and_slot_reuse() -> None:
     fs.capacity_tokens[0] = 1000
     fs.remove_pod(0)
     assert fs.candidates(dest) == 0b110 and not fs.is_member(0)
-    assert len(fs.pods) == 3  # the slot is kept
+    assert len(fs.pods) == 3  # the slot waits for the pod
     fs.set_available(0, True)  # a late good probe does not bring it back
     assert fs.candidates(dest) == 0b110 and not fs.available & 1
     fs.remove_pod(0)  # twice: nothing
@@ -399,7 +399,7 @@ def test_kubernetes_discovery_list_watch_relist(tmp_path: Any) -> None:
     assert watch_queries[0]["resourceVersion"] == "10"
     assert watch_queries[1]["resourceVersion"] == "30"
     assert set(api.auth) == {"Bearer s3cret"}
-    assert len(fs.pods) == 4  # 10.2.0.1, .2, .3 and .5: slots are never freed
+    assert len(fs.pods) == 4  # 10.2.0.1, .2, .3 and .5: the departed pods' slots wait
 
 
 def test_engines_sharing_an_ip_are_told_apart_by_port() -> None:

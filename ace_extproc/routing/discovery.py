@@ -8,8 +8,9 @@
   the list's ``resourceVersion``; a ``410 Gone`` re-lists. An endpoint that is not
   ready, or terminating (draining), is out of the fleet.
 
-A pod that joins takes a slot (``FleetState.add_pod``, the slot it had if it was here
-before) and starts with an empty index; a pod that leaves gets nothing new
+A pod that joins takes a slot (``FleetState.add_pod``: the slot it had if it was here
+before and no other pod has taken it since, else a departed pod's, so slots stay
+bounded as pods come and go) and starts with an empty index; a pod that leaves gets nothing new
 (``FleetState.remove_pod``) and its index entries are dropped. Rendezvous placement
 means a joining pod takes about 1/N of new prefixes from the others, and a leaving
 pod's prefixes spread over the rest; no other key moves. Pods listed in

@@ -1,9 +1,15 @@
 """The fleet as the pickers see it: pods in numbered slots, so a set of pods is one
 int bitmask, and each destination's pods are a mask picked from by model.
 
-Membership changes (discovery) go through ``add_pod`` / ``remove_pod``. A slot is
-never freed: a removed pod keeps its slot (its bits cleared, so it gets nothing new),
-and the same pod coming back takes that slot again, so every bitmask stays valid.
+Membership changes (discovery) go through ``add_pod`` / ``remove_pod``. A removed
+pod keeps its slot (its bits cleared, so it gets nothing new), and the same pod coming
+back takes that slot again. The slots of the last ``FREE_SLOTS_KEPT`` pods to leave wait
+for them; past that, a new pod takes the slot of the pod that left longest ago, whose
+slot is first *retired*: listeners drop what they kept for the old pod (its index
+entries, session homes, per-pod metrics). So the slots, and the per-slot lists and
+bitmasks the request path walks, stay bounded by the most pods ever present at once
+plus that reserve, however many pods come and go over months of autoscaling and
+rolling restarts (each a new pod IP, so a new pod id).
 
 Three things keep a pod from new requests, each its own bitmask: leaving the fleet
 (``members``), failing health checks (``healthy``, set by the monitor through
@@ -25,6 +31,10 @@ log = logging.getLogger("ace_extproc.fleet")
 
 ADDED = "added"
 REMOVED = "removed"
+RETIRED = "retired"  # the slot's pod left for good; its slot goes to another pod
+
+# Slots of departed pods kept for their return before a new pod may take one.
+FREE_SLOTS_KEPT = 64
 
 
 @dataclass(slots=True)
@@ -63,7 +73,15 @@ class FleetState:
         self.members = (1 << len(self.pods)) - 1  # slots whose pod is in the fleet now
         self._slot_of: dict[str, int] = {p.key: slot for slot, p in enumerate(self.pods)}
         self._destination_ids = frozenset(d.id for d in fleet.destinations)
-        # Called with (slot, "added" | "removed") after each membership change.
+        # Slots of pods that left, the longest gone first (a dict: a pod coming back
+        # takes its own out of the middle).
+        self._free: dict[int, None] = {}
+        self.free_slots_kept = FREE_SLOTS_KEPT  # how many wait before one is reused
+        # Bumped by every membership change: caches of "which pod is in which slot"
+        # compare it (the member mask alone can come back to the same value).
+        self.version = 0
+        # Called with (slot, "added" | "removed" | "retired") after each membership
+        # change; "retired" comes just before a new pod's "added" in the same slot.
         self.on_change: list[Callable[[int, str], None]] = []
 
     def destination_for(self, model: str) -> Destination | None:
@@ -134,37 +152,52 @@ class FleetState:
 
     def add_pod(self, pod: Pod) -> int:
         """Put a pod in the fleet and return its slot: the slot it had if it left
-        earlier (same ``destination/id``), else a new one at the end. Adding a pod
-        already in the fleet changes nothing and returns its slot."""
+        earlier (same ``destination/id``) and nobody took it since, else the slot of
+        the pod gone longest if more than ``free_slots_kept`` wait, else a new one at
+        the end. Adding a pod already in the fleet changes nothing and returns its slot."""
         if pod.destination not in self._destination_ids:
             raise ValueError(f"pod {pod.key}: no destination {pod.destination!r}")
         slot = self._slot_of.get(pod.key)
         if slot is not None and (self.members >> slot) & 1:
             return slot
         seed = (rendezvous.pod_seed(pod.key), pod.weight)
+        if slot is not None:  # back again: a new process, as far as anyone knows
+            del self._free[slot]
+        elif len(self._free) > self.free_slots_kept:
+            slot = next(iter(self._free))
+            del self._free[slot]
+            self._retire(slot)
         if slot is None:
             slot = len(self.pods)
             self.pods.append(pod)
             self.seeds.append(seed)
             self.load.append(PodLoad())
             self.capacity_tokens.append(None)
-            self._slot_of[pod.key] = slot
-        else:  # back again: a new process, as far as anyone knows
+        else:
             self.pods[slot] = pod
             self.seeds[slot] = seed
             self.load[slot] = PodLoad()
             self.capacity_tokens[slot] = None
+        self._slot_of[pod.key] = slot
         bit = 1 << slot
         self._dest_masks[pod.destination] = self._dest_masks.get(pod.destination, 0) | bit
         self.members |= bit
         self.healthy |= bit  # a new process, until the health checks say otherwise
         self._refresh()  # a drained pod that rejoins stays drained
+        self.version += 1
         self._notify(slot, ADDED)
         return slot
 
+    def _retire(self, slot: int) -> None:
+        """The pod that left ``slot`` is forgotten, so that another can take it: the
+        same pod coming back later is a new pod (a new slot, not drained)."""
+        del self._slot_of[self.pods[slot].key]
+        self.drained &= ~(1 << slot)
+        self._notify(slot, RETIRED)
+
     def remove_pod(self, slot: int) -> None:
         """Take a pod out of the fleet (it left, or is terminating): it gets nothing new.
-        Its slot is kept, so bitmasks stay valid. Removing twice changes nothing."""
+        Its slot waits for it (``add_pod``). Removing twice changes nothing."""
         bit = 1 << slot
         if not self.members & bit:
             return
@@ -173,6 +206,8 @@ class FleetState:
         self._refresh()
         dest = self.pods[slot].destination
         self._dest_masks[dest] = self._dest_masks.get(dest, 0) & clear
+        self._free[slot] = None
+        self.version += 1
         self._notify(slot, REMOVED)
 
     def _notify(self, slot: int, change: str) -> None:

@@ -154,6 +154,11 @@ class BlockIndex:
             else:
                 del roots[h]
 
+    def retire_pod(self, slot: int) -> None:
+        """The slot goes to another pod: forget its blocks and its learned bound too."""
+        self.drop_pod(slot)
+        self._capacity.pop(slot, None)
+
     def match_depths(self, blocks: Sequence[int], candidates: int) -> dict[int, int]:
         """How many leading blocks each candidate holds, for those holding any."""
         if not blocks:

@@ -49,7 +49,7 @@ import aiohttp
 from ace_extproc.config import Settings
 from ace_extproc.latency import get_model
 from ace_extproc.routing import metrics_text
-from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.fleet import ADDED, REMOVED, FleetState
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.metrics_text import EngineStats
 
@@ -139,12 +139,12 @@ class FleetMonitor:
         """Follow the fleet: watch a pod that joined (from a clean state, as a pod
         coming back is a new process), stop watching one that left. A new list each
         time, so a loop going through the old one is never disturbed."""
-        if change == "added":
+        if change == ADDED:
             self._state.extend(_PodState() for _ in range(len(self.fleet.pods) - len(self._state)))
             self._state[slot] = _PodState()
             if self._is_watched(slot) and slot not in self.watched:
                 self.watched = [*self.watched, slot]
-        else:
+        elif change == REMOVED:
             self.watched = [w for w in self.watched if w != slot]
 
     # ---------------------------------------------------------- passive hooks
@@ -191,14 +191,16 @@ class FleetMonitor:
         session = self._session
         if session is None:
             return
-        url = self.fleet.pods[slot].base_url + "/health"
+        pod = self.fleet.pods[slot]
         try:
-            async with session.get(url) as resp:
+            async with session.get(pod.base_url + "/health") as resp:
                 await resp.read()  # drained, so the connection is kept
                 ok = resp.status == 200
                 why = f"/health answered {resp.status}"
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             ok, why = False, f"/health: {_describe(exc)}"
+        if self.fleet.pods[slot] is not pod:
+            return  # the pod left and another (or a new process) took the slot meanwhile
         if ok:
             self._succeeded(slot)
         else:
@@ -208,15 +210,18 @@ class FleetMonitor:
         session = self._session
         if session is None:
             return
-        url = self.fleet.pods[slot].base_url + "/metrics"
+        pod = self.fleet.pods[slot]
         try:
-            async with session.get(url, headers=_METRICS_HEADERS) as resp:
+            async with session.get(pod.base_url + "/metrics", headers=_METRICS_HEADERS) as resp:
                 status = resp.status
                 size = resp.content_length or 0
                 body = await resp.read() if size <= MAX_METRICS_BYTES else b""
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            self._failed(slot, f"/metrics: {_describe(exc)}")
+            if self.fleet.pods[slot] is pod:
+                self._failed(slot, f"/metrics: {_describe(exc)}")
             return
+        if self.fleet.pods[slot] is not pod:
+            return  # as in _probe: the figures are another process's
         if status >= 500:
             self._failed(slot, f"/metrics answered {status}")
             return

@@ -24,7 +24,7 @@ from typing import NamedTuple, Protocol
 
 from ace_extproc.latency import TTFTModel
 from ace_extproc.routing import rendezvous
-from ace_extproc.routing.fleet import FleetState, PodLoad
+from ace_extproc.routing.fleet import RETIRED, FleetState, PodLoad
 from ace_extproc.routing.index import BlockIndex, RoomView
 from ace_extproc.routing.picker import Pick, RoutingRequest
 from ace_extproc.speedups import native
@@ -210,6 +210,11 @@ class Pipeline:
         )
         for slot in range(len(fleet.pods)):
             index.add_pod(slot)
+        fleet.on_change.append(self._fleet_changed)
+
+    def _fleet_changed(self, slot: int, change: str) -> None:
+        if change == RETIRED:  # its sessions' home is gone; the slot's next pod is not it
+            self._sessions = {s: home for s, home in self._sessions.items() if home != slot}
 
     def _slots(self, mask: int) -> tuple[int, ...]:
         """The slots of a bitmask, cached: candidate sets repeat request after request."""

@@ -44,6 +44,18 @@ class PrefixPlacements:
         entry[2] = slot
         entry[3] = time.monotonic()
 
+    def forget_slot(self, slot: int) -> None:
+        """The slot's pod is gone and another takes the slot: placements there are
+        no longer anywhere (an entry left with none is dropped)."""
+        bit = 1 << slot
+        for key, entry in list(self._entries.items()):
+            if entry[0] & bit:
+                entry[0] &= ~bit
+                if not entry[0]:
+                    del self._entries[key]
+                elif entry[2] == slot:
+                    entry[2] = -1
+
     def get(self, prefix_key: str) -> tuple[int, int, int, float] | None:
         """``(slots bitmask, picks, last slot, seconds since the last pick)``, or None."""
         entry = self._entries.get(prefix_key.lower())
