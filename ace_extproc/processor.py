@@ -116,6 +116,7 @@ class Processor:
         if change == RETIRED:  # another pod takes the slot: forget the one that left
             self.index.retire_pod(slot)
             self.telemetry.retire_slot(slot)
+            self.observer.ledger.by_pod.pop(self.fleet.pods[slot].key, None)
             if self.placements is not None:
                 self.placements.forget_slot(slot)
 

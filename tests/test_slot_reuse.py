@@ -10,7 +10,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from ace_extproc.config import Config, Destination, Fleet, Pod, Settings, sim_fleet
-from ace_extproc.observe import Observer
+from ace_extproc.observe import Observation, Observer
 from ace_extproc.processor import Outcome, Processor
 from ace_extproc.routing import fleet as fleet_module
 from ace_extproc.routing.fleet import FREE_SLOTS_KEPT, FleetState
@@ -155,6 +155,10 @@ def test_a_successor_inherits_nothing_of_the_pod_that_left(
     gone = proc.fleet.pods[slot]
     proc.index.set_capacity(slot, 7)  # learned from the old engine's KV size
     assert proc.placements is not None and proc.placements.get(key) is not None
+    proc.observer.finish(Observation(mode="prod", upstream=gone.address, status=200))
+    assert any(
+        f'pod="{gone.id}"' in k for k in _series(proc, "ace_pod_response_prompt_tokens_total")
+    )
     picks_before = _series(proc, "ace_picks_total")
     decisions_before = _series(proc, "ace_decisions_total")
     assert any(f'pod="{gone.id}"' in labels for labels in picks_before)
@@ -170,6 +174,7 @@ def test_a_successor_inherits_nothing_of_the_pod_that_left(
     picks = _series(proc, "ace_picks_total")
     assert not any(f'pod="{gone.id}"' in labels or f'pod="{new.id}"' in labels for labels in picks)
     assert _series(proc, "ace_decisions_total") == decisions_before
+    assert not _series(proc, "ace_pod_response_prompt_tokens_total")  # the responses' too
     # The session whose home was the gone pod is placed as new, by its key, not sent
     # to the successor for being in its old slot.
     picker = proc.picker
