@@ -8,6 +8,7 @@ Everything has a default, so ``ace-extproc serve --fleet fleet.yaml`` is enough.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import re
 import secrets
@@ -66,7 +67,9 @@ class Pod:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        """``host:port``, an IPv6 host in brackets: as URLs and Envoy write it."""
+        host = self.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     @property
     def base_url(self) -> str:
@@ -278,7 +281,16 @@ def _host_port(url: Any, where: str) -> tuple[str, int]:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         raise ConfigError(f"{where}: {url!r} has an invalid port") from None
-    return parts.hostname, port
+    return canonical_host(parts.hostname), port
+
+
+def canonical_host(host: str) -> str:
+    """An IP address in its one canonical spelling (``fd00::7``, as Envoy reports an
+    upstream host), so a pod's address compares equal to Envoy's; a name as given."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
 
 
 def _weight(value: Any, where: str) -> float:

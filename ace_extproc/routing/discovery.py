@@ -33,7 +33,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from ace_extproc.config import Destination, DiscoveryConfig, Pod
+from ace_extproc.config import Destination, DiscoveryConfig, Pod, canonical_host
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.index import BlockIndex
 
@@ -135,7 +135,7 @@ class DnsDiscovery(Discovery):
             addrs = await asyncio.wait_for(
                 self.resolver(self.hostname, self.port), timeout=max(self.interval_s, 1.0)
             )
-            ips = sorted({a.split("%", 1)[0] for a in addrs})  # no IPv6 zone ids
+            ips = sorted({canonical_host(a.split("%", 1)[0]) for a in addrs})  # no zone ids
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # gaierror, a timeout, a broken resolver
@@ -223,7 +223,8 @@ class KubernetesDiscovery(Discovery):
             # An unset "ready" means ready (the API's own reading).
             if cond.get("ready") is False or cond.get("terminating") is True:
                 continue
-            for ip in ep.get("addresses") or ():
+            for address in ep.get("addresses") or ():
+                ip = canonical_host(str(address))
                 pods.append(Pod(self.destination_id, pod_id(ip), ip, port))
         return pods
 
