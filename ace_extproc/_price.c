@@ -1,6 +1,6 @@
 /* The cost pipeline's pricing of every candidate pod, in one call.
  *
- * price(slots, depths, rooms, load, n, tokens, params) -> (near, deepest, order)
+ * price(slots, depths, rooms, load, n, tokens, params, keep) -> (near, deepest, order)
  *     routing/pipeline.py's price_pure, which is the reference (its docstring says
  *     what each argument is); both give the same result for the same input, bit for
  *     bit (tests/test_price.py). In Python the loop over the candidates, a tuple
@@ -13,14 +13,17 @@
  *       load     list of PodLoad, indexed by slot (reads queued_prefill_tokens)
  *       n        the prompt's blocks; tokens: its tokens
  *       params   PriceParams (7 floats)
+ *       keep     how many of the cheapest slots ``order`` holds (>= 1)
  *
  * The arithmetic follows the Python expressions operation by operation, so the
  * doubles are the same; ties in price break by slot, as Python's tuple sort does.
+ * Nothing is sorted: the near-best set does not depend on order, and ``order`` is
+ * the ``keep`` cheapest, found in one pass (a pick wants two or three for Envoy's
+ * retries; with hundreds of pods, sorting them all was most of the pick).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "_price.h"
 
@@ -31,14 +34,10 @@ typedef struct {
     PyObject *obj; /* the slot's int, borrowed from ``slots`` */
 } Priced;
 
-static int by_cost(const void *x, const void *y)
+/* Whether ``a`` comes before ``b``: cheaper, or as cheap and a lower slot. */
+static int before(const Priced *a, const Priced *b)
 {
-    const Priced *a = x, *b = y;
-    if (a->cost < b->cost)
-        return -1;
-    if (a->cost > b->cost)
-        return 1;
-    return (a->slot > b->slot) - (a->slot < b->slot);
+    return a->cost < b->cost || (a->cost == b->cost && a->slot < b->slot);
 }
 
 /* A dict's int value for ``key``, or ``fallback`` when absent; -1 with an error set. */
@@ -72,29 +71,22 @@ static PyObject *or_bit(PyObject *mask, PyObject *slot)
     return out;
 }
 
-/* (near, deepest, order) from the priced slots, sorted. */
-static PyObject *choose(Priced *priced, Py_ssize_t count, double slack_ratio, double slack_ms)
+/* (near, deepest, order) from the priced slots: ``cheapest`` is the lowest cost. */
+static PyObject *choose(const Priced *priced, Py_ssize_t count, double cheapest,
+                        double slack_ratio, double slack_ms, Py_ssize_t keep)
 {
-    qsort(priced, (size_t)count, sizeof(Priced), by_cost);
-    double limit = priced[0].cost * (1 + slack_ratio) + slack_ms;
+    double limit = cheapest * (1 + slack_ratio) + slack_ms;
     long long deepest = -1;
-    uint64_t low = 0; /* the near-best's bits below 64 */
-    Py_ssize_t first = 0, last = 0; /* priced[first:last]: the near-best so far */
-    for (Py_ssize_t i = 0; i < count && !(priced[i].cost > limit); i++) {
-        if (priced[i].depth > deepest) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (!(priced[i].cost > limit) && priced[i].depth > deepest)
             deepest = priced[i].depth;
-            low = 0;
-            first = i;
-        } else if (priced[i].depth < deepest) {
-            continue;
-        }
-        last = i + 1;
-        if (priced[i].slot < 64)
+    uint64_t low = 0; /* the near-best's bits below 64 */
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (!(priced[i].cost > limit) && priced[i].depth == deepest && priced[i].slot < 64)
             low |= (uint64_t)1 << priced[i].slot;
-    }
     PyObject *near = PyLong_FromUnsignedLongLong(low);
-    for (Py_ssize_t i = first; near != NULL && i < last; i++) {
-        if (priced[i].slot >= 64 && priced[i].depth == deepest) {
+    for (Py_ssize_t i = 0; near != NULL && i < count; i++) {
+        if (priced[i].slot >= 64 && !(priced[i].cost > limit) && priced[i].depth == deepest) {
             PyObject *next = or_bit(near, priced[i].obj);
             Py_DECREF(near);
             near = next;
@@ -102,23 +94,46 @@ static PyObject *choose(Priced *priced, Py_ssize_t count, double slack_ratio, do
     }
     if (near == NULL)
         return NULL;
-    PyObject *order = PyTuple_New(count);
+    /* The ``keep`` cheapest, in order: an insertion into a short sorted list. */
+    if (keep > count)
+        keep = count;
+    const Priced **best = PyMem_New(const Priced *, (size_t)keep);
+    if (best == NULL) {
+        Py_DECREF(near);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t held = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const Priced *p = &priced[i];
+        if (held == keep && !before(p, best[held - 1]))
+            continue;
+        Py_ssize_t at = held < keep ? held++ : keep - 1;
+        while (at > 0 && before(p, best[at - 1])) {
+            best[at] = best[at - 1];
+            at--;
+        }
+        best[at] = p;
+    }
+    PyObject *order = PyTuple_New(keep);
+    if (order != NULL) {
+        for (Py_ssize_t i = 0; i < keep; i++) {
+            Py_INCREF(best[i]->obj);
+            PyTuple_SET_ITEM(order, i, best[i]->obj);
+        }
+    }
+    PyMem_Free(best);
     if (order == NULL) {
         Py_DECREF(near);
         return NULL;
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        Py_INCREF(priced[i].obj);
-        PyTuple_SET_ITEM(order, i, priced[i].obj);
     }
     return Py_BuildValue("(NLN)", near, deepest, order);
 }
 
 PyObject *ace_price(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError,
-                        "price(slots, depths, rooms, load, n, tokens, params) takes 7 arguments");
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "price(slots, depths, rooms, load, n, tokens, params, "
+                                         "keep) takes 8 arguments");
         return NULL;
     }
     PyObject *slots = args[0], *depths = args[1], *rooms = args[2], *load = args[3];
@@ -155,8 +170,13 @@ PyObject *ace_price(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize
     long long default_capacity = PyLong_AsLongLong(PyTuple_GET_ITEM(rooms, 2));
     long long n = PyLong_AsLongLong(args[4]);
     long long tokens = PyLong_AsLongLong(args[5]);
+    Py_ssize_t keep = PyLong_AsSsize_t(args[7]);
     if (PyErr_Occurred())
         return NULL;
+    if (keep < 1) {
+        PyErr_SetString(PyExc_ValueError, "price: keep must be at least 1");
+        return NULL;
+    }
     if (queued_name == NULL && (queued_name = PyUnicode_InternFromString(
                                     "queued_prefill_tokens")) == NULL)
         return NULL;
@@ -167,6 +187,7 @@ PyObject *ace_price(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize
     if (priced == NULL)
         return PyErr_NoMemory();
     PyObject *result = NULL;
+    double cheapest = 0.0;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *obj = PyTuple_GET_ITEM(slots, i);
         long long slot = PyLong_AsLongLong(obj), depth;
@@ -214,8 +235,10 @@ PyObject *ace_price(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize
         if (queued > 0)
             cost += a_ms * (double)queued;
         priced[i] = (Priced){cost, slot, depth, obj};
+        if (i == 0 || cost < cheapest)
+            cheapest = cost;
     }
-    result = choose(priced, count, p[5], p[6]);
+    result = choose(priced, count, cheapest, p[5], p[6], keep);
 done:
     if (priced != small)
         PyMem_Free(priced);

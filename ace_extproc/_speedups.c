@@ -1029,7 +1029,7 @@ static PyMethodDef methods[] = {
      "body_answer(headers, remove, clear_route_cache, body, namespaces) -> a serialized "
      "ProcessingResponse answering a request body (mutate.body_answer)."},
     {"price", (PyCFunction)(void (*)(void))ace_price, METH_FASTCALL,
-     "price(slots, depths, rooms, load, n, tokens, params) -> (near, deepest, order): "
+     "price(slots, depths, rooms, load, n, tokens, params, keep) -> (near, deepest, order): "
      "the cost pipeline's pricing of every candidate (routing/pipeline.py's price_pure)."},
     {NULL, NULL, 0, NULL},
 };

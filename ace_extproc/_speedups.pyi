@@ -33,6 +33,7 @@ def price(
     n: int,
     tokens: int,
     params: PriceParams,
+    keep: int,
     /,
 ) -> tuple[int, int, tuple[int, ...]]: ...
 def body_answer(

@@ -227,7 +227,7 @@ def native_steps(
         depths = index.match_depths(blocks, fleet.available)
         near, _, _ = native.price(
             slots, depths, index.room_view(), fleet.load, len(blocks), len(prompt) // 4,
-            picker.params,
+            picker.params, picker.fallbacks + 1,
         )  # fmt: skip
         index.record(near.bit_length() - 1, blocks)
         rewritten = b"".join((prefix, b'",', memoryview(body)[1:]))

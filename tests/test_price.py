@@ -1,8 +1,9 @@
 """The cost pipeline's pricing: ``native.price`` (``_price.c``) against
 ``pipeline.price_pure``, the reference.
 
-Its contract: for any candidates, depths, rooms, loads and constants, the same
-``(near, deepest, order)`` bit for bit, ties in price broken by slot; bad arguments
+Its contract: for any candidates, depths, rooms, loads, constants and ``keep``, the
+same ``(near, deepest, order)`` bit for bit, ties in price broken by slot (the C one
+finds the ``keep`` cheapest without sorting, the reference sorts); bad arguments
 raise, never crash.
 """
 
@@ -25,9 +26,11 @@ MODEL = get_model("llama-3.3-70b-fp8-tp4")
 PARAMS = PriceParams(128.0, MODEL.a_ms, MODEL.b_ms, MODEL.t_step_ms, 2.56, 0.10, 5.0)
 
 
-def both(*args: Any) -> Any:
-    expected = price_pure(*args)
-    assert speedups.price(*args) == expected
+def both(*args: Any, keep: int | None = None) -> Any:
+    """Both prices for ``args``; ``keep`` defaults to every candidate."""
+    keep = len(args[0]) if keep is None else keep
+    expected = price_pure(*args, keep)
+    assert speedups.price(*args, keep) == expected
     return expected
 
 
@@ -102,8 +105,11 @@ def test_native_prices_as_the_reference(
     params = PARAMS._replace(
         tokens_per_block=tpb, evict_ms=evict, slack_ratio=slack[0], slack_ms=slack[1]
     )
-    near, deepest, order = both(slots, depths, rooms(held, capacities, 30), load, n, tokens, params)
+    args = (slots, depths, rooms(held, capacities, 30), load, n, tokens, params)
+    near, deepest, order = both(*args)
     assert sorted(order) == sorted(slots)
+    keep = data.draw(st.integers(1, len(slots) + 2), label="keep")
+    assert both(*args, keep=keep) == (near, deepest, order[:keep])
     assert near and (near & sum(1 << s for s in slots)) == near
     assert all(depths.get(slot, 0) == deepest for slot in slots if (near >> slot) & 1)
 
@@ -111,19 +117,24 @@ def test_native_prices_as_the_reference(
 @pytest.mark.parametrize(
     ("args", "error"),
     [
-        (((), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS), TypeError),  # no candidates
-        (([0], {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS), TypeError),  # not a tuple
-        (((0,), [], rooms({}, {}), [PodLoad()], 1, 1, PARAMS), TypeError),
-        (((0,), {}, ({}, {}), [PodLoad()], 1, 1, PARAMS), TypeError),
-        (((0,), {}, rooms({}, {}), (PodLoad(),), 1, 1, PARAMS), TypeError),
-        (((0,), {}, rooms({}, {}), [PodLoad()], 1, 1, (1.0, 2.0)), TypeError),
-        (((0,), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS._replace(a_ms="x")), TypeError),
-        (((1,), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS), IndexError),  # no load
-        ((("0",), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS), TypeError),
-        (((0,), {0: "deep"}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS), TypeError),
-        (((0,), {}, rooms({}, {}), [object()], 1, 1, PARAMS), AttributeError),
-        (((0,), {}, rooms({}, {}), [PodLoad(queued_prefill_tokens=None)], 1, 1, PARAMS), TypeError),  # type: ignore[arg-type]
+        (((), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS, 3), TypeError),  # no candidates
+        (([0], {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS, 3), TypeError),  # not a tuple
+        (((0,), [], rooms({}, {}), [PodLoad()], 1, 1, PARAMS, 3), TypeError),
+        (((0,), {}, ({}, {}), [PodLoad()], 1, 1, PARAMS, 3), TypeError),
+        (((0,), {}, rooms({}, {}), (PodLoad(),), 1, 1, PARAMS, 3), TypeError),
+        (((0,), {}, rooms({}, {}), [PodLoad()], 1, 1, (1.0, 2.0), 3), TypeError),
+        (((0,), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS._replace(a_ms="x"), 3), TypeError),
+        (((1,), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS, 3), IndexError),  # no load
+        ((("0",), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS, 3), TypeError),
+        (((0,), {0: "deep"}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS, 3), TypeError),
+        (((0,), {}, rooms({}, {}), [object()], 1, 1, PARAMS, 3), AttributeError),
+        (
+            ((0,), {}, rooms({}, {}), [PodLoad(queued_prefill_tokens=None)], 1, 1, PARAMS, 3),
+            TypeError,
+        ),  # type: ignore[arg-type]
         (((0,), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS, None), TypeError),
+        (((0,), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS, 0), ValueError),  # keep none
+        (((0,), {}, rooms({}, {}), [PodLoad()], 1, 1, PARAMS), TypeError),  # keep missing
     ],
 )
 def test_bad_arguments_raise(args: tuple[Any, ...], error: type[Exception]) -> None:

@@ -101,6 +101,7 @@ def price_pure(
     n: int,
     tokens: int,
     params: PriceParams,
+    keep: int,
 ) -> tuple[int, int, tuple[int, ...]]:
     """Price each candidate slot as ``EstimatedTTFT`` does (its queued prefill, then
     this request's prefill past the ``depths`` blocks it holds), plus the eviction
@@ -108,9 +109,12 @@ def price_pure(
 
     Returns ``(near, deepest, order)``: the bitmask of the near-best (priced within
     the slack of the cheapest) holding the deepest match among them, that depth, and
-    every slot cheapest first (ties by slot), for fallbacks. ``n`` is the prompt's
-    blocks, ``tokens`` its tokens. The C version (``native.price``) gives the same.
+    the ``keep`` cheapest slots, cheapest first (ties by slot), for fallbacks. ``n`` is
+    the prompt's blocks, ``tokens`` its tokens. The C version (``native.price``) gives
+    the same without sorting every candidate.
     """
+    if keep < 1:
+        raise ValueError("price: keep must be at least 1")
     tpb, a_ms, b_ms, t_step_ms, evict_ms, slack_ratio, slack_ms = params
     lrus, capacities, default_capacity = rooms
     priced = []
@@ -139,7 +143,7 @@ def price_pure(
             deepest, near = depth, 1 << slot
         elif depth == deepest:
             near |= 1 << slot
-    return near, deepest, tuple([slot for _, slot in priced])
+    return near, deepest, tuple([slot for _, slot in priced[:keep]])
 
 
 # One C call for all candidates where the extension was built (speedups.py).
@@ -270,6 +274,7 @@ class Pipeline:
             n,
             request.prompt_tokens,
             self.params,
+            self.fallbacks + 1,  # the chosen pod may be among them
         )
         if home >= 0 and (near_mask >> home) & 1:
             near_mask = 1 << home  # a session stays on its pod among equals
@@ -292,5 +297,5 @@ class Pipeline:
         action = "miss" if not best_depth else ("hit" if hit else "spill")
         depth = held.get(chosen, 0)
         fallbacks = self.fallbacks
-        backups = tuple([slot for slot in order[: fallbacks + 1] if slot != chosen][:fallbacks])
+        backups = tuple([slot for slot in order if slot != chosen][:fallbacks])
         return Pick(fleet.pods[chosen], chosen, depth, action, backups)
