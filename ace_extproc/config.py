@@ -213,6 +213,9 @@ class Settings:
     scrape_interval_s: float = 0.1  # pods' /metrics
     probe_interval_s: float = 1.0  # pods' /health
     probe_timeout_s: float = 0.5
+    # Scrapes and probes together send at most this many requests a second (0: no
+    # bound); a larger fleet has both intervals stretched alike (routing/monitor.py).
+    monitor_max_requests_per_s: float = 200.0
     unhealthy_after: int = 2  # consecutive failures that take a pod out
     healthy_after: int = 2  # consecutive successes that bring it back
     # A second, observe-only ext_proc filter sees each response (its status, the host
@@ -505,6 +508,7 @@ _SETTING_TYPES: dict[str, type] = {
     "scrape_interval_s": float,
     "probe_interval_s": float,
     "probe_timeout_s": float,
+    "monitor_max_requests_per_s": float,
     "unhealthy_after": int,
     "healthy_after": int,
     "observe_responses": bool,
@@ -551,6 +555,8 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("router: max_body_bytes and index_blocks_per_pod must be positive")
     if not 0.0 <= settings.prefill_tokens_per_s < float("inf"):
         raise ConfigError("router.prefill_tokens_per_s: expected a rate >= 0 (0: the model's)")
+    if not 0.0 <= settings.monitor_max_requests_per_s < float("inf"):
+        raise ConfigError("router.monitor_max_requests_per_s: expected a rate >= 0 (0: no bound)")
     if not 0.0 <= settings.min_match <= 1.0:
         raise ConfigError("router.min_match: expected a share of the prompt, 0 to 1")
     for name in ("affinity_slack", "affinity_slack_ms"):

@@ -29,7 +29,15 @@ or Envoy failing to reach it, counts as a failed probe would; any answer as a go
 one. With probes every second and scrapes every 100 ms, whichever sees it first wins.
 
 Each pod's scrape or probe runs as its own task, and a pod whose previous one is
-still running is skipped that round, so one slow pod never delays the others.
+still running is skipped that round, so one slow pod never delays the others. The
+round's requests are spread evenly over its interval rather than sent at once: a burst
+of a request per pod held the event loop, which the request path shares, for tens of
+milliseconds at 64 pods. And the two loops together send at most
+``monitor_max_requests_per_s``: past that (at the default 200, fleets over 18 pods)
+both intervals stretch alike, since each request costs the loop the better part of a
+millisecond of CPU here (``python -m bench.monitor_cost``); between scrapes the load
+figures are the replica's own accounting (``inflight``, the queued prefill), as they
+are anyway.
 Pods of ``openai`` destinations (a hosted API: no ``/metrics``, no ``/health``) are
 not watched. The request path only reads ``fleet.load`` and ``fleet.available``.
 """
@@ -117,6 +125,15 @@ class FleetMonitor:
         if s.probe_interval_s > 0:
             self._loops.append(self._every(s.probe_interval_s, "probe", self._probe))
 
+    def stretch(self) -> float:
+        """How much longer than configured the intervals are, for the fleet watched
+        now: 1 while the pods' scrapes and probes fit ``monitor_max_requests_per_s``."""
+        s = self.settings
+        budget = s.monitor_max_requests_per_s
+        per_pod = sum(1 / i for i in (s.scrape_interval_s, s.probe_interval_s) if i > 0)
+        wanted = len(self.watched) * per_pod
+        return wanted / budget if budget > 0 and wanted > budget else 1.0
+
     async def stop(self) -> None:
         """Cancel the loops and whatever scrape or probe is in flight; close the
         session. Safe to call twice, or without ``start``."""
@@ -166,16 +183,20 @@ class FleetMonitor:
             clock = asyncio.get_running_loop()
             due = clock.time()
             while True:
-                for slot in self.watched:
+                watched = self.watched  # a new list on every change: this one stays
+                period = interval * self.stretch()
+                # One pod at a time, evenly over the period.
+                step = period / len(watched) if watched else period
+                for slot in watched or (-1,):  # none watched: wait a period all the same
                     key = (kind, slot)
-                    if key not in self._busy:
+                    if slot >= 0 and key not in self._busy and self.fleet.is_member(slot):
                         task = asyncio.create_task(work(slot), name=f"ace-{kind}-{slot}")
                         self._busy[key] = task
                         task.add_done_callback(functools.partial(self._done, key))
-                # Fixed rate; after an overrun (a paused loop), restart the beat
-                # rather than firing a burst of catch-up rounds.
-                due = max(due + interval, clock.time())
-                await asyncio.sleep(due - clock.time())
+                    # Fixed rate; after an overrun (a paused loop), restart the beat
+                    # rather than firing a burst to catch up.
+                    due = max(due + step, clock.time())
+                    await asyncio.sleep(due - clock.time())
 
         return asyncio.create_task(loop(), name=f"ace-{kind}-loop")
 

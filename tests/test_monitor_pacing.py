@@ -1,0 +1,88 @@
+"""The monitor's requests are spread over their interval and bounded in rate, so that
+watching a large fleet never holds the event loop the request path shares."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from aiohttp import web
+
+from ace_extproc.config import ConfigError, Destination, Fleet, Pod, Settings, parse_settings
+from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.index import BlockIndex
+from ace_extproc.routing.monitor import FleetMonitor
+
+METRICS = (
+    b'vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
+)
+
+
+def _fleet(pods: int, port: int) -> FleetState:
+    """``pods`` pods, all answered by one server (each its own id, the same address)."""
+    members = tuple(Pod("d", f"p{i}", "127.0.0.1", port) for i in range(pods))
+    return FleetState(Fleet((Destination("d", "vllm", f"http://127.0.0.1:{port}", 1.0, members),)))
+
+
+def test_the_intervals_stretch_once_the_fleet_outgrows_the_budget() -> None:
+    settings = Settings(scrape_interval_s=0.1, probe_interval_s=1.0, monitor_max_requests_per_s=110)
+    small = FleetMonitor(_fleet(10, 1), BlockIndex(10), settings)  # 10 x (10 + 1) = 110/s
+    assert small.stretch() == 1.0
+    large = FleetMonitor(_fleet(40, 1), BlockIndex(10), settings)  # 440/s wanted
+    assert large.stretch() == pytest.approx(4.0)
+    unbounded = Settings(scrape_interval_s=0.1, probe_interval_s=1.0, monitor_max_requests_per_s=0)
+    assert FleetMonitor(_fleet(40, 1), BlockIndex(10), unbounded).stretch() == 1.0
+    no_probes = Settings(scrape_interval_s=0.1, probe_interval_s=0, monitor_max_requests_per_s=200)
+    assert FleetMonitor(_fleet(40, 1), BlockIndex(10), no_probes).stretch() == pytest.approx(2.0)
+
+
+def test_requests_are_spread_over_the_interval_and_kept_to_the_budget() -> None:
+    """40 pods, scrapes every 100 ms and probes every second want 440 requests a
+    second; with a budget of 100 they get about 100, one every ~10 ms, never a burst
+    of one per pod (which is what every round used to be)."""
+    seen: list[float] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        seen.append(time.monotonic())
+        return web.Response(body=METRICS, content_type="text/plain")
+
+    async def health(request: web.Request) -> web.Response:
+        seen.append(time.monotonic())
+        return web.Response()
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        settings = Settings(
+            scrape_interval_s=0.1, probe_interval_s=1.0, monitor_max_requests_per_s=100
+        )
+        monitor = FleetMonitor(_fleet(40, port), BlockIndex(10), settings)
+        await monitor.start()
+        try:
+            await asyncio.sleep(2.0)
+        finally:
+            await monitor.stop()
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    window = [t for t in seen if t >= seen[0] + 0.5]  # past the first moments
+    # Spread: within any 20 ms, a few requests at most (a round of 40 at once before).
+    most = max(sum(1 for u in window if t <= u < t + 0.02) for t in window)
+    assert most <= 4, most
+    rate = len(window) / (window[-1] - window[0])
+    assert 70 <= rate <= 125, rate
+
+
+def test_the_budget_setting_is_checked() -> None:
+    assert parse_settings({"monitor_max_requests_per_s": 50}).monitor_max_requests_per_s == 50.0
+    assert parse_settings({}).monitor_max_requests_per_s == 200.0
+    for bad in (-1, float("inf"), "fast"):
+        with pytest.raises(ConfigError, match=r"router\.monitor_max_requests_per_s"):
+            parse_settings({"monitor_max_requests_per_s": bad})
