@@ -1,12 +1,15 @@
+import contextlib
 import importlib
 import os
 import random
 import socket
 import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from aiohttp import web
 
 # gRPC's fork handlers restart its threads in each child this process forks, and a
 # child that then closes its inherited descriptors before exec (as subprocess does)
@@ -97,3 +100,16 @@ def envoy_validate(path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 0, f"envoy rejected {path.name}:\n{proc.stdout}{proc.stderr}"
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[int]:
+    """``app`` served on a free local port, yielded, until the block ends."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()

@@ -33,6 +33,7 @@ from ace_extproc.routing.discovery import (
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.monitor import FleetMonitor
+from tests.conftest import serving
 
 
 def _fleet(n: int = 2, dest: str = "a") -> Fleet:
@@ -279,16 +280,11 @@ class FakeApi:
 async def _serve(api: FakeApi) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices", api.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        api.closing.set()
-        await runner.cleanup()
+    async with serving(app) as port:
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            api.closing.set()
 
 
 def test_kubernetes_discovery_list_watch_relist(tmp_path: Any) -> None:

@@ -13,6 +13,7 @@ from ace_extproc.config import ConfigError, Destination, Fleet, Pod, Settings, p
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.monitor import FleetMonitor
+from tests.conftest import serving
 
 METRICS = (
     b'vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
@@ -55,21 +56,16 @@ def test_requests_are_spread_over_the_interval_and_kept_to_the_budget() -> None:
         app = web.Application()
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        settings = Settings(
-            scrape_interval_s=0.1, probe_interval_s=1.0, monitor_max_requests_per_s=100
-        )
-        monitor = FleetMonitor(_fleet(40, port), BlockIndex(10), settings)
-        await monitor.start()
-        try:
-            await asyncio.sleep(2.0)
-        finally:
-            await monitor.stop()
-            await runner.cleanup()
+        async with serving(app) as port:
+            settings = Settings(
+                scrape_interval_s=0.1, probe_interval_s=1.0, monitor_max_requests_per_s=100
+            )
+            monitor = FleetMonitor(_fleet(40, port), BlockIndex(10), settings)
+            await monitor.start()
+            try:
+                await asyncio.sleep(2.0)
+            finally:
+                await monitor.stop()
 
     asyncio.run(asyncio.wait_for(main(), 10))
     window = [t for t in seen if t >= seen[0] + 0.5]  # past the first moments

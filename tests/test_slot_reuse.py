@@ -16,6 +16,7 @@ from ace_extproc.routing import fleet as fleet_module
 from ace_extproc.routing.fleet import FREE_SLOTS_KEPT, FleetState
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.monitor import FleetMonitor
+from tests.conftest import serving
 
 HEADERS = {":path": "/v1/chat/completions", ":method": "POST", "content-type": "application/json"}
 
@@ -218,34 +219,29 @@ def test_a_probe_in_flight_when_the_slot_changes_hands_is_dropped(
     async def main() -> None:
         app = web.Application()
         app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        fs = FleetState(sim_fleet([f"127.0.0.1:{port}"]))
-        settings = Settings(
-            probe_interval_s=0, scrape_interval_s=0, unhealthy_after=1, probe_timeout_s=5
-        )
-        monitor = FleetMonitor(fs, BlockIndex(100), settings)
-        await monitor.start()
-        try:
-            probe = asyncio.create_task(monitor._probe(0))
-            await asyncio.sleep(0.05)  # the request is out
-            fs.remove_pod(0)
-            assert fs.add_pod(Pod(fs.pods[0].destination, "next", "127.0.0.1", port)) == 0
-            answer.set()
-            await probe
-            assert fs.is_available(0) and not monitor.is_down(0)
-            # Checked both ways: the same probe, with the pod still there, takes it out.
-            answer.clear()
-            probe = asyncio.create_task(monitor._probe(0))
-            await asyncio.sleep(0.05)
-            answer.set()
-            await probe
-            assert not fs.is_available(0)
-        finally:
-            await monitor.stop()
-            await runner.cleanup()
+        async with serving(app) as port:
+            fs = FleetState(sim_fleet([f"127.0.0.1:{port}"]))
+            settings = Settings(
+                probe_interval_s=0, scrape_interval_s=0, unhealthy_after=1, probe_timeout_s=5
+            )
+            monitor = FleetMonitor(fs, BlockIndex(100), settings)
+            await monitor.start()
+            try:
+                probe = asyncio.create_task(monitor._probe(0))
+                await asyncio.sleep(0.05)  # the request is out
+                fs.remove_pod(0)
+                assert fs.add_pod(Pod(fs.pods[0].destination, "next", "127.0.0.1", port)) == 0
+                answer.set()
+                await probe
+                assert fs.is_available(0) and not monitor.is_down(0)
+                # Checked both ways: the same probe, with the pod still there, takes it out.
+                answer.clear()
+                probe = asyncio.create_task(monitor._probe(0))
+                await asyncio.sleep(0.05)
+                answer.set()
+                await probe
+                assert not fs.is_available(0)
+            finally:
+                await monitor.stop()
 
     asyncio.run(asyncio.wait_for(main(), 10))
