@@ -768,3 +768,24 @@ def test_the_server_refuses_discovery_in_cluster_mode(
     server.add_arguments(parser)
     assert server.run(parser.parse_args(["--fleet", str(fleet)])) == 2
     assert "discovery needs router.upstream_mode: endpoint" in capsys.readouterr().err
+
+
+def test_the_example_fleet_documents_every_router_setting_with_its_default() -> None:
+    """README sends readers to fleet.example.yaml "for every setting": a setting added
+    without a line there, or a default changed in one place only, fails here."""
+    import re
+
+    from ace_extproc.config import _SETTING_TYPES, Settings
+
+    text = (ENVOY_DIR / "fleet.example.yaml").read_text()
+    shown = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^#\s+([a-z_]+):[ \t]*([^#\n]*?)[ \t]*(?:#.*)?$", text, re.M)
+    }
+    defaults = Settings()
+    for name in _SETTING_TYPES:
+        assert name in shown, f"router.{name} is not in fleet.example.yaml"
+        if name == "uds":  # shown as an example path; the default is none
+            continue
+        value = yaml.safe_load(shown[name]) if shown[name] else ""
+        assert value == getattr(defaults, name), f"router.{name}: {value!r} shown"
