@@ -54,6 +54,7 @@ class Pod:
     host: str
     port: int
     weight: float = 1.0
+    tls: bool = False  # its base_url is https: Envoy and the monitor speak TLS to it
 
     @property
     def key(self) -> str:
@@ -73,7 +74,7 @@ class Pod:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.address}"
+        return f"{'https' if self.tls else 'http'}://{self.address}"
 
 
 DISCOVERY_TYPES = ("dns", "kubernetes")
@@ -127,6 +128,19 @@ class Destination:
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    @property
+    def tls(self) -> bool:
+        """Its base_url is https (so are its pods', discovered ones included)."""
+        return urlsplit(self.base_url).scheme == "https"
+
+    def server_name(self, pod: Pod | None = None) -> str | None:
+        """The name to ask an https pod for (SNI) and to check its certificate
+        against: the pod's host if a name, else the destination's; None for IPs."""
+        for host in (pod.host if pod is not None else None, urlsplit(self.base_url).hostname):
+            if host and not _is_ip(host):
+                return host
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +230,9 @@ class Settings:
     # Scrapes and probes together send at most this many requests a second (0: no
     # bound); a larger fleet has both intervals stretched alike (routing/monitor.py).
     monitor_max_requests_per_s: float = 200.0
+    # The CA bundle that https pods' (and hosted APIs') certificates are checked against,
+    # by Envoy and by the monitor; "": the system's.
+    upstream_ca_file: str = ""
     unhealthy_after: int = 2  # consecutive failures that take a pod out
     healthy_after: int = 2  # consecutive successes that bring it back
     # A second, observe-only ext_proc filter sees each response (its status, the host
@@ -287,6 +304,14 @@ def _host_port(url: Any, where: str) -> tuple[str, int]:
     return canonical_host(parts.hostname), port
 
 
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def canonical_host(host: str) -> str:
     """An IP address in its one canonical spelling (``fd00::7``, as Envoy reports an
     upstream host), so a pod's address compares equal to Envoy's; a name as given."""
@@ -327,6 +352,7 @@ def parse_fleet(doc: Mapping[str, Any]) -> Fleet:
         else:
             base_url = _req(d, "base_url", where)
         _host_port(base_url, f"{where}.base_url")
+        tls = urlsplit(base_url).scheme == "https"
         weight = _weight(d.get("weight", 1), f"{where}.weight")
         models = d.get("models", [])
         if isinstance(models, str):
@@ -347,8 +373,16 @@ def parse_fleet(doc: Mapping[str, Any]) -> Fleet:
             if pid in pod_ids:
                 raise ConfigError(f"{pw}: duplicate pod id {pid!r}")
             pod_ids.add(pid)
-            host, port = _host_port(_req(p, "base_url", pw), f"{pw}.base_url")
-            pods.append(Pod(did, pid, host, port, _weight(p.get("weight", 1), f"{pw}.weight")))
+            url = _req(p, "base_url", pw)
+            host, port = _host_port(url, f"{pw}.base_url")
+            if (urlsplit(url).scheme == "https") != tls:
+                # One Envoy cluster holds a destination's pods, and TLS is the cluster's.
+                raise ConfigError(
+                    f"{pw}.base_url: {url!r} and the destination's base_url "
+                    f"{base_url!r} must both be http or both https"
+                )
+            weight_p = _weight(p.get("weight", 1), f"{pw}.weight")
+            pods.append(Pod(did, pid, host, port, weight_p, tls))
         dests.append(
             Destination(did, provider, base_url, weight, tuple(pods), tuple(models), discovery)
         )
@@ -509,6 +543,7 @@ _SETTING_TYPES: dict[str, type] = {
     "probe_interval_s": float,
     "probe_timeout_s": float,
     "monitor_max_requests_per_s": float,
+    "upstream_ca_file": str,
     "unhealthy_after": int,
     "healthy_after": int,
     "observe_responses": bool,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
+import ssl
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -197,6 +199,53 @@ def _duration(seconds: float, what: str) -> str:
     return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
 
 
+# ---------------------------------------------------------------- upstream TLS
+
+# Where CA bundles live, for upstreams reached over https when router.upstream_ca_file
+# names none: Python's OpenSSL default first, then the usual distribution paths.
+_CA_BUNDLES = (
+    "/etc/ssl/certs/ca-certificates.crt",  # Debian, Ubuntu, Alpine
+    "/etc/pki/tls/certs/ca-bundle.crt",  # RHEL, Fedora
+    "/etc/ssl/cert.pem",  # macOS, some BSDs
+)
+
+
+def upstream_ca_file(settings: cfg.Settings) -> str:
+    """The CA bundle Envoy checks https upstreams against: the setting, else the
+    system's. ConfigError when neither exists (Envoy would refuse the file)."""
+    if settings.upstream_ca_file:
+        if not os.path.isfile(settings.upstream_ca_file):
+            raise cfg.ConfigError(
+                f"router.upstream_ca_file: {settings.upstream_ca_file!r} is not a file"
+            )
+        return settings.upstream_ca_file
+    defaults = ssl.get_default_verify_paths()
+    for path in (defaults.cafile, defaults.openssl_cafile, *_CA_BUNDLES):
+        if path and os.path.isfile(path):
+            return path
+    raise cfg.ConfigError(
+        "a destination is https and no system CA bundle was found: set router.upstream_ca_file"
+    )
+
+
+def _tls(dest: cfg.Destination, ca_file: str | None, pod: cfg.Pod | None = None) -> dict[str, Any]:
+    """The cluster fields for reaching ``dest`` (or one pod of it) over TLS, if https:
+    the certificate checked against ``ca_file`` and, given a name, against the name."""
+    if not dest.tls or ca_file is None:
+        return {}
+    validation: dict[str, Any] = {"trusted_ca": {"filename": ca_file}}
+    tls: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": {"validation_context": validation},
+    }
+    if (name := dest.server_name(pod)) is not None:
+        tls["sni"] = name
+        validation["match_typed_subject_alt_names"] = [
+            {"san_type": "DNS", "matcher": {"exact": name}}
+        ]
+    return {"transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": tls}}
+
+
 # ---------------------------------------------------------------- clusters
 
 
@@ -245,7 +294,7 @@ def _lb_weights(pods: tuple[cfg.Pod, ...]) -> list[int | None]:
     return [max(1, round(100 * p.weight / top)) for p in pods]
 
 
-def _pod_clusters(fleet: cfg.Fleet, lb_policy: str) -> list[dict[str, Any]]:
+def _pod_clusters(fleet: cfg.Fleet, lb_policy: str, ca_file: str | None) -> list[dict[str, Any]]:
     clusters = []
     for dest in fleet.destinations:
         weights = _lb_weights(dest.pods)
@@ -255,6 +304,7 @@ def _pod_clusters(fleet: cfg.Fleet, lb_policy: str) -> list[dict[str, Any]]:
                 [(p.host, p.port, w) for p, w in zip(dest.pods, weights, strict=True)],
                 lb_policy=lb_policy,
                 circuit_breakers=_circuit_breakers(),
+                **_tls(dest, ca_file),
             )
         )
         for pod in dest.pods:
@@ -267,6 +317,7 @@ def _pod_clusters(fleet: cfg.Fleet, lb_policy: str) -> list[dict[str, Any]]:
                     [(pod.host, pod.port, None)],
                     standby=[o for o, p in zip(others, dest.pods, strict=True) if p != pod],
                     circuit_breakers=_circuit_breakers(),
+                    **_tls(dest, ca_file, pod),
                 )
             )
     return clusters
@@ -296,7 +347,9 @@ def _override_host_policy(lb_policy: str) -> dict[str, Any]:
     return {"policies": [{"typed_extension_config": override}]}
 
 
-def _endpoint_clusters(fleet: cfg.Fleet, lb_policy: str) -> list[dict[str, Any]]:
+def _endpoint_clusters(
+    fleet: cfg.Fleet, lb_policy: str, ca_file: str | None
+) -> list[dict[str, Any]]:
     clusters = []
     for dest in fleet.destinations:
         for pod in dest.pods:
@@ -330,6 +383,7 @@ def _endpoint_clusters(fleet: cfg.Fleet, lb_policy: str) -> list[dict[str, Any]]
                 common_lb_config={"healthy_panic_threshold": {"value": 0}},
                 circuit_breakers=_circuit_breakers(),
                 **extra,
+                **_tls(dest, ca_file),
             )
         )
     return clusters
@@ -442,6 +496,7 @@ def _endpoint_routes(config: cfg.Config) -> list[dict[str, Any]]:
         return {
             "timeout": "0s",
             "idle_timeout": ROUTE_IDLE_TIMEOUT,
+            **_host_rewrite(config),
             "retry_policy": {
                 # Each retry takes the next host of the list; past its end, the fallback
                 # policy picks one not tried yet (previous_hosts acts only there). 502-504
@@ -475,6 +530,14 @@ def _endpoint_routes(config: cfg.Config) -> list[dict[str, Any]]:
     return routes
 
 
+def _host_rewrite(config: cfg.Config) -> dict[str, Any]:
+    """An https upstream by name (a hosted API) must be asked for by its own name, not
+    the gateway's: Host is rewritten to the chosen host's name. Hosts given by IP have
+    none, so their requests keep the client's Host."""
+    named = any(d.tls and d.server_name() is not None for d in config.fleet.destinations)
+    return {"auto_host_rewrite": True} if named else {}
+
+
 def _route_config(config: cfg.Config, upstream_mode: str) -> dict[str, Any]:
     retry = {"retry_on": "connect-failure,reset", "num_retries": 1}
     # A pinned request whose pod fails to connect or resets retries on a standby pod of
@@ -493,7 +556,7 @@ def _route_config(config: cfg.Config, upstream_mode: str) -> dict[str, Any]:
         "retry_host_predicate": _previous_hosts(),
         "host_selection_retry_max_attempts": 3,
     }
-    no_timeout = {"timeout": "0s", "idle_timeout": ROUTE_IDLE_TIMEOUT}
+    no_timeout = {"timeout": "0s", "idle_timeout": ROUTE_IDLE_TIMEOUT, **_host_rewrite(config)}
     cluster_routes = [
         {
             # Pinned by ext_proc: the header names a single-pod cluster.
@@ -668,10 +731,12 @@ def render(
             f"access log {access_log!r}: expected stdout, stderr, off or a file path with a /"
         )
     cfg.check_discovery_mode(config.fleet, upstream_mode)
+    https = any(d.tls for d in config.fleet.destinations)
+    ca_file = upstream_ca_file(config.settings) if https else None
     if upstream_mode == "endpoint":
-        clusters = _endpoint_clusters(config.fleet, lb_policy)
+        clusters = _endpoint_clusters(config.fleet, lb_policy, ca_file)
     else:
-        clusters = _pod_clusters(config.fleet, lb_policy)
+        clusters = _pod_clusters(config.fleet, lb_policy, ca_file)
     if ext_proc:
         clusters.insert(
             0,

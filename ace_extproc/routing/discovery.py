@@ -62,6 +62,7 @@ class Discovery:
         if dest is None:
             raise ValueError(f"discovery: no destination {destination_id!r}")
         self._static = frozenset(p.key for p in dest.pods)
+        self.tls = dest.tls  # its pods are reached as its base_url says
         self.slots: dict[str, int] = {}  # pod key -> slot, of the pods discovery added
         self._task: asyncio.Task[None] | None = None
         self.syncs = 0  # for tests and debugging
@@ -152,7 +153,7 @@ class DnsDiscovery(Discovery):
         if self._error:
             log.info("discovery: resolving %s works again", self.hostname)
             self._error = ""
-        self.sync(Pod(self.destination_id, pod_id(ip), ip, self.port) for ip in ips)
+        self.sync(Pod(self.destination_id, pod_id(ip), ip, self.port, tls=self.tls) for ip in ips)
 
     async def run(self) -> None:
         while True:
@@ -225,7 +226,7 @@ class KubernetesDiscovery(Discovery):
                 continue
             for address in ep.get("addresses") or ():
                 ip = canonical_host(str(address))
-                pods.append(Pod(self.destination_id, pod_id(ip), ip, port))
+                pods.append(Pod(self.destination_id, pod_id(ip), ip, port, tls=self.tls))
         return pods
 
     def _apply(self) -> None:

