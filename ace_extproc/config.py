@@ -138,7 +138,7 @@ class Destination:
         """The name to ask an https pod for (SNI) and to check its certificate
         against: the pod's host if a name, else the destination's; None for IPs."""
         for host in (pod.host if pod is not None else None, urlsplit(self.base_url).hostname):
-            if host and not _is_ip(host):
+            if host and not is_ip(host):
                 return host
         return None
 
@@ -304,7 +304,8 @@ def _host_port(url: Any, where: str) -> tuple[str, int]:
     return canonical_host(parts.hostname), port
 
 
-def _is_ip(host: str) -> bool:
+def is_ip(host: str) -> bool:
+    """Whether ``host`` is an IP address (v4 or v6) rather than a name."""
     try:
         ipaddress.ip_address(host)
     except ValueError:

@@ -14,7 +14,6 @@ metadata, and falls back to ordinary load balancing when neither names a host.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import ssl
 import sys
@@ -172,14 +171,6 @@ def split_host_port(value: str, what: str) -> tuple[str, int]:
     return host, int(port_s)
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 def _socket_address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
@@ -188,7 +179,7 @@ def _bind_address(value: str, what: str) -> dict[str, Any]:
     """Envoy binds listeners only to IP addresses, never to names."""
     host, port = split_host_port(value, what)
     host = "127.0.0.1" if host == "localhost" else host
-    if not _is_ip(host):
+    if not cfg.is_ip(host):
         raise cfg.ConfigError(f"{what}: {host!r} is not an IP address")
     return _socket_address(host, port)
 
@@ -270,7 +261,7 @@ def _cluster(
     ``standby`` endpoints sit at priority 1: no traffic while a priority-0 host is
     healthy, only retries that skip priority 0 (``previous_priorities``)."""
     standby = standby or []
-    static = all(_is_ip(host) for host, _, _ in [*endpoints, *standby])
+    static = all(cfg.is_ip(host) for host, _, _ in [*endpoints, *standby])
     cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC" if static else "STRICT_DNS",
@@ -353,7 +344,7 @@ def _endpoint_clusters(
     clusters = []
     for dest in fleet.destinations:
         for pod in dest.pods:
-            if not _is_ip(pod.host):
+            if not cfg.is_ip(pod.host):
                 # Envoy names hosts by ip:port; a DNS name could never be matched.
                 raise cfg.ConfigError(
                     f"pod {pod.key}: endpoint mode needs pods given by IP address "
