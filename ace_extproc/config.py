@@ -322,6 +322,20 @@ def canonical_host(host: str) -> str:
         return host
 
 
+def _base_url(url: Any, where: str) -> tuple[str, int]:
+    """A destination's or pod's ``base_url``: its host and port. Requests go upstream
+    with the client's own path (``/v1/chat/completions``...), so a path prefix would
+    be dropped without a word and every request would 404: refused, bar ``/v1``."""
+    host, port = _host_port(url, where)
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.path.rstrip("/") not in ("", "/v1") or parts.query or parts.fragment:
+        raise ConfigError(
+            f"{where}: {url!r}: a base_url is scheme://host:port (a /v1 suffix allowed); "
+            "the pod is sent each request's own path, so a path prefix cannot apply"
+        )
+    return host, port
+
+
 def _weight(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise ConfigError(f"{where}: weight must be a positive number, got {value!r}")
@@ -352,7 +366,7 @@ def parse_fleet(doc: Mapping[str, Any]) -> Fleet:
             base_url = _discovery_base_url(discovery)
         else:
             base_url = _req(d, "base_url", where)
-        _host_port(base_url, f"{where}.base_url")
+        _base_url(base_url, f"{where}.base_url")
         tls = urlsplit(base_url).scheme == "https"
         weight = _weight(d.get("weight", 1), f"{where}.weight")
         models = d.get("models", [])
@@ -375,7 +389,7 @@ def parse_fleet(doc: Mapping[str, Any]) -> Fleet:
                 raise ConfigError(f"{pw}: duplicate pod id {pid!r}")
             pod_ids.add(pid)
             url = _req(p, "base_url", pw)
-            host, port = _host_port(url, f"{pw}.base_url")
+            host, port = _base_url(url, f"{pw}.base_url")
             if (urlsplit(url).scheme == "https") != tls:
                 # One Envoy cluster holds a destination's pods, and TLS is the cluster's.
                 raise ConfigError(

@@ -396,6 +396,15 @@ def test_cli_writes_yaml_to_stdout_and_file(
             "destinations: [{id: x, base_url: 'http://10.0.0.1:80'}]\nrouter: {ttft_model: nope}\n",
             "unknown TTFT model",
         ),
+        (  # a path prefix would be dropped: every request would 404 upstream
+            "destinations: [{id: x, base_url: 'https://gw.example/openai/v1'}]\n",
+            "a path prefix cannot apply",
+        ),
+        (
+            "destinations: [{id: x, base_url: 'http://10.0.0.1:80', pods: "
+            "[{id: a, base_url: 'http://10.0.0.1:80/?q=1'}]}]\n",
+            "pods[0].base_url",
+        ),
     ],
 )
 def test_cli_bad_fleet_exits_2(
