@@ -43,6 +43,9 @@ class Mode(StrEnum):
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 PROVIDERS = ("vllm", "sglang", "openai")
+# Hosted APIs: no /metrics or /health to watch, and no engine fields (cache_salt,
+# cache_prefix_id) in their bodies, which they may refuse as unrecognized arguments.
+HOSTED_PROVIDERS = frozenset({"openai"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,11 @@ class Destination:
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    @property
+    def hosted(self) -> bool:
+        """A hosted API (``provider: openai``), not engine pods of our own."""
+        return self.provider in HOSTED_PROVIDERS
 
     @property
     def tls(self) -> bool:

@@ -293,15 +293,21 @@ class Processor:
             outcome.endpoint = self.settings.upstream_mode == "endpoint"
             if pick.fallbacks:
                 outcome.fallbacks = tuple(self.fleet.pods[slot] for slot in pick.fallbacks)
-            fields = (
-                f'"cache_prefix_id":"{cache_prefix_id(ctx.tenant, hashes.prefix_key)}",'
-                f'"cache_salt":"{self.tenants.salt(ctx.tenant)}"'
-            )
+            hosted = destination.hosted
+            if hosted:  # a hosted API may refuse the engines' fields as unknown
+                fields = ""
+            else:
+                fields = (
+                    f'"cache_prefix_id":"{cache_prefix_id(ctx.tenant, hashes.prefix_key)}",'
+                    f'"cache_salt":"{self.tenants.salt(ctx.tenant)}"'
+                )
             if parsed.stream and s.usage_capture and not parsed.stream_options:
                 # The engine then ends the stream with a usage chunk the observe filter
                 # reads; a client's own stream_options is left as it chose.
-                fields += ',"stream_options":{"include_usage":true}'
-            outcome.body = rewrite_body(body, fields, parsed.has_router_fields)
+                fields += ("," if fields else "") + '"stream_options":{"include_usage":true}'
+            if fields:
+                strip = parsed.has_router_fields and not hosted
+                outcome.body = rewrite_body(body, fields, strip)
             rewrite_ns = perf_counter_ns() - picked_at
         self.telemetry.steps_ns(
             parsed_at - started, hashed_at - parsed_at, picked_at - hashed_at, rewrite_ns

@@ -215,3 +215,22 @@ def test_rewrite_body_is_valid_json_with_the_fields(original):
     assert {k: v for k, v in obj.items() if k not in ("cache_prefix_id", "cache_salt")} == {
         k: v for k, v in msgspec.json.decode(original).items() if k != "cache_salt"
     }
+
+
+def test_a_hosted_api_is_pinned_but_sent_no_engine_fields():
+    """``provider: openai``: the request is pinned to it, its body carries neither
+    cache_prefix_id nor cache_salt (a hosted API may refuse arguments it does not know)
+    and a client's own values stay as sent; stream_options for usage capture (an
+    OpenAI parameter) is still added when asked for."""
+    from ace_extproc.config import parse_fleet
+
+    doc = {"destinations": [{"id": "gpt", "provider": "openai", "base_url": "https://api.x/v1"}]}
+    settings = Settings(salt_secret=b"s", usage_capture=True)
+    p = Processor(Config(parse_fleet(doc), settings))
+    plain = body([{"role": "user", "content": LONG}], cache_salt="client-own")
+    out = run(p, headers(), plain)
+    assert out.pod is not None and out.pod.destination == "gpt" and out.body is None
+    streamed = run(p, headers(), body([{"role": "user", "content": LONG}], stream=True))
+    sent = msgspec.json.decode(streamed.body)
+    assert sent["stream_options"] == {"include_usage": True}
+    assert "cache_salt" not in sent and "cache_prefix_id" not in sent

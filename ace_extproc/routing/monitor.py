@@ -64,7 +64,6 @@ from ace_extproc.routing.metrics_text import EngineStats
 
 log = logging.getLogger("ace_extproc.monitor")
 
-UNWATCHED_PROVIDERS = frozenset({"openai"})
 # Plain text: prometheus-client would gzip a 100 KB exposition for every scrape,
 # costing the engine and this event loop more than the bytes saved in a cluster.
 _METRICS_HEADERS = {"Accept": "text/plain", "Accept-Encoding": "identity"}
@@ -92,7 +91,6 @@ class FleetMonitor:
         self._ms_per_token = 1000.0 / rate  # how fast the prefill this replica sent drains
         self._drained_at = time.monotonic()
         self._drain_carry = 0.0  # tokens drained but not yet whole, kept for the next call
-        self._providers = {d.id: d.provider for d in fleet.fleet.destinations}
         self._destinations = {d.id: d for d in fleet.fleet.destinations}
         self.watched: list[int] = [
             slot
@@ -156,7 +154,8 @@ class FleetMonitor:
                 await session.close()
 
     def _is_watched(self, slot: int) -> bool:
-        return self._providers.get(self.fleet.pods[slot].destination) not in UNWATCHED_PROVIDERS
+        dest = self._destinations.get(self.fleet.pods[slot].destination)
+        return dest is not None and not dest.hosted
 
     def _membership(self, slot: int, change: str) -> None:
         """Follow the fleet: watch a pod that joined (from a clean state, as a pod
