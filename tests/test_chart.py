@@ -431,3 +431,44 @@ def test_the_prometheus_rule_carries_the_shipped_alerts() -> None:
     for doc in docs:  # the rest is still plain, valid Kubernetes
         if doc["kind"] != "PrometheusRule":
             kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+
+
+# ------------------------------------------------------------------ a private upstream CA
+
+
+@pytest.mark.parametrize("source", ["existingSecret", "existingConfigMap"])
+def test_a_private_upstream_ca_is_mounted_wherever_it_is_read(source: str, tmp_path: Path) -> None:
+    """Envoy reads the CA file at run time, its renderer checks it exists, and the
+    monitor trusts it: all three containers mount it at the path the fleet file names."""
+    assert "upstream_ca_file" not in one(render(), "ConfigMap")["data"]["fleet.yaml"]
+    docs = render({"upstreamCA": {source: "inference-ca", "key": "root.pem"}})
+    spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "upstream-ca"]
+    ref = (
+        volume["secret"]["secretName"]
+        if source == "existingSecret"
+        else volume["configMap"]["name"]
+    )
+    assert ref == "inference-ca"
+    for name, container in containers(docs).items():
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["upstream-ca"]["mountPath"] == "/etc/ace-ca", name
+        assert mounts["upstream-ca"]["readOnly"] is True
+    config = cfg.load(fleet_file(docs, tmp_path), env={"ACE_SALT_SECRET": "s"})
+    assert config.settings.upstream_ca_file == "/etc/ace-ca/root.pem"
+    kubernetes_validate.validate(one(docs, "Deployment"), KUBERNETES, strict=True)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"upstreamCA": {"existingSecret": "a", "existingConfigMap": "b"}}, "not both"),
+        (
+            {"upstreamCA": {"existingSecret": "a"}, "router": {"upstream_ca_file": "/x.pem"}},
+            "leave router.upstream_ca_file unset",
+        ),
+    ],
+)
+def test_the_upstream_ca_is_named_once(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmError, match=message):
+        render(values)

@@ -82,6 +82,14 @@ ACE_SHARE_PASSWORD
 {{- fail "shareRedis.enabled makes the Redis password: leave sharePassword.existingSecret unset" -}}
 {{- end -}}
 {{- end -}}
+{{- with .Values.upstreamCA -}}
+{{- if and .existingSecret .existingConfigMap -}}
+{{- fail "upstreamCA: name existingSecret or existingConfigMap, not both" -}}
+{{- end -}}
+{{- if and (or .existingSecret .existingConfigMap) $.Values.router.upstream_ca_file -}}
+{{- fail "upstreamCA sets router.upstream_ca_file: leave router.upstream_ca_file unset" -}}
+{{- end -}}
+{{- end -}}
 {{- $mode := default "cluster" .Values.router.upstream_mode -}}
 {{- range .Values.destinations -}}
 {{- if and .discovery (ne $mode "endpoint") -}}
@@ -95,4 +103,13 @@ allowPrivilegeEscalation: false
 readOnlyRootFilesystem: true
 capabilities:
   drop: ["ALL"]
+{{- end -}}
+
+{{/* Where the upstream CA is mounted, when upstreamCA names one ("" otherwise). */}}
+{{- define "ace-extproc.upstreamCAPath" -}}
+{{- with .Values.upstreamCA -}}
+{{- if or .existingSecret .existingConfigMap -}}
+{{- printf "/etc/ace-ca/%s" .key -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
