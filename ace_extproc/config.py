@@ -613,6 +613,8 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("router: max_body_bytes and index_blocks_per_pod must be positive")
     if not 0.0 <= settings.prefill_tokens_per_s < float("inf"):
         raise ConfigError("router.prefill_tokens_per_s: expected a rate >= 0 (0: the model's)")
+    if settings.upstream_ca_file and not os.path.isfile(settings.upstream_ca_file):
+        raise ConfigError(f"router.upstream_ca_file: {settings.upstream_ca_file!r} is not a file")
     if not 0.0 <= settings.monitor_max_requests_per_s < float("inf"):
         raise ConfigError("router.monitor_max_requests_per_s: expected a rate >= 0 (0: no bound)")
     if not 0.0 <= settings.min_match <= 1.0:

@@ -204,11 +204,7 @@ _CA_BUNDLES = (
 def upstream_ca_file(settings: cfg.Settings) -> str:
     """The CA bundle Envoy checks https upstreams against: the setting, else the
     system's. ConfigError when neither exists (Envoy would refuse the file)."""
-    if settings.upstream_ca_file:
-        if not os.path.isfile(settings.upstream_ca_file):
-            raise cfg.ConfigError(
-                f"router.upstream_ca_file: {settings.upstream_ca_file!r} is not a file"
-            )
+    if settings.upstream_ca_file:  # checked to be a file when the settings were read
         return settings.upstream_ca_file
     defaults = ssl.get_default_verify_paths()
     for path in (defaults.cafile, defaults.openssl_cafile, *_CA_BUNDLES):

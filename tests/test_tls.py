@@ -99,15 +99,19 @@ def test_pods_found_by_discovery_are_reached_as_the_destination_says() -> None:
     assert fs.pods[slot].tls and fs.pods[slot].base_url == "https://10.0.0.7:8443"
 
 
-def test_the_ca_setting_is_checked_when_envoy_is_rendered(tmp_path: Path) -> None:
-    fleet = parse_fleet(_fleet(["https://localhost:8443"]))
+def test_the_ca_setting_names_a_file_and_only_https_fleets_use_it(
+    pki: tuple[Path, Path], tmp_path: Path
+) -> None:
     missing = str(tmp_path / "nope.pem")
-    config = Config(fleet, parse_settings({"upstream_ca_file": missing, "salt_secret": "s"}))
     with pytest.raises(ConfigError, match=r"router\.upstream_ca_file: .* is not a file"):
-        ec.render(config)
-    # A plain-http fleet needs no CA at all.
-    plain = Config(parse_fleet(_fleet(["http://10.0.0.1:8000"])), config.settings)
+        parse_settings({"upstream_ca_file": missing, "salt_secret": "s"})
+    settings = parse_settings({"upstream_ca_file": str(pki[0]), "salt_secret": "s"})
+    # A plain-http fleet gets no TLS at all.
+    plain = Config(parse_fleet(_fleet(["http://10.0.0.1:8000"])), settings)
     assert "transport_socket" not in json.dumps(ec.render(plain))
+    # An https one without the setting: the system's bundle.
+    https = Config(parse_fleet(_fleet(["https://localhost:8443"])), Settings())
+    assert ec.upstream_ca_file(https.settings) in json.dumps(ec.render(https))
 
 
 def _clusters(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
