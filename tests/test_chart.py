@@ -454,8 +454,14 @@ def test_a_private_upstream_ca_is_mounted_wherever_it_is_read(source: str, tmp_p
         mounts = {m["name"]: m for m in container["volumeMounts"]}
         assert mounts["upstream-ca"]["mountPath"] == "/etc/ace-ca", name
         assert mounts["upstream-ca"]["readOnly"] is True
-    config = cfg.load(fleet_file(docs, tmp_path), env={"ACE_SALT_SECRET": "s"})
-    assert config.settings.upstream_ca_file == "/etc/ace-ca/root.pem"
+    text = one(docs, "ConfigMap")["data"]["fleet.yaml"]
+    assert yaml.safe_load(text)["router"]["upstream_ca_file"] == "/etc/ace-ca/root.pem"
+    # The file the pod mounts there, here: the fleet file loads with it.
+    ca = tmp_path / "root.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    path = tmp_path / "fleet.yaml"
+    path.write_text(text.replace("/etc/ace-ca/root.pem", str(ca)))
+    assert cfg.load(path, env={"ACE_SALT_SECRET": "s"}).settings.upstream_ca_file == str(ca)
     kubernetes_validate.validate(one(docs, "Deployment"), KUBERNETES, strict=True)
 
 
