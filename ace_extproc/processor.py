@@ -13,13 +13,14 @@ from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
 import msgspec
+import xxhash
 
 from ace_extproc import execute
 from ace_extproc import request as req
 from ace_extproc.config import Config, ConfigError, Mode, Pod
 from ace_extproc.latency import get_model
 from ace_extproc.observe import Observer
-from ace_extproc.prefix import cache_prefix_id, hash_prompt, scope_seed
+from ace_extproc.prefix import PrefixHashes, cache_prefix_id, hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, Picker, RoutingRequest, policies
 from ace_extproc.routing.fleet import RETIRED
 from ace_extproc.routing.placements import PrefixPlacements
@@ -37,6 +38,8 @@ log = logging.getLogger("ace_extproc")
 UPSTREAM_HEADER = "x-ace-upstream"
 OVERRIDE_HEADER = "x-ace-skill-override"
 SKILL = "prefix_kv_cache"
+
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 @dataclass(slots=True)
@@ -295,7 +298,7 @@ class Processor:
                 outcome.fallbacks = tuple(self.fleet.pods[slot] for slot in pick.fallbacks)
             hosted = destination.hosted
             if hosted:  # a hosted API may refuse the engines' fields as unknown
-                fields = ""
+                fields = _prompt_cache_key(body, hashes, ctx.session)
             else:
                 fields = (
                     f'"cache_prefix_id":"{cache_prefix_id(ctx.tenant, hashes.prefix_key)}",'
@@ -313,6 +316,17 @@ class Processor:
             parsed_at - started, hashed_at - parsed_at, picked_at - hashed_at, rewrite_ns
         )
         return outcome
+
+
+def _prompt_cache_key(body: bytes, hashes: PrefixHashes, session: str | None) -> str:
+    """For a hosted API, the field that asks it to keep requests sharing a prefix on
+    one cache (OpenAI's and Mistral's ``prompt_cache_key``): the session's if the
+    request has one, else its first block's, either scoped by tenant and model (the
+    hashes' seed). A client's own key is left as it is (no field added)."""
+    if b'"prompt_cache_key"' in body:
+        return ""
+    key = _xxh3(session.encode(), hashes.seed) if session else hashes.route_key
+    return f'"prompt_cache_key":"ace-{key:016x}"'
 
 
 def rewrite_body(body: bytes, fields: str, strip_client_fields: bool) -> bytes:

@@ -217,20 +217,38 @@ def test_rewrite_body_is_valid_json_with_the_fields(original):
     }
 
 
-def test_a_hosted_api_is_pinned_but_sent_no_engine_fields():
-    """``provider: openai``: the request is pinned to it, its body carries neither
+def test_a_hosted_api_is_pinned_and_told_what_shares_a_prefix_not_sent_engine_fields():
+    """``provider: openai``: the request is pinned to it; its body carries neither
     cache_prefix_id nor cache_salt (a hosted API may refuse arguments it does not know)
-    and a client's own values stay as sent; stream_options for usage capture (an
-    OpenAI parameter) is still added when asked for."""
+    but a ``prompt_cache_key`` (OpenAI's, Mistral's), the same for requests that share
+    their first block or their session, so the API keeps them on one cache. A client's
+    own values stay as sent; stream_options for usage capture is still added."""
     from ace_extproc.config import parse_fleet
 
     doc = {"destinations": [{"id": "gpt", "provider": "openai", "base_url": "https://api.x/v1"}]}
     settings = Settings(salt_secret=b"s", usage_capture=True)
     p = Processor(Config(parse_fleet(doc), settings))
-    plain = body([{"role": "user", "content": LONG}], cache_salt="client-own")
-    out = run(p, headers(), plain)
-    assert out.pod is not None and out.pod.destination == "gpt" and out.body is None
-    streamed = run(p, headers(), body([{"role": "user", "content": LONG}], stream=True))
-    sent = msgspec.json.decode(streamed.body)
-    assert sent["stream_options"] == {"include_usage": True}
-    assert "cache_salt" not in sent and "cache_prefix_id" not in sent
+
+    def sent(messages, session=None, **extra):
+        h = headers(**({"x_session_id": session} if session else {}))
+        out = run(p, h, body(messages, **extra))
+        assert out.pod is not None and out.pod.destination == "gpt"
+        return msgspec.json.decode(out.body) if out.body is not None else None
+
+    first = sent([{"role": "user", "content": LONG}], cache_salt="client-own")
+    assert first["cache_salt"] == "client-own" and "cache_prefix_id" not in first
+    key = first["prompt_cache_key"]
+    assert key.startswith("ace-") and len(key) == 20
+    later = sent(
+        [{"role": "user", "content": LONG + " and more"}, {"role": "user", "content": "?"}]
+    )
+    assert later["prompt_cache_key"] == key  # the same first block: the same cache
+    other = sent([{"role": "user", "content": "Something else entirely. " * 40}])
+    assert other["prompt_cache_key"] != key
+    a = sent([{"role": "user", "content": LONG}], session="s1")["prompt_cache_key"]
+    b = sent([{"role": "user", "content": "unrelated " * 60}], session="s1")["prompt_cache_key"]
+    assert a == b != key  # a session keeps one key whatever its prompts
+    assert sent([{"role": "user", "content": LONG}], prompt_cache_key="mine") is None
+    streamed = sent([{"role": "user", "content": LONG}], stream=True)
+    assert streamed["stream_options"] == {"include_usage": True}
+    assert "cache_salt" not in streamed and streamed["prompt_cache_key"] == key
