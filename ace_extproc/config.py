@@ -13,7 +13,7 @@ import os
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -123,6 +123,11 @@ class Destination:
     pods: tuple[Pod, ...]
     models: tuple[str, ...] = ()  # empty: serves any model
     discovery: DiscoveryConfig | None = None  # pods found at run time, besides ``pods``
+    # The key its API wants (a hosted API's, or vLLM's --api-key): read from the
+    # environment variable ``api_key_env`` names, never from the file; sent as
+    # ``authorization: Bearer`` in place of the client's on every request pinned here.
+    api_key_env: str = ""
+    api_key: str = field(default="", repr=False, compare=False)
 
     @property
     def cluster(self) -> str:
@@ -350,7 +355,10 @@ def _weight(value: Any, where: str) -> float:
     return float(value)
 
 
-def parse_fleet(doc: Mapping[str, Any]) -> Fleet:
+def parse_fleet(doc: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Fleet:
+    """The fleet of a ``fleet.yaml`` document; ``env`` (default: the process's) holds
+    the destinations' API keys that ``api_key_env`` names."""
+    env = os.environ if env is None else env
     raw = doc.get("destinations")
     if not isinstance(raw, list) or not raw:
         raise ConfigError("fleet: 'destinations' must be a non-empty list")
@@ -406,9 +414,16 @@ def parse_fleet(doc: Mapping[str, Any]) -> Fleet:
                 )
             weight_p = _weight(p.get("weight", 1), f"{pw}.weight")
             pods.append(Pod(did, pid, host, port, weight_p, tls))
-        dests.append(
-            Destination(did, provider, base_url, weight, tuple(pods), tuple(models), discovery)
-        )
+        key_env = d.get("api_key_env", "")
+        if not isinstance(key_env, str):
+            raise ConfigError(f"{where}.api_key_env: expected the name of an environment variable")
+        # Unset is checked by the server only (check_api_keys): Envoy's renderer, which
+        # reads the same file, has no use for the key and need not be given it.
+        api_key = env.get(key_env, "") if key_env else ""
+        if any(c in api_key for c in "\r\n\0"):
+            raise ConfigError(f"{where}.api_key_env: {key_env} holds a line break or NUL")
+        dest = Destination(did, provider, base_url, weight, tuple(pods), tuple(models), discovery)
+        dests.append(replace(dest, api_key_env=key_env, api_key=api_key))
     return Fleet(tuple(dests))
 
 
@@ -701,7 +716,17 @@ def load(path: str | Path | None, env: Mapping[str, str] | None = None) -> Confi
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(doc, Mapping):
         raise ConfigError(f"{path}: expected a mapping with 'destinations:'")
-    return Config(parse_fleet(doc), parse_settings(doc.get("router"), env))
+    return Config(parse_fleet(doc, env), parse_settings(doc.get("router"), env))
+
+
+def check_api_keys(fleet: Fleet) -> None:
+    """Every ``api_key_env`` a destination names is set: the server must not start and
+    send the clients' keys where a destination's own was meant to go."""
+    for dest in fleet.destinations:
+        if dest.api_key_env and not dest.api_key:
+            raise ConfigError(
+                f"destination {dest.id}: api_key_env: {dest.api_key_env} is not set (or empty)"
+            )
 
 
 def check_discovery_mode(fleet: Fleet, upstream_mode: str) -> None:
@@ -742,6 +767,7 @@ def fleet_to_dict(fleet: Fleet) -> dict[str, Any]:
                 "weight": d.weight,
                 **({"models": list(d.models)} if d.models else {}),
                 **({"discovery": discovery_to_dict(d.discovery)} if d.discovery else {}),
+                **({"api_key_env": d.api_key_env} if d.api_key_env else {}),
                 "pods": [{"id": p.id, "base_url": p.base_url, "weight": p.weight} for p in d.pods],
             }
             for d in fleet.destinations

@@ -127,6 +127,8 @@ def changes(outcome: Outcome, client_upstream: bool) -> Changes:
             headers.append((DESTINATION_HEADER, _host(outcome.pod)[1]))
         else:
             headers.append((UPSTREAM_HEADER, outcome.pod.cluster.encode()))
+        if outcome.upstream_auth is not None:  # the destination's key, not the client's
+            headers.append(("authorization", outcome.upstream_auth))
         # Re-run routing on x-ace-upstream (cluster mode) or x-ace-destination (endpoint
         # mode, several destinations; with one, override_host reads the header anyway).
         clear = True

@@ -62,6 +62,8 @@ class Outcome:
     path: str | None = None  # a new :path (the native API's request becomes a chat)
     slot: int = -1  # the picked pod's slot (any mode), for the metrics
     prompt_tokens: int = 0  # estimated from the canonical prompt
+    # The pinned destination's own ``authorization`` (its api_key_env), for the client's.
+    upstream_auth: bytes | None = None
 
     @property
     def trace(self) -> str:
@@ -114,6 +116,10 @@ class Processor:
         self.sharing: PlacementSink | None = None
         self.telemetry.sharing = lambda: self.sharing
         self.fleet.on_change.append(self._fleet_changed)
+        # Each destination's own key, as the header it goes in (made once, not per request).
+        self._upstream_auth = {
+            d.id: f"Bearer {d.api_key}".encode() for d in config.fleet.destinations if d.api_key
+        }
 
     def _fleet_changed(self, slot: int, change: str) -> None:
         if change == RETIRED:  # another pod takes the slot: forget the one that left
@@ -293,6 +299,7 @@ class Processor:
         rewrite_ns = 0
         if mode is Mode.PROD:
             outcome.pod = pick.pod
+            outcome.upstream_auth = self._upstream_auth.get(destination.id)
             outcome.endpoint = self.settings.upstream_mode == "endpoint"
             if pick.fallbacks:
                 outcome.fallbacks = tuple(self.fleet.pods[slot] for slot in pick.fallbacks)

@@ -434,6 +434,7 @@ def load_config(args: argparse.Namespace) -> Config:
     if overrides:
         cfg = Config(cfg.fleet, replace(cfg.settings, **overrides))  # type: ignore[arg-type]
     config_mod.check_discovery_mode(cfg.fleet, cfg.settings.upstream_mode)
+    config_mod.check_api_keys(cfg.fleet)
     return cfg
 
 

@@ -169,7 +169,8 @@ class Stack:
                 if o.upstream_mode:
                     fleet_path = self._with_upstream_mode(fleet_path, o.upstream_mode)
             self.fleet_file = fleet_path
-            cfg = config_mod.load(fleet_path)
+            # As the children will read it: their environment is ours plus the options'.
+            cfg = config_mod.load(fleet_path, env={**os.environ, **o.env})
             # Envoy must dial the ext_proc where this stack starts it.
             self.config = replace(cfg, settings=replace(cfg.settings, listen=o.ext_proc))
             await self._start_ext_proc(fleet_path)

@@ -478,3 +478,31 @@ def test_a_private_upstream_ca_is_mounted_wherever_it_is_read(source: str, tmp_p
 def test_the_upstream_ca_is_named_once(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError, match=message):
         render(values)
+
+
+def test_a_destination_s_key_reaches_ace_extproc_from_a_secret(tmp_path: Path) -> None:
+    """``extproc.env`` adds variables to ace-extproc (only): a destination's api_key_env
+    names one, filled from a Secret; the fleet file holds the variable's name only."""
+    key_ref = {"secretKeyRef": {"name": "openai", "key": "key"}}
+    values = {
+        "destinations": [
+            {
+                "id": "gpt",
+                "provider": "openai",
+                "base_url": "https://api.openai.com/v1",
+                "api_key_env": "OPENAI_API_KEY",
+            }
+        ],
+        "router": {"mode": "prod"},
+        "extproc": {"env": [{"name": "OPENAI_API_KEY", "valueFrom": key_ref}]},
+    }
+    docs = render(values)
+    env = {e["name"]: e for e in containers(docs)["ace-extproc"]["env"]}
+    assert env["OPENAI_API_KEY"]["valueFrom"] == key_ref
+    assert "ACE_SALT_SECRET" in env  # the chart's own stay
+    assert "OPENAI_API_KEY" not in str(containers(docs)["envoy"].get("env", []))
+    config = cfg.load(
+        fleet_file(docs, tmp_path), env={"OPENAI_API_KEY": "sk-x", "ACE_SALT_SECRET": "s"}
+    )
+    assert config.fleet.destinations[0].api_key == "sk-x"
+    kubernetes_validate.validate(one(docs, "Deployment"), KUBERNETES, strict=True)

@@ -252,3 +252,33 @@ def test_a_hosted_api_is_pinned_and_told_what_shares_a_prefix_not_sent_engine_fi
     streamed = sent([{"role": "user", "content": LONG}], stream=True)
     assert streamed["stream_options"] == {"include_usage": True}
     assert "cache_salt" not in streamed and streamed["prompt_cache_key"] == key
+
+
+def test_a_pinned_request_carries_its_destination_s_key_not_the_client_s():
+    from ace_extproc import mutate
+    from ace_extproc.config import parse_fleet
+
+    doc = {
+        "destinations": [
+            {
+                "id": "keyed",
+                "base_url": "http://10.0.0.1:8000",
+                "api_key_env": "K",
+                "models": ["a"],
+            },
+            {"id": "open", "base_url": "http://10.0.0.2:8000", "models": ["b"]},
+        ]
+    }
+    fleet = parse_fleet(doc, env={"K": "pod-key"})
+    for mode, model, expected in (
+        (Mode.PROD, "a", b"Bearer pod-key"),
+        (Mode.PROD, "b", None),  # no key of its own: the client's goes as sent
+        (Mode.SHADOW, "a", None),  # shadow changes nothing
+    ):
+        p = Processor(Config(fleet, Settings(mode=mode, salt_secret=b"s")))
+        msg = msgspec.json.encode({"model": model, "messages": [{"role": "user", "content": LONG}]})
+        out = run(p, headers(authorization="Bearer client"), msg)
+        assert out.upstream_auth == expected
+        change = mutate.changes(out, False)
+        assert (("authorization", expected) in change.headers) is (expected is not None)
+        assert all(name != "authorization" for name, _ in change.headers) is (expected is None)

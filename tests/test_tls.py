@@ -29,6 +29,7 @@ from ace_extproc.config import (
     Config,
     ConfigError,
     Settings,
+    check_api_keys,
     fleet_to_dict,
     parse_fleet,
     parse_settings,
@@ -248,6 +249,8 @@ def test_requests_reach_https_pods_through_envoy_pinned_and_cached(
         "salt_secret": "tls-e2e",
         "upstream_mode": upstream_mode,
     }
+    # The pods' own API key (vLLM's --api-key, a hosted API's), in place of the client's.
+    doc["destinations"][0]["api_key_env"] = "LLAMA_API_KEY"
     fleet_path = tmp_path / "fleet.yaml"
     fleet_path.write_text(yaml.safe_dump(doc))
     opts = StackOptions(
@@ -257,6 +260,7 @@ def test_requests_reach_https_pods_through_envoy_pinned_and_cached(
         ext_proc=f"127.0.0.1:{ext_proc}",
         metrics=f"127.0.0.1:{metrics}",
         admin_api="off",
+        env={"LLAMA_API_KEY": "pod-secret"},
     )
     trust = ssl.create_default_context(cafile=str(ca_path))
 
@@ -264,7 +268,10 @@ def test_requests_reach_https_pods_through_envoy_pinned_and_cached(
         """One turn through Envoy: the pod that served it (checked to be the one ace-extproc
         pinned) and the prompt tokens the engine served from its cache."""
         body = {"model": "sim-llama", "messages": conversation(turn, topic)}
-        async with http.post(stack.url + "/v1/chat/completions", json=body) as resp:
+        client_key = {"authorization": "Bearer the-gateway-key"}
+        async with http.post(
+            stack.url + "/v1/chat/completions", json=body, headers=client_key
+        ) as resp:
             answer = await resp.json()
             assert resp.status == 200, answer
             pod = resp.headers["x-ace-served-by"].split("/")[1]
@@ -286,6 +293,8 @@ def test_requests_reach_https_pods_through_envoy_pinned_and_cached(
             async with http.get(url, ssl=trust) as resp:
                 records = [r for r in await resp.json() if r["path"] == "/v1/chat/completions"]
             assert records
+            # The pods' key went upstream; the client's (the gateway's) did not.
+            assert {r["headers"]["authorization"] for r in records} == {"Bearer pod-secret"}
             if named:  # asked for by its own name, not by the gateway's address
                 assert all(r["headers"]["host"].startswith("localhost") for r in records)
             # The monitor reached both pods over TLS: their KV sizes came from /metrics.
@@ -310,3 +319,23 @@ def test_requests_reach_https_pods_through_envoy_pinned_and_cached(
         finally:
             loop.run_until_complete(stack.stop())
             loop.close()
+
+
+def test_a_destination_s_api_key_comes_from_the_environment_only() -> None:
+    doc = _fleet(["https://localhost:8443"])
+    doc["destinations"][0]["api_key_env"] = "LLAMA_API_KEY"
+    fleet = parse_fleet(doc, env={"LLAMA_API_KEY": "s3cret"})
+    (dest,) = fleet.destinations
+    assert dest.api_key == "s3cret" and "s3cret" not in repr(fleet)
+    written = fleet_to_dict(fleet)
+    assert written["destinations"][0]["api_key_env"] == "LLAMA_API_KEY"
+    assert "s3cret" not in json.dumps(written)
+    assert parse_fleet(written, env={"LLAMA_API_KEY": "s3cret"}) == fleet
+    # Unset: Envoy's renderer reads the file without it; the server refuses to start.
+    unset = parse_fleet(doc, env={})
+    assert unset.destinations[0].api_key == ""
+    with pytest.raises(ConfigError, match=r"llama: api_key_env: LLAMA_API_KEY is not set"):
+        check_api_keys(unset)
+    check_api_keys(fleet)
+    with pytest.raises(ConfigError, match=r"api_key_env: LLAMA_API_KEY holds a line break"):
+        parse_fleet(doc, env={"LLAMA_API_KEY": "a\r\nx-evil: 1"})
