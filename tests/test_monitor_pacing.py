@@ -82,3 +82,38 @@ def test_the_budget_setting_is_checked() -> None:
     for bad in (-1, float("inf"), "fast"):
         with pytest.raises(ConfigError, match=r"router\.monitor_max_requests_per_s"):
             parse_settings({"monitor_max_requests_per_s": bad})
+
+
+def test_a_destination_s_key_goes_with_its_probes_and_scrapes() -> None:
+    """An engine that guards /health and /metrics with its API key: with api_key_env the
+    monitor is let in (the pod stays up and is scraped); without, it is not."""
+    from ace_extproc.config import parse_fleet
+
+    async def guarded(request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != "Bearer pod-key":
+            return web.Response(status=401)
+        body = METRICS if request.path == "/metrics" else b""
+        return web.Response(body=body, content_type="text/plain")
+
+    async def watch(keyed: bool) -> tuple[int, bool]:
+        app = web.Application()
+        app.router.add_get("/health", guarded)
+        app.router.add_get("/metrics", guarded)
+        async with serving(app) as port:
+            dest = {"id": "d", "base_url": f"http://127.0.0.1:{port}"}
+            if keyed:
+                dest["api_key_env"] = "POD_KEY"
+            fleet = FleetState(parse_fleet({"destinations": [dest]}, env={"POD_KEY": "pod-key"}))
+            settings = Settings(scrape_interval_s=0.05, probe_interval_s=0.05, unhealthy_after=2)
+            monitor = FleetMonitor(fleet, BlockIndex(10), settings)
+            await monitor.start()
+            try:
+                await asyncio.sleep(0.6)
+            finally:
+                await monitor.stop()
+            return monitor.scrapes, fleet.is_available(0)
+
+    scrapes, up = asyncio.run(watch(keyed=True))
+    assert scrapes > 0 and up
+    scrapes, up = asyncio.run(watch(keyed=False))
+    assert scrapes == 0 and not up

@@ -92,6 +92,17 @@ class FleetMonitor:
         self._drained_at = time.monotonic()
         self._drain_carry = 0.0  # tokens drained but not yet whole, kept for the next call
         self._destinations = {d.id: d for d in fleet.fleet.destinations}
+        # A destination's own key (api_key_env) goes with its probes and scrapes too: an
+        # engine run with an API key may guard /health and /metrics as well as /v1;
+        # one that does not ignores the header.
+        self._probe_headers = {
+            d.id: {"Authorization": f"Bearer {d.api_key}"}
+            for d in fleet.fleet.destinations
+            if d.api_key
+        }
+        self._scrape_headers = {
+            dest: {**_METRICS_HEADERS, **auth} for dest, auth in self._probe_headers.items()
+        }
         self.watched: list[int] = [
             slot
             for slot, pod in enumerate(fleet.pods)
@@ -227,7 +238,9 @@ class FleetMonitor:
         pod = self.fleet.pods[slot]
         try:
             async with session.get(
-                pod.base_url + "/health", server_hostname=self._server_name(pod)
+                pod.base_url + "/health",
+                headers=self._probe_headers.get(pod.destination),
+                server_hostname=self._server_name(pod),
             ) as resp:
                 await resp.read()  # drained, so the connection is kept
                 ok = resp.status == 200
@@ -249,7 +262,8 @@ class FleetMonitor:
         try:
             url = pod.base_url + "/metrics"
             name = self._server_name(pod)
-            async with session.get(url, headers=_METRICS_HEADERS, server_hostname=name) as resp:
+            headers = self._scrape_headers.get(pod.destination, _METRICS_HEADERS)
+            async with session.get(url, headers=headers, server_hostname=name) as resp:
                 status = resp.status
                 size = resp.content_length or 0
                 body = await resp.read() if size <= MAX_METRICS_BYTES else b""
