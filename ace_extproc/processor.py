@@ -17,7 +17,7 @@ import xxhash
 
 from ace_extproc import execute
 from ace_extproc import request as req
-from ace_extproc.config import Config, ConfigError, Mode, Pod
+from ace_extproc.config import Config, ConfigError, Destination, Mode, Pod
 from ace_extproc.latency import get_model
 from ace_extproc.observe import Observer
 from ace_extproc.prefix import PrefixHashes, cache_prefix_id, hash_prompt, scope_seed
@@ -303,26 +303,39 @@ class Processor:
             outcome.endpoint = self.settings.upstream_mode == "endpoint"
             if pick.fallbacks:
                 outcome.fallbacks = tuple(self.fleet.pods[slot] for slot in pick.fallbacks)
-            hosted = destination.hosted
-            if hosted:  # a hosted API may refuse the engines' fields as unknown
-                fields = _prompt_cache_key(body, hashes, ctx.session)
-            else:
-                fields = (
-                    f'"cache_prefix_id":"{cache_prefix_id(ctx.tenant, hashes.prefix_key)}",'
-                    f'"cache_salt":"{self.tenants.salt(ctx.tenant)}"'
-                )
-            if parsed.stream and s.usage_capture and not parsed.stream_options:
-                # The engine then ends the stream with a usage chunk the observe filter
-                # reads; a client's own stream_options is left as it chose.
-                fields += ("," if fields else "") + '"stream_options":{"include_usage":true}'
+            fields = self._body_fields(destination, ctx, hashes, parsed, body)
             if fields:
-                strip = parsed.has_router_fields and not hosted
+                strip = parsed.has_router_fields and not destination.hosted
                 outcome.body = rewrite_body(body, fields, strip)
             rewrite_ns = perf_counter_ns() - picked_at
         self.telemetry.steps_ns(
             parsed_at - started, hashed_at - parsed_at, picked_at - hashed_at, rewrite_ns
         )
         return outcome
+
+    def _body_fields(
+        self,
+        destination: Destination,
+        ctx: RequestContext,
+        hashes: PrefixHashes,
+        parsed: req.ParsedRequest,
+        body: bytes,
+    ) -> str:
+        """The fields (a JSON object fragment) the body gets on its way to ``destination``:
+        the engine's cache fields, or for a hosted API, which may refuse those as
+        unknown, the key it caches by; and the usage chunk a stream should end with."""
+        if destination.hosted:
+            fields = _prompt_cache_key(body, hashes, ctx.session)
+        else:
+            fields = (
+                f'"cache_prefix_id":"{cache_prefix_id(ctx.tenant, hashes.prefix_key)}",'
+                f'"cache_salt":"{self.tenants.salt(ctx.tenant)}"'
+            )
+        if parsed.stream and self.settings.usage_capture and not parsed.stream_options:
+            # The engine then ends the stream with a usage chunk the observe filter
+            # reads; a client's own stream_options is left as it chose.
+            fields += ("," if fields else "") + '"stream_options":{"include_usage":true}'
+        return fields
 
 
 def _prompt_cache_key(body: bytes, hashes: PrefixHashes, session: str | None) -> str:
