@@ -233,6 +233,52 @@ def _tls(dest: cfg.Destination, ca_file: str | None, pod: cfg.Pod | None = None)
     return {"transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": tls}}
 
 
+def _upstream_key(dest: cfg.Destination) -> dict[str, Any]:
+    """The cluster fields that put ``dest``'s own key (``api_key_env``) on every request
+    Envoy sends it, in place of the client's: pinned or not, so a request that fails
+    open (ace-extproc down, a bypass) carries it too. Envoy reads the variable from its
+    own environment (``%ENVIRONMENT()%``); the key is never in the rendered file."""
+    if not dest.api_key_env:
+        return {}
+    mutation = {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3."
+            "HeaderMutation",
+            "mutations": {
+                "request_mutations": [
+                    {
+                        "append": {
+                            "header": {
+                                "key": "authorization",
+                                "value": f"Bearer %ENVIRONMENT({dest.api_key_env})%",
+                            },
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                        }
+                    }
+                ]
+            },
+        },
+    }
+    codec = {
+        "name": "envoy.filters.http.upstream_codec",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3."
+            "UpstreamCodec"
+        },
+    }
+    options = {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http_protocol_options": {}},
+        "http_filters": [mutation, codec],
+    }
+    return {
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": options
+        }
+    }
+
+
 # ---------------------------------------------------------------- clusters
 
 
@@ -292,6 +338,7 @@ def _pod_clusters(fleet: cfg.Fleet, lb_policy: str, ca_file: str | None) -> list
                 lb_policy=lb_policy,
                 circuit_breakers=_circuit_breakers(),
                 **_tls(dest, ca_file),
+                **_upstream_key(dest),
             )
         )
         for pod in dest.pods:
@@ -305,6 +352,7 @@ def _pod_clusters(fleet: cfg.Fleet, lb_policy: str, ca_file: str | None) -> list
                     standby=[o for o, p in zip(others, dest.pods, strict=True) if p != pod],
                     circuit_breakers=_circuit_breakers(),
                     **_tls(dest, ca_file, pod),
+                    **_upstream_key(dest),
                 )
             )
     return clusters
@@ -371,6 +419,7 @@ def _endpoint_clusters(
                 circuit_breakers=_circuit_breakers(),
                 **extra,
                 **_tls(dest, ca_file),
+                **_upstream_key(dest),
             )
         )
     return clusters

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -480,9 +481,12 @@ def test_the_upstream_ca_is_named_once(values: dict[str, Any], message: str) -> 
         render(values)
 
 
-def test_a_destination_s_key_reaches_ace_extproc_from_a_secret(tmp_path: Path) -> None:
-    """``extproc.env`` adds variables to ace-extproc (only): a destination's api_key_env
-    names one, filled from a Secret; the fleet file holds the variable's name only."""
+def test_a_destination_s_key_reaches_envoy_and_ace_extproc_from_a_secret(
+    tmp_path: Path,
+) -> None:
+    """``env`` adds variables to Envoy and ace-extproc: a destination's api_key_env names
+    one, filled from a Secret, which both send (Envoy on every request to the
+    destination); the fleet file and Envoy's bootstrap hold the variable's name only."""
     key_ref = {"secretKeyRef": {"name": "openai", "key": "key"}}
     values = {
         "destinations": [
@@ -493,16 +497,19 @@ def test_a_destination_s_key_reaches_ace_extproc_from_a_secret(tmp_path: Path) -
                 "api_key_env": "OPENAI_API_KEY",
             }
         ],
-        "router": {"mode": "prod"},
-        "extproc": {"env": [{"name": "OPENAI_API_KEY", "valueFrom": key_ref}]},
+        "router": {"mode": "prod", "upstream_mode": "cluster"},  # a pod by name
+        "env": [{"name": "OPENAI_API_KEY", "valueFrom": key_ref}],
     }
     docs = render(values)
-    env = {e["name"]: e for e in containers(docs)["ace-extproc"]["env"]}
-    assert env["OPENAI_API_KEY"]["valueFrom"] == key_ref
-    assert "ACE_SALT_SECRET" in env  # the chart's own stay
-    assert "OPENAI_API_KEY" not in str(containers(docs)["envoy"].get("env", []))
+    for name in ("ace-extproc", "envoy"):
+        env = {e["name"]: e for e in containers(docs)[name]["env"]}
+        assert env["OPENAI_API_KEY"]["valueFrom"] == key_ref, name
+    assert "ACE_SALT_SECRET" in str(containers(docs)["ace-extproc"]["env"])  # the chart's stay
     config = cfg.load(
         fleet_file(docs, tmp_path), env={"OPENAI_API_KEY": "sk-x", "ACE_SALT_SECRET": "s"}
     )
     assert config.fleet.destinations[0].api_key == "sk-x"
+    # The init container renders Envoy's bootstrap without the key: only its name is in it.
+    bootstrap = run_envoy_config(docs, tmp_path)
+    assert "%ENVIRONMENT(OPENAI_API_KEY)%" in json.dumps(bootstrap)
     kubernetes_validate.validate(one(docs, "Deployment"), KUBERNETES, strict=True)

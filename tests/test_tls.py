@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import ssl
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -146,8 +148,21 @@ def test_envoy_speaks_tls_to_https_pods_and_checks_their_name(
         {"san_type": "DNS", "matcher": {"exact": "llama.internal"}}
     ]
     assert all(r["route"].get("auto_host_rewrite") for r in _routes(doc))
+    # A destination's own key: Envoy puts it on every request to its clusters, from its
+    # own environment; the rendered file names the variable, never holds the key.
+    keyed = replace(fleet.destinations[0], api_key_env="LLAMA_API_KEY", api_key="s3cret")
+    config = Config(replace(fleet, destinations=(keyed,)), settings)
+    rendered = ec.render_yaml(config)
+    assert "s3cret" not in rendered and "%ENVIRONMENT(LLAMA_API_KEY)%" in rendered
+    for cluster in (c for c in _clusters(ec.render(config)).values() if c["name"] != "ace_extproc"):
+        options = cluster["typed_extension_protocol_options"]
+        filters = next(iter(options.values()))["http_filters"]
+        assert [f["name"] for f in filters] == [
+            "envoy.filters.http.header_mutation",
+            "envoy.filters.http.upstream_codec",
+        ]
     path = tmp_path / "envoy.yaml"
-    path.write_text(ec.render_yaml(Config(fleet, settings)))
+    path.write_text(rendered)
     envoy_validate(path)
 
 
@@ -264,9 +279,11 @@ def test_requests_reach_https_pods_through_envoy_pinned_and_cached(
     )
     trust = ssl.create_default_context(cafile=str(ca_path))
 
-    async def chat(http: aiohttp.ClientSession, turn: int, topic: str) -> tuple[str, int]:
+    async def chat(
+        http: aiohttp.ClientSession, turn: int, topic: str, pinned: bool = True
+    ) -> tuple[str, int]:
         """One turn through Envoy: the pod that served it (checked to be the one ace-extproc
-        pinned) and the prompt tokens the engine served from its cache."""
+        pinned, or that none was) and the prompt tokens the engine served from cache."""
         body = {"model": "sim-llama", "messages": conversation(turn, topic)}
         client_key = {"authorization": "Bearer the-gateway-key"}
         async with http.post(
@@ -274,8 +291,8 @@ def test_requests_reach_https_pods_through_envoy_pinned_and_cached(
         ) as resp:
             answer = await resp.json()
             assert resp.status == 200, answer
-            pod = resp.headers["x-ace-served-by"].split("/")[1]
-            assert resp.headers["x-sim-pod"] == pod
+            pod = resp.headers["x-sim-pod"]
+            assert resp.headers.get("x-ace-served-by") == (f"llama/{pod}" if pinned else None)
             return pod, answer["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     async def main() -> None:
@@ -309,6 +326,15 @@ def test_requests_reach_https_pods_through_envoy_pinned_and_cached(
                     break
                 await asyncio.sleep(0.1)
             assert len(learned) == 2, text
+            # With ace-extproc gone, requests fail open, unpinned: Envoy itself still
+            # sends the pods' key, not the client's.
+            await stack.stop_process("ace-extproc", signal.SIGKILL)
+            pod, _ = await chat(http, 0, "failing-open", pinned=False)
+            port = p0 if pod == "pod-0" else p1
+            async with http.get(f"https://localhost:{port}/debug/requests", ssl=trust) as resp:
+                last = [r for r in await resp.json() if r["path"] == "/v1/chat/completions"][-1]
+            assert last["headers"]["authorization"] == "Bearer pod-secret"
+            assert "failing-open" in last["body"]
 
     with _tls_sims(ca_path, pem, [p0, p1]):
         loop = asyncio.new_event_loop()
