@@ -388,8 +388,10 @@ def _endpoint_clusters(
     clusters = []
     for dest in fleet.destinations:
         for pod in dest.pods:
-            if not cfg.is_ip(pod.host):
-                # Envoy names hosts by ip:port; a DNS name could never be matched.
+            if not cfg.is_ip(pod.host) and not dest.hosted:
+                # Envoy names hosts by ip:port; a DNS name could never be matched. A hosted
+                # API is the exception: there is no host of its to pin, the header names
+                # none Envoy knows, and its cluster's own balancing picks (as fail-open).
                 raise cfg.ConfigError(
                     f"pod {pod.key}: endpoint mode needs pods given by IP address "
                     f"(as from EndpointSlices), got {pod.host!r}; use upstream mode cluster"

@@ -365,3 +365,26 @@ def test_a_destination_s_api_key_comes_from_the_environment_only() -> None:
     check_api_keys(fleet)
     with pytest.raises(ConfigError, match=r"api_key_env: LLAMA_API_KEY holds a line break"):
         parse_fleet(doc, env={"LLAMA_API_KEY": "a\r\nx-evil: 1"})
+
+
+def test_a_hosted_api_by_name_can_be_a_destination_in_endpoint_mode(
+    pki: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Endpoint mode names hosts by IP, so engine pods given by name are refused; a hosted
+    API (no host of its own to pin) is taken, its cluster resolving its name."""
+    doc = {
+        "destinations": [
+            {"id": "llama", "base_url": "http://10.0.0.1:8000"},
+            {"id": "gpt", "provider": "openai", "base_url": "https://api.openai.com/v1"},
+        ]
+    }
+    settings = Settings(upstream_mode="endpoint", upstream_ca_file=str(pki[0]))
+    config = Config(parse_fleet(doc), settings)
+    gpt = _clusters(ec.render(config))["ace_default.gpt"]
+    assert gpt["type"] == "STRICT_DNS" and "transport_socket" in gpt
+    path = tmp_path / "envoy.yaml"
+    path.write_text(ec.render_yaml(config))
+    envoy_validate(path)
+    named = {"destinations": [{"id": "llama", "base_url": "http://llama.svc:8000"}]}
+    with pytest.raises(ConfigError, match="endpoint mode needs pods given by IP"):
+        ec.render(Config(parse_fleet(named), settings))
