@@ -460,3 +460,20 @@ def test_a_hosted_api_through_envoy_in_endpoint_mode(
         finally:
             loop.run_until_complete(stack.stop())
             loop.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ssl-keyfile", "/nope/key.pem"], "--ssl-keyfile without --ssl-certfile"),
+        (["--ssl-certfile", "/nope/cert.pem"], "No such file"),
+    ],
+)
+def test_the_sim_refuses_https_it_cannot_serve(args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ace_extproc.cli", "sim", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2 and message in proc.stderr

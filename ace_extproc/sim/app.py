@@ -740,6 +740,8 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 def server_context(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | None:
     """The TLS context ``--ssl-certfile``/``--ssl-keyfile`` ask for (None: plain http)."""
     if not certfile:
+        if keyfile:
+            raise ValueError("--ssl-keyfile without --ssl-certfile")
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(certfile, keyfile)
@@ -750,8 +752,8 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     try:
         tls = server_context(args.ssl_certfile, args.ssl_keyfile)
-    except (OSError, ssl.SSLError) as exc:
-        print(f"sim {config.pod_id}: cannot load the TLS certificate: {exc}", file=sys.stderr)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        print(f"sim {config.pod_id}: cannot serve https: {exc}", file=sys.stderr)
         return 2
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
