@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from ace_extproc.config import Settings, sim_fleet
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.monitor import FleetMonitor
+from bench import record
 
 PODS_PROCESS = """
 import asyncio, sys
@@ -124,17 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             pods.kill()
             pods.wait()
-    ran = sys.argv[1:] if argv is None else argv
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
-        "command": " ".join(["python -m bench.monitor_cost", *ran]),
+        "command": record.command("bench.monitor_cost", argv),
         "python": platform.python_version(),
         "tick_ms": TICK_S * 1000,
         "rows": rows,
     }
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {out}")
+    record.write(args.out, doc)
     return 0
 
 

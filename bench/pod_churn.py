@@ -18,13 +18,11 @@ Writes bench/results/pod_churn.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import generate_latest
@@ -33,6 +31,7 @@ from ace_extproc import mutate, server
 from ace_extproc.config import Pod
 from ace_extproc.processor import Processor
 from ace_extproc.routing.discovery import Discovery
+from bench import record
 from bench.decision import HEADERS, chat_body, warm_processor
 
 TOKENS = 4096
@@ -117,18 +116,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n:>9} {v.name:>9} {row['slots']:>6} {row['decision_p50_us']:>7.1f} "
                 f"{row['metrics_bytes'] / 1000:>11.1f} {row['metrics_series']:>7}"
             )
-    ran = sys.argv[1:] if argv is None else argv
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
-        "command": " ".join(["python -m bench.pod_churn", *ran]),
+        "command": record.command("bench.pod_churn", argv),
         "python": platform.python_version(),
         "tokens": TOKENS,
         "requests_per_visit": REQUESTS_PER_VISIT,
         "rows": rows,
     }
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {out}")
+    record.write(args.out, doc)
     return 0
 
 

@@ -14,14 +14,12 @@ policy sees the same requests per seed, as in ``bench.report``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-from bench import workloads
+from bench import record, workloads
 from bench.baselines import resolve
 from bench.fleetsim import SimSettings
 from bench.report import run_policy
@@ -92,10 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         imb = statistics.fmean(r["imbalance"] for r in rs)
         print(f"{p:<20}{cells:<34}{statistics.fmean(saved):>7.1f}{p99:>13.0f}{imb:>6.2f}")
     shape = f"-{args.pods}pods" if args.pods != 8 or args.num_gpu_blocks else ""
-    out = Path(args.out or f"bench/results/seeds-{args.workload}{shape}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
-        "command": "python -m bench.seeds " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": record.command("bench.seeds", argv),
         "workload": args.workload,
         "pods": args.pods,
         "num_gpu_blocks": settings.num_gpu_blocks,
@@ -103,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": args.seeds,
         "policies": runs,
     }
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {out}")
+    record.write(args.out or f"bench/results/seeds-{args.workload}{shape}.json", doc)
     return 0
 
 

@@ -18,19 +18,17 @@ alike). Writes ``bench/results/sharing_cost.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ace_extproc import speedups
 from ace_extproc.config import Config, Settings, sim_fleet
 from ace_extproc.processor import Processor
 from ace_extproc.routing.replicas import Learner, Placement, ReplicaSync, decode, encode
+from bench import record
 
 SIZES = (1024, 4096, 16384, 32768)  # prompt tokens
 BATCH = 16  # placements a message
@@ -131,11 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['apply']:>9.0f}"
             + "".join(f"{r[f'per_request_{n}_replicas']:>24.0f}" for n in REPLICAS)
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
-        "command": "python -m bench.sharing_cost "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": record.command("bench.sharing_cost", argv),
         "python": platform.python_version(),
         "path": speedups.describe(),
         "rounds": args.rounds,
@@ -143,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch": BATCH,
         "ns_per_placement": rows,
     }
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {out}")
+    record.write(args.out, doc)
     return 0
 
 
