@@ -1,15 +1,20 @@
+import asyncio
 import contextlib
 import importlib
 import os
 import random
 import socket
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
 from aiohttp import web
+
+if TYPE_CHECKING:
+    from ace_extproc.stack import Stack
 
 # gRPC's fork handlers restart its threads in each child this process forks, and a
 # child that then closes its inherited descriptors before exec (as subprocess does)
@@ -113,3 +118,16 @@ async def serving(app: web.Application) -> AsyncIterator[int]:
         yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     finally:
         await runner.cleanup()
+
+
+@contextlib.contextmanager
+def running_stack(stack: "Stack") -> Iterator[asyncio.AbstractEventLoop]:
+    """A started stack (``ace-extproc up``'s) and the event loop that drives it; every
+    process it started stopped after."""
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(stack.start())
+        yield loop
+    finally:
+        loop.run_until_complete(stack.stop())
+        loop.close()

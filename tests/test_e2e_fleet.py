@@ -39,7 +39,7 @@ import yaml
 
 from ace_extproc.config import Config, Destination, Fleet, Pod, sim_fleet
 from ace_extproc.stack import Stack, StackOptions, envoy_binary, sim_router_settings
-from tests.conftest import free_ports
+from tests.conftest import free_ports, running_stack
 from tests.test_discovery import FakeApi, _serve, _slice
 from tests.test_e2e import conversation
 
@@ -160,18 +160,6 @@ async def envoy_stats(http: aiohttp.ClientSession, stack: Stack, prefix: str) ->
     return out
 
 
-@contextlib.contextmanager
-def running(stack: Stack) -> Iterator[asyncio.AbstractEventLoop]:
-    """A started stack and the event loop that drives it; every process stopped after."""
-    loop = asyncio.new_event_loop()
-    try:
-        loop.run_until_complete(stack.start())
-        yield loop
-    finally:
-        loop.run_until_complete(stack.stop())
-        loop.close()
-
-
 # ---------------------------------------------------------------- a pod killed
 
 
@@ -242,7 +230,7 @@ def test_pod_killed_under_load_requests_go_on_and_it_gets_nothing_new() -> None:
             stats = await envoy_stats(http, stack, "cluster.ace_default.sim.")
         return home, victim, kill_at[0], kill_at[1], sent, got, stats
 
-    with running(stack) as loop:
+    with running_stack(stack) as loop:
         home, victim, killed, reaped, sent, got, stats = loop.run_until_complete(scenario())
 
     assert stack.config is not None
@@ -506,7 +494,7 @@ def test_pod_added_at_run_time_takes_its_share_of_new_prefixes(tmp_path: Path) -
                 got = await records(http, [new])
             return first, going, later, again, added[0], got
 
-        with running(stack) as loop:
+        with running_stack(stack) as loop:
             first, going, later, again, added_at, got = loop.run_until_complete(scenario())
 
     everything = first + going + later + again
@@ -616,7 +604,7 @@ def test_a_destination_found_by_dns_is_one_envoy_resolves_too(tmp_path: Path) ->
             stats = await envoy_stats(http, stack, "cluster.ace_default.sim.")
         return sent, stats
 
-    with running(stack) as loop:
+    with running_stack(stack) as loop:
         sent, stats = loop.run_until_complete(scenario())
     assert all(s.status == 200 for s in sent), [s.error for s in sent if s.status != 200]
     pinned = [s for s in sent if s.served_by is not None]

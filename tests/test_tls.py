@@ -42,7 +42,7 @@ from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.sim.app import SimConfig, SimServer, server_context
 from ace_extproc.stack import Stack, StackOptions, envoy_binary
-from tests.conftest import envoy_validate, free_ports
+from tests.conftest import envoy_validate, free_ports, running_stack
 from tests.test_e2e import conversation
 
 
@@ -243,6 +243,30 @@ def _tls_sims(ca_path: Path, pem: Path, ports: list[int]) -> Iterator[None]:
             proc.wait(10)
 
 
+def _stack(
+    tmp_path: Path,
+    doc: dict[str, Any],
+    ports: tuple[int, int, int],
+    env: dict[str, str],
+    metrics_port: int | None = None,
+) -> Stack:
+    """Envoy and ace-extproc on the fleet ``doc`` (its pods: the test's https sims), on
+    ``ports`` (listener, Envoy admin, ext_proc), the processes given ``env``."""
+    listen, admin, ext_proc = ports
+    fleet_path = tmp_path / "fleet.yaml"
+    fleet_path.write_text(yaml.safe_dump(doc))
+    options = StackOptions(
+        fleet_path=str(fleet_path),
+        listen=f"127.0.0.1:{listen}",
+        admin=f"127.0.0.1:{admin}",
+        ext_proc=f"127.0.0.1:{ext_proc}",
+        metrics="off" if metrics_port is None else f"127.0.0.1:{metrics_port}",
+        admin_api="off",
+        env=env,
+    )
+    return Stack(options)
+
+
 @pytest.mark.envoy
 @pytest.mark.parametrize("upstream_mode", ["cluster", "endpoint"])
 def test_requests_reach_https_pods_through_envoy_pinned_and_cached(
@@ -266,16 +290,8 @@ def test_requests_reach_https_pods_through_envoy_pinned_and_cached(
     }
     # The pods' own API key (vLLM's --api-key, a hosted API's), in place of the client's.
     doc["destinations"][0]["api_key_env"] = "LLAMA_API_KEY"
-    fleet_path = tmp_path / "fleet.yaml"
-    fleet_path.write_text(yaml.safe_dump(doc))
-    opts = StackOptions(
-        fleet_path=str(fleet_path),
-        listen=f"127.0.0.1:{listen}",
-        admin=f"127.0.0.1:{admin}",
-        ext_proc=f"127.0.0.1:{ext_proc}",
-        metrics=f"127.0.0.1:{metrics}",
-        admin_api="off",
-        env={"LLAMA_API_KEY": "pod-secret"},
+    stack = _stack(
+        tmp_path, doc, (listen, admin, ext_proc), {"LLAMA_API_KEY": "pod-secret"}, metrics
     )
     trust = ssl.create_default_context(cafile=str(ca_path))
 
@@ -336,15 +352,8 @@ def test_requests_reach_https_pods_through_envoy_pinned_and_cached(
             assert last["headers"]["authorization"] == "Bearer pod-secret"
             assert "failing-open" in last["body"]
 
-    with _tls_sims(ca_path, pem, [p0, p1]):
-        loop = asyncio.new_event_loop()
-        stack = Stack(opts)
-        try:
-            loop.run_until_complete(stack.start())
-            loop.run_until_complete(main())
-        finally:
-            loop.run_until_complete(stack.stop())
-            loop.close()
+    with _tls_sims(ca_path, pem, [p0, p1]), running_stack(stack) as loop:
+        loop.run_until_complete(main())
 
 
 def test_a_destination_s_api_key_comes_from_the_environment_only() -> None:
@@ -419,20 +428,10 @@ def test_a_hosted_api_through_envoy_in_endpoint_mode(
             "upstream_mode": "endpoint",
         },
     }
-    fleet_path = tmp_path / "fleet.yaml"
-    fleet_path.write_text(yaml.safe_dump(doc))
-    opts = StackOptions(
-        fleet_path=str(fleet_path),
-        listen=f"127.0.0.1:{listen}",
-        admin=f"127.0.0.1:{admin}",
-        ext_proc=f"127.0.0.1:{ext_proc}",
-        metrics="off",
-        admin_api="off",
-        env={"HOSTED_KEY": "provider-key"},
-    )
+    stack = _stack(tmp_path, doc, (listen, admin, ext_proc), {"HOSTED_KEY": "provider-key"})
     trust = ssl.create_default_context(cafile=str(ca_path))
 
-    async def main(stack: Stack) -> None:
+    async def main() -> None:
         body = {"model": "sim-llama", "messages": conversation(1, "hosted")}
         async with aiohttp.ClientSession() as http:
             async with http.post(
@@ -451,15 +450,8 @@ def test_a_hosted_api_through_envoy_in_endpoint_mode(
         assert sent["prompt_cache_key"].startswith("ace-")
         assert "cache_salt" not in sent and "cache_prefix_id" not in sent
 
-    with _tls_sims(ca_path, pem, [port]):
-        loop = asyncio.new_event_loop()
-        stack = Stack(opts)
-        try:
-            loop.run_until_complete(stack.start())
-            loop.run_until_complete(main(stack))
-        finally:
-            loop.run_until_complete(stack.stop())
-            loop.close()
+    with _tls_sims(ca_path, pem, [port]), running_stack(stack) as loop:
+        loop.run_until_complete(main())
 
 
 @pytest.mark.parametrize(
