@@ -34,10 +34,9 @@ round's requests are spread evenly over its interval rather than sent at once: a
 of a request per pod held the event loop, which the request path shares, for tens of
 milliseconds at 64 pods. And the two loops together send at most
 ``monitor_max_requests_per_s``: past that (at the default 200, fleets over 18 pods)
-both intervals stretch alike, since each request costs the loop the better part of a
-millisecond of CPU here (``python -m bench.monitor_cost``); between scrapes the load
-figures are the replica's own accounting (``inflight``, the queued prefill), as they
-are anyway.
+both intervals stretch alike, since each request costs the loop about 0.3 ms of CPU here
+(``python -m bench.monitor_cost``); between scrapes the load figures are the replica's
+own accounting (``inflight``, the queued prefill), as they are anyway.
 Pods of ``openai`` destinations (a hosted API: no ``/metrics``, no ``/health``) are
 not watched. The request path only reads ``fleet.load`` and ``fleet.available``.
 """
