@@ -501,6 +501,26 @@ static PyObject *record_packed(BlockLRU *lru, Py_buffer *view, PyObject *roots,
     Py_RETURN_NONE;
 }
 
+/* record() on ``n`` > 0 hashes as ints. */
+static int record_items(BlockLRU *lru, PyObject **items, Py_ssize_t n, PyObject *roots,
+                        PyObject *bit, Py_ssize_t capacity)
+{
+    uint64_t key;
+    for (Py_ssize_t i = n - 1; i >= 0; i--)
+        if (as_key(items[i], &key) < 0 || touch(lru, key) < 0)
+            return -1;
+    return mark_root(lru, items[0], roots, bit, capacity);
+}
+
+int ace_lru_record(PyObject *lru, PyObject **items, Py_ssize_t n, PyObject *roots,
+                   PyObject *bit, Py_ssize_t capacity)
+{
+    BlockLRU *typed = as_lru(lru, "record");
+    if (typed == NULL || check_roots_and_bit(roots, bit, "record") < 0)
+        return -1;
+    return n > 0 ? record_items(typed, items, n, roots, bit, capacity) : 0;
+}
+
 PyObject *ace_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5) {
@@ -527,17 +547,11 @@ PyObject *ace_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssiz
         Py_DECREF(blocks);
         Py_RETURN_NONE;
     }
-    uint64_t key;
-    for (Py_ssize_t i = n - 1; i >= 0; i--)
-        if (as_key(items[i], &key) < 0 || touch(lru, key) < 0)
-            goto fail;
-    if (mark_root(lru, items[0], roots, bit, capacity) < 0)
-        goto fail;
+    int rc = record_items(lru, items, n, roots, bit, capacity);
     Py_DECREF(blocks);
+    if (rc < 0)
+        return NULL;
     Py_RETURN_NONE;
-fail:
-    Py_DECREF(blocks);
-    return NULL;
 }
 
 /* One holder's depth: the length of its held run of ``items`` (it holds the first). */
@@ -562,6 +576,12 @@ static int held_run(const BlockLRU *lru, PyObject **items, Py_ssize_t n, Py_ssiz
     }
     *depth = lo;
     return 0;
+}
+
+int ace_lru_depth(PyObject *lru, PyObject **items, Py_ssize_t n, Py_ssize_t *depth)
+{
+    BlockLRU *typed = as_lru(lru, "match");
+    return typed == NULL ? -1 : held_run(typed, items, n, depth);
 }
 
 /* depths[slot] = the slot's held run, its LRU looked up in ``lrus``. */

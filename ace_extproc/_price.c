@@ -27,18 +27,6 @@
 
 #include "_price.h"
 
-typedef struct {
-    double cost;
-    long long slot;
-    long long depth;
-    PyObject *obj; /* the slot's int, borrowed from ``slots`` */
-} Priced;
-
-/* Whether ``a`` comes before ``b``: cheaper, or as cheap and a lower slot. */
-static int before(const Priced *a, const Priced *b)
-{
-    return a->cost < b->cost || (a->cost == b->cost && a->slot < b->slot);
-}
 
 /* A dict's int value for ``key``, or ``fallback`` when absent; -1 with an error set. */
 static int lookup_int(PyObject *dict, PyObject *key, long long fallback, long long *out)
@@ -71,6 +59,25 @@ static PyObject *or_bit(PyObject *mask, PyObject *slot)
     return out;
 }
 
+Py_ssize_t ace_cheapest(const Priced *priced, Py_ssize_t count, Py_ssize_t keep,
+                        const Priced **best)
+{
+    /* An insertion into a short sorted list: nothing else is sorted. */
+    Py_ssize_t held = 0;
+    for (Py_ssize_t i = 0; i < count && keep > 0; i++) {
+        const Priced *p = &priced[i];
+        if (held == keep && !ace_before(p, best[held - 1]))
+            continue;
+        Py_ssize_t at = held < keep ? held++ : keep - 1;
+        while (at > 0 && ace_before(p, best[at - 1])) {
+            best[at] = best[at - 1];
+            at--;
+        }
+        best[at] = p;
+    }
+    return held;
+}
+
 /* (near, deepest, order) from the priced slots: ``cheapest`` is the lowest cost. */
 static PyObject *choose(const Priced *priced, Py_ssize_t count, double cheapest,
                         double slack_ratio, double slack_ms, Py_ssize_t keep)
@@ -94,7 +101,6 @@ static PyObject *choose(const Priced *priced, Py_ssize_t count, double cheapest,
     }
     if (near == NULL)
         return NULL;
-    /* The ``keep`` cheapest, in order: an insertion into a short sorted list. */
     if (keep > count)
         keep = count;
     const Priced **best = PyMem_New(const Priced *, (size_t)keep);
@@ -102,18 +108,7 @@ static PyObject *choose(const Priced *priced, Py_ssize_t count, double cheapest,
         Py_DECREF(near);
         return PyErr_NoMemory();
     }
-    Py_ssize_t held = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        const Priced *p = &priced[i];
-        if (held == keep && !before(p, best[held - 1]))
-            continue;
-        Py_ssize_t at = held < keep ? held++ : keep - 1;
-        while (at > 0 && before(p, best[at - 1])) {
-            best[at] = best[at - 1];
-            at--;
-        }
-        best[at] = p;
-    }
+    ace_cheapest(priced, count, keep, best);
     PyObject *order = PyTuple_New(keep);
     if (order != NULL) {
         for (Py_ssize_t i = 0; i < keep; i++) {
@@ -129,6 +124,76 @@ static PyObject *choose(const Priced *priced, Py_ssize_t count, double cheapest,
     return Py_BuildValue("(NLN)", near, deepest, order);
 }
 
+int ace_pricing(PyObject *params, PyObject *rooms, const char *function, Pricing *out)
+{
+    if (!PyTuple_Check(rooms) || PyTuple_GET_SIZE(rooms) != 3 ||
+        !PyDict_Check(PyTuple_GET_ITEM(rooms, 0)) || !PyDict_Check(PyTuple_GET_ITEM(rooms, 1))) {
+        PyErr_Format(PyExc_TypeError, "%s: rooms must be (dict, dict, int)", function);
+        return -1;
+    }
+    if (!PyTuple_Check(params) || PyTuple_GET_SIZE(params) != 7) {
+        PyErr_Format(PyExc_TypeError, "%s: params must be a PriceParams", function);
+        return -1;
+    }
+    double p[7];
+    for (int i = 0; i < 7; i++) {
+        p[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(params, i));
+        if (p[i] == -1.0 && PyErr_Occurred())
+            return -1;
+    }
+    *out = (Pricing){p[0], p[1], p[2], p[3], p[4], p[5], p[6], PyTuple_GET_ITEM(rooms, 0),
+                     PyTuple_GET_ITEM(rooms, 1), 0};
+    out->default_capacity = PyLong_AsLongLong(PyTuple_GET_ITEM(rooms, 2));
+    if (out->default_capacity == -1 && PyErr_Occurred())
+        return -1;
+    if (queued_name == NULL && (queued_name = PyUnicode_InternFromString(
+                                    "queued_prefill_tokens")) == NULL)
+        return -1;
+    return 0;
+}
+
+int ace_cost(const Pricing *pr, PyObject *obj, PyObject *load_item, long long depth,
+             long long n, long long tokens, double *cost_out)
+{
+    long long cached = 0;
+    if (depth) {
+        cached = (long long)((double)depth * pr->tpb);
+        if (cached > tokens - 1)
+            cached = tokens - 1;
+    }
+    long long fresh = tokens - cached > 0 ? tokens - cached : 0;
+    double x = pr->a_ms * (double)fresh +
+               pr->b_ms * (double)fresh * ((double)cached + (double)fresh / 2);
+    double cost = x > pr->t_step_ms ? x : pr->t_step_ms;
+    if (pr->evict_ms != 0.0) {
+        long long capacity, held = 0;
+        if (lookup_int(pr->capacities, obj, pr->default_capacity, &capacity) < 0)
+            return -1;
+        PyObject *lru = PyDict_GetItemWithError(pr->lrus, obj);
+        if (lru != NULL && lru != Py_None) { /* None: held nothing, as in Python */
+            held = PyObject_Length(lru);
+            if (held < 0)
+                return -1;
+        } else if (PyErr_Occurred()) {
+            return -1;
+        }
+        long long overflow = n - depth - (capacity - held);
+        if (overflow > 0)
+            cost += pr->evict_ms * (double)(overflow < n - depth ? overflow : n - depth);
+    }
+    PyObject *queued_obj = PyObject_GetAttr(load_item, queued_name);
+    if (queued_obj == NULL)
+        return -1;
+    long long queued = PyLong_AsLongLong(queued_obj);
+    Py_DECREF(queued_obj);
+    if (queued == -1 && PyErr_Occurred())
+        return -1;
+    if (queued > 0)
+        cost += pr->a_ms * (double)queued;
+    *cost_out = cost;
+    return 0;
+}
+
 PyObject *ace_price(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 8) {
@@ -136,8 +201,7 @@ PyObject *ace_price(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize
                                          "keep) takes 8 arguments");
         return NULL;
     }
-    PyObject *slots = args[0], *depths = args[1], *rooms = args[2], *load = args[3];
-    PyObject *params = args[6];
+    PyObject *slots = args[0], *depths = args[1], *load = args[3];
     if (!PyTuple_Check(slots) || PyTuple_GET_SIZE(slots) == 0) {
         PyErr_SetString(PyExc_TypeError, "price: slots must be a non-empty tuple");
         return NULL;
@@ -146,28 +210,13 @@ PyObject *ace_price(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "price: depths must be a dict");
         return NULL;
     }
-    if (!PyTuple_Check(rooms) || PyTuple_GET_SIZE(rooms) != 3 ||
-        !PyDict_Check(PyTuple_GET_ITEM(rooms, 0)) || !PyDict_Check(PyTuple_GET_ITEM(rooms, 1))) {
-        PyErr_SetString(PyExc_TypeError, "price: rooms must be (dict, dict, int)");
-        return NULL;
-    }
     if (!PyList_Check(load)) {
         PyErr_SetString(PyExc_TypeError, "price: load must be a list");
         return NULL;
     }
-    if (!PyTuple_Check(params) || PyTuple_GET_SIZE(params) != 7) {
-        PyErr_SetString(PyExc_TypeError, "price: params must be a PriceParams");
+    Pricing pr;
+    if (ace_pricing(args[6], args[2], "price", &pr) < 0)
         return NULL;
-    }
-    double p[7];
-    for (int i = 0; i < 7; i++) {
-        p[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(params, i));
-        if (p[i] == -1.0 && PyErr_Occurred())
-            return NULL;
-    }
-    const double tpb = p[0], a_ms = p[1], b_ms = p[2], t_step_ms = p[3], evict_ms = p[4];
-    PyObject *lrus = PyTuple_GET_ITEM(rooms, 0), *capacities = PyTuple_GET_ITEM(rooms, 1);
-    long long default_capacity = PyLong_AsLongLong(PyTuple_GET_ITEM(rooms, 2));
     long long n = PyLong_AsLongLong(args[4]);
     long long tokens = PyLong_AsLongLong(args[5]);
     Py_ssize_t keep = PyLong_AsSsize_t(args[7]);
@@ -177,9 +226,6 @@ PyObject *ace_price(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "price: keep must be at least 1");
         return NULL;
     }
-    if (queued_name == NULL && (queued_name = PyUnicode_InternFromString(
-                                    "queued_prefill_tokens")) == NULL)
-        return NULL;
 
     Py_ssize_t count = PyTuple_GET_SIZE(slots);
     Priced small[64];
@@ -191,54 +237,21 @@ PyObject *ace_price(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *obj = PyTuple_GET_ITEM(slots, i);
         long long slot = PyLong_AsLongLong(obj), depth;
+        double cost;
         if (slot == -1 && PyErr_Occurred())
             goto done;
         if (slot < 0 || slot >= PyList_GET_SIZE(load)) {
             PyErr_Format(PyExc_IndexError, "price: slot %lld has no load", slot);
             goto done;
         }
-        if (lookup_int(depths, obj, 0, &depth) < 0)
+        if (lookup_int(depths, obj, 0, &depth) < 0 ||
+            ace_cost(&pr, obj, PyList_GET_ITEM(load, slot), depth, n, tokens, &cost) < 0)
             goto done;
-        long long cached = 0;
-        if (depth) {
-            cached = (long long)((double)depth * tpb);
-            if (cached > tokens - 1)
-                cached = tokens - 1;
-        }
-        long long fresh = tokens - cached > 0 ? tokens - cached : 0;
-        double x = a_ms * (double)fresh +
-                   b_ms * (double)fresh * ((double)cached + (double)fresh / 2);
-        double cost = x > t_step_ms ? x : t_step_ms;
-        if (evict_ms != 0.0) {
-            long long capacity, held = 0;
-            if (lookup_int(capacities, obj, default_capacity, &capacity) < 0)
-                goto done;
-            PyObject *lru = PyDict_GetItemWithError(lrus, obj);
-            if (lru != NULL && lru != Py_None) { /* None: held nothing, as in Python */
-                held = PyObject_Length(lru);
-                if (held < 0)
-                    goto done;
-            } else if (PyErr_Occurred()) {
-                goto done;
-            }
-            long long overflow = n - depth - (capacity - held);
-            if (overflow > 0)
-                cost += evict_ms * (double)(overflow < n - depth ? overflow : n - depth);
-        }
-        PyObject *queued_obj = PyObject_GetAttr(PyList_GET_ITEM(load, slot), queued_name);
-        if (queued_obj == NULL)
-            goto done;
-        long long queued = PyLong_AsLongLong(queued_obj);
-        Py_DECREF(queued_obj);
-        if (queued == -1 && PyErr_Occurred())
-            goto done;
-        if (queued > 0)
-            cost += a_ms * (double)queued;
         priced[i] = (Priced){cost, slot, depth, obj};
         if (i == 0 || cost < cheapest)
             cheapest = cost;
     }
-    result = choose(priced, count, cheapest, p[5], p[6], keep);
+    result = choose(priced, count, cheapest, pr.slack_ratio, pr.slack_ms, keep);
 done:
     if (priced != small)
         PyMem_Free(priced);

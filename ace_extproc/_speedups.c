@@ -36,6 +36,7 @@
 
 #include "_answer.h"
 #include "_lru.h"
+#include "_pick.h"
 #include "_price.h"
 
 #define XXH_INLINE_ALL
@@ -1031,6 +1032,10 @@ static PyMethodDef methods[] = {
     {"price", (PyCFunction)(void (*)(void))ace_price, METH_FASTCALL,
      "price(slots, depths, rooms, load, n, tokens, params, keep) -> (near, deepest, order): "
      "the cost pipeline's pricing of every candidate (routing/pipeline.py's price_pure)."},
+    {"pick", (PyCFunction)(void (*)(void))ace_pick, METH_FASTCALL,
+     "pick(blocks, slots, rooms, roots, load, seeds, params, keep, max_kv_usage, tokens, "
+     "route_key, home, min_match, steer) -> (chosen, held, best, steered, order): the cost "
+     "pipeline's pick in one call (routing/pipeline.py's Pipeline._choose)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -36,6 +36,23 @@ def price(
     keep: int,
     /,
 ) -> tuple[int, int, tuple[int, ...]]: ...
+def pick(
+    blocks: list[int],
+    slots: tuple[int, ...],
+    rooms: RoomView,
+    roots: dict[int, int],
+    load: list[PodLoad],
+    seeds: list[tuple[int, float]],
+    params: PriceParams,
+    keep: int,
+    max_kv_usage: float,
+    tokens: int,
+    route_key: int,
+    home: int,
+    min_match: float,
+    steer: bool,
+    /,
+) -> tuple[int, int, int, int, tuple[int, ...]]: ...
 def body_answer(
     headers: Sequence[tuple[str, bytes]],
     remove: Sequence[str],

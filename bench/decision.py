@@ -154,9 +154,15 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
         "total": total,
     }
     if speedups.native is not None:
-        # On a processor of its own, warmed alike: its records must not change what
+        # On processors of their own, warmed alike: their records must not change what
         # the others' index holds.
         timed["native_steps"] = native_steps(warm_processor(tokens, pods)[0], bodies, outcome, seed)
+        # The pick as it was before it became one C call (native.pick): the C steps
+        # (match, price, record) with the pipeline's Python between them, the reference.
+        stepwise = warm_processor(tokens, pods)[0].picker
+        if isinstance(stepwise, Pipeline) and stepwise._fused:
+            stepwise._fused = False
+            timed["pick_stepwise"] = lambda k: stepwise.pick(hashes[k], proc.fleet.available)
     # Each iteration times every step in turn, so each runs with the caches the others
     # leave, as on the request path; timed in tight loops of their own they measured
     # up to 2x faster and summed to well under the total.
@@ -192,6 +198,11 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
         # around them (None on pure Python).
         "native_steps_p50_us": round(percentile(steps["native_steps"], 0.5), 2)
         if "native_steps" in steps
+        else None,
+        # The pick step by step (the C calls with Python between), timed alongside the
+        # pick in one call, on the same requests.
+        "pick_stepwise_p50_us": round(percentile(steps["pick_stepwise"], 0.5), 2)
+        if "pick_stepwise" in steps
         else None,
         # What the total holds besides the four steps: the header phase, metrics, the
         # outcome and its trace, the pick log (p50s subtracted: an estimate).
@@ -368,6 +379,16 @@ def main(argv: list[str] | None = None) -> int:
             "the C calls alone, back to back, p50 (the floor the fast path sets; the rest of "
             "the total is Python around them):",
             ", ".join(f"{r['tokens']}: {r['native_steps_p50_us']:.1f} us" for r in rows),
+        )
+    if rows[0]["pick_stepwise_p50_us"] is not None:
+        print(
+            "pick p50, one C call (native.pick) vs its C steps with the pipeline's Python "
+            "between (Pipeline._choose):",
+            ", ".join(
+                f"{r['tokens']}: {r['steps_us']['pick']['p50']:.1f} vs "
+                f"{r['pick_stepwise_p50_us']:.1f} us"
+                for r in rows
+            ),
         )
     print(
         "chat body decode p50 us (C chat_prompt to canonical bytes vs msgspec typed vs orjson "

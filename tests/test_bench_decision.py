@@ -19,14 +19,17 @@ def test_every_size_and_step_gets_numbers(tmp_path: Path) -> None:
         # ~4 bytes a token, hashed in 512-byte blocks.
         assert abs(row["blocks"] - row["tokens"] * 4 / 512) <= 0.1 * row["tokens"] * 4 / 512
         steps = row["steps_us"]
-        assert set(steps) - {"native_steps"} == {"parse", "hash", "pick", "rewrite", "total"}
+        extra = {"native_steps", "pick_stepwise"}
+        assert set(steps) - extra == {"parse", "hash", "pick", "rewrite", "total"}
         if speedups.native is None:  # pure Python: no C calls to time
-            assert "native_steps" not in steps and row["native_steps_p50_us"] is None
+            assert not extra & set(steps) and row["native_steps_p50_us"] is None
+            assert row["pick_stepwise_p50_us"] is None
         else:
             # The C calls alone cost less than the decision around them, and are what
-            # the row says they are.
+            # the row says they are; the stepwise pick is timed beside the fused one.
             assert 0 < row["native_steps_p50_us"] == steps["native_steps"]["p50"]
             assert steps["native_steps"]["p50"] < steps["total"]["p50"]
+            assert 0 < row["pick_stepwise_p50_us"] == steps["pick_stepwise"]["p50"]
         for step in steps.values():
             assert 0 < step["p50"] <= step["p99"]
         parts = sum(steps[n]["p50"] for n in ("parse", "hash", "pick", "rewrite"))

@@ -125,6 +125,16 @@ class BlockIndex:
         self._lru: dict[int, LRU] = {}  # slot -> block hashes, least recently used first
         self._roots: dict[int, int] = {}  # first block of a prompt -> bitmask of holders
 
+    @property
+    def native(self) -> bool:
+        """Whether the LRUs are the C ``BlockLRU`` (not the reference dicts)."""
+        return self._ops is not PURE
+
+    @property
+    def roots(self) -> dict[int, int]:
+        """First block of a prompt -> bitmask of the pods holding it (live, not a copy)."""
+        return self._roots
+
     def add_pod(self, slot: int) -> None:
         if slot not in self._lru:
             self._lru[slot] = self._ops.new_lru()

@@ -215,6 +215,16 @@ class Pipeline:
         for slot in range(len(fleet.pods)):
             index.add_pod(slot)
         fleet.on_change.append(self._fleet_changed)
+        # The whole choice in one C call (``native.pick``) where the extension was built,
+        # for the default filters on the C index; ``_choose`` otherwise (the reference).
+        saturated = [f for f in self.filters if isinstance(f, NotSaturated)]
+        self._fused = (
+            native is not None
+            and index.native
+            and not balance_new
+            and len(saturated) == len(self.filters) == 1
+        )
+        self._max_kv_usage = saturated[0].max_kv_usage if saturated else 1.0
 
     def _fleet_changed(self, slot: int, change: str) -> None:
         if change == RETIRED:  # its sessions' home is gone; the slot's next pod is not it
@@ -241,6 +251,55 @@ class Pipeline:
     def pick(self, request: RoutingRequest, candidates: int) -> Pick | None:
         if not candidates:
             return None
+        sid = request.session if self.place_sessions else None
+        session = None if sid is None else (request.tenant, sid)
+        home = -1 if session is None else self._sessions.get(session, -1)
+        if sid is not None and home < 0:
+            # A session this replica never routed: placed by its own key, no match steers.
+            steer, route_key = False, rendezvous.key_of(sid)
+        else:
+            steer, route_key = True, request.hashes.route_key
+        if self._fused:
+            index, fleet = self.index, self.fleet
+            chosen, depth, best, steered, order = native.pick(  # type: ignore[union-attr]
+                request.hashes.blocks,
+                self._slots(candidates),
+                index.room_view(),
+                index.roots,
+                fleet.load,
+                fleet.seeds,
+                self.params,
+                self.fallbacks + 1,  # the chosen pod may be among them
+                self._max_kv_usage,
+                request.prompt_tokens,
+                route_key,
+                home,
+                self.min_match,
+                steer,
+            )
+        else:
+            chosen, depth, best, steered, order = self._choose(
+                request, candidates, route_key, home, steer
+            )
+        if session is not None:
+            self.remember(session, chosen)
+        # The action names what steered: a shallow match placed as new is a miss. The
+        # depth reported is what the chosen pod really holds (the saved-prefill estimate).
+        action = "miss" if not best else ("hit" if steered == best else "spill")
+        backups = tuple([slot for slot in order if slot != chosen][: self.fallbacks])
+        return Pick(self.fleet.pods[chosen], chosen, depth, action, backups)
+
+    def _choose(
+        self, request: RoutingRequest, candidates: int, route_key: int, home: int, steer: bool
+    ) -> tuple[int, int, int, int, tuple[int, ...]]:
+        """The pod for the request among ``candidates``, recorded as holding its blocks.
+
+        ``route_key`` places a new prefix; ``home`` is the session's pod (-1: none);
+        ``steer`` False means no warm match steers (a session's first request here).
+        Returns ``(chosen, held, best, steered, order)``: the chosen slot, the blocks it
+        holds, the deepest match that steered (0: none), the chosen pod's steering
+        match, and the cheapest slots (``fallbacks + 1`` of them) for fallbacks. The C
+        version (``native.pick``) does the same in one call for the default filters."""
         fleet = self.fleet
         for keep in self.filters:
             candidates = keep(request, candidates, fleet) or candidates
@@ -249,13 +308,8 @@ class Pipeline:
         index = self.index
         depths = index.match_depths(blocks, candidates)
         held = depths  # what the pods hold; ``depths`` is what may steer
-        route_key = request.hashes.route_key
-        sid = request.session if self.place_sessions else None
-        session = None if sid is None else (request.tenant, sid)
-        home = -1 if session is None else self._sessions.get(session, -1)
-        if sid is not None and home < 0:  # a session this replica never routed
+        if not steer:
             depths = {}
-            route_key = rendezvous.key_of(sid)
         elif self.min_match and depths:
             # A session's own history, on the pod it went to, counts however short.
             shallow = self.min_match * n
@@ -288,14 +342,5 @@ class Pipeline:
             else rendezvous.best(route_key, fleet.seeds, near_mask)
         )
         index.record(chosen, blocks)
-        if session is not None:
-            self.remember(session, chosen)
-        # The action names what steered: a shallow match placed as new is a miss. The
-        # depth reported is what the chosen pod really holds (the saved-prefill estimate).
-        best_depth = max(depths.values(), default=0)
-        hit = depths.get(chosen, 0) == best_depth
-        action = "miss" if not best_depth else ("hit" if hit else "spill")
-        depth = held.get(chosen, 0)
-        fallbacks = self.fallbacks
-        backups = tuple([slot for slot in order if slot != chosen][:fallbacks])
-        return Pick(fleet.pods[chosen], chosen, depth, action, backups)
+        best = max(depths.values(), default=0)
+        return chosen, held.get(chosen, 0), best, depths.get(chosen, 0), order
