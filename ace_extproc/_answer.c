@@ -339,3 +339,40 @@ PyObject *ace_body_answer(PyObject *Py_UNUSED(module), PyObject *const *args, Py
     }
     return out;
 }
+
+/* splice(body, fields) -> bytes
+ *     processor.py's splice_pure: ``fields`` (a JSON object fragment, no braces, str)
+ *     inserted after the body's opening brace, with a comma unless the object is empty;
+ *     the client's bytes otherwise as they were. One allocation, the body copied once. */
+PyObject *ace_splice(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyUnicode_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "splice(body: bytes, fields: str) takes 2 arguments");
+        return NULL;
+    }
+    const char *body = PyBytes_AS_STRING(args[0]);
+    Py_ssize_t n = PyBytes_GET_SIZE(args[0]), flen;
+    const char *fields = PyUnicode_AsUTF8AndSize(args[1], &flen);
+    if (fields == NULL)
+        return NULL;
+    const char *brace = memchr(body, '{', (size_t)n);
+    if (brace == NULL) {
+        PyErr_SetString(PyExc_ValueError, "splice: the body has no '{'");
+        return NULL;
+    }
+    Py_ssize_t start = brace - body + 1, first = start;
+    while (first < n && (body[first] == ' ' || body[first] == '\t' || body[first] == '\r' ||
+                         body[first] == '\n'))
+        first++;
+    Py_ssize_t sep = first < n && body[first] == '}' ? 0 : 1;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n + flen + sep);
+    if (out == NULL)
+        return NULL;
+    char *p = PyBytes_AS_STRING(out);
+    memcpy(p, body, (size_t)start);
+    memcpy(p + start, fields, (size_t)flen);
+    if (sep)
+        p[start + flen] = ',';
+    memcpy(p + start + flen + sep, body + start, (size_t)(n - start));
+    return out;
+}

@@ -1,7 +1,7 @@
 /* The cost pipeline's whole pick in one call.
  *
- * pick(blocks, slots, rooms, roots, load, seeds, params, keep, max_kv_usage, tokens,
- *      route_key, home, min_match, steer) -> (chosen, held, best, steered, order)
+ * pick(blocks, slots, rooms, roots, load, seeds, params, fallbacks, max_kv_usage,
+ *      tokens, route_key, home, min_match, steer) -> (chosen, held, action, backups)
  *
  *     routing/pipeline.py's Pipeline._choose, which is the reference (its docstring
  *     says what each argument and result is), for the default pipeline: the
@@ -19,7 +19,7 @@
  *       roots      {first block: bitmask of the pods holding it}: BlockIndex
  *       load       list of PodLoad by slot (kv_usage, queued_prefill_tokens)
  *       seeds      list of (rendezvous seed, weight) by slot: FleetState.seeds
- *       params     PriceParams; keep: how many of the cheapest ``order`` holds (>= 1)
+ *       params     PriceParams; fallbacks: how many backups to name (>= 0)
  *       tokens     the prompt's tokens; route_key: what places a new prefix
  *       home       the session's pod, or -1; min_match: the shallow-match share
  *       steer      False for a session this replica never routed: no match steers
@@ -37,6 +37,7 @@
 #include "xxhash.h"
 
 static PyObject *kv_usage_name; /* "kv_usage", interned once */
+static PyObject *hit_str, *miss_str, *spill_str; /* the actions, interned once */
 
 /* The rendezvous score of ``key`` on a pod (rendezvous.py's score, operation by
  * operation, so the doubles are the same). */
@@ -98,7 +99,7 @@ PyObject *ace_pick(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
 {
     if (nargs != 14) {
         PyErr_SetString(PyExc_TypeError,
-                        "pick(blocks, slots, rooms, roots, load, seeds, params, keep, "
+                        "pick(blocks, slots, rooms, roots, load, seeds, params, fallbacks, "
                         "max_kv_usage, tokens, route_key, home, min_match, steer) takes 14 "
                         "arguments");
         return NULL;
@@ -113,8 +114,14 @@ PyObject *ace_pick(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
     double limit = PyFloat_AsDouble(args[8]);
     if (limit == -1.0 && PyErr_Occurred())
         return NULL;
-    if (kv_usage_name == NULL && (kv_usage_name = PyUnicode_InternFromString("kv_usage")) == NULL)
+    if (kv_usage_name == NULL &&
+        ((kv_usage_name = PyUnicode_InternFromString("kv_usage")) == NULL ||
+         (hit_str = PyUnicode_InternFromString("hit")) == NULL ||
+         (miss_str = PyUnicode_InternFromString("miss")) == NULL ||
+         (spill_str = PyUnicode_InternFromString("spill")) == NULL)) {
+        Py_CLEAR(kv_usage_name);
         return NULL;
+    }
     Py_ssize_t count = PyTuple_GET_SIZE(slots), kept = 0;
     Candidate small[64];
     Candidate *c = count <= 64 ? small : PyMem_New(Candidate, (size_t)count);
@@ -164,7 +171,7 @@ static PyObject *pick_among(Candidate *c, Py_ssize_t count, PyObject *const *arg
     Pricing pr;
     if (ace_pricing(args[6], rooms, "pick", &pr) < 0)
         return NULL;
-    Py_ssize_t keep = PyLong_AsSsize_t(args[7]);
+    Py_ssize_t fallbacks = PyLong_AsSsize_t(args[7]), keep = fallbacks + 1;
     long long tokens = PyLong_AsLongLong(args[9]);
     unsigned long long route_key = PyLong_AsUnsignedLongLong(args[10]);
     long long home = PyLong_AsLongLong(args[11]);
@@ -172,8 +179,8 @@ static PyObject *pick_among(Candidate *c, Py_ssize_t count, PyObject *const *arg
     int steer = PyObject_IsTrue(args[13]);
     if (PyErr_Occurred() || steer < 0)
         return NULL;
-    if (keep < 1) {
-        PyErr_SetString(PyExc_ValueError, "pick: keep must be at least 1");
+    if (fallbacks < 0) {
+        PyErr_SetString(PyExc_ValueError, "pick: fallbacks must not be negative");
         return NULL;
     }
     /* Each holder's depth: only pods holding the first block hold any. */
@@ -306,25 +313,34 @@ static PyObject *pick_among(Candidate *c, Py_ssize_t count, PyObject *const *arg
         if (rc < 0)
             return NULL;
     }
-    /* The ``keep`` cheapest, for Envoy's retries. */
+    /* The next cheapest, for Envoy's retries: the ``keep`` cheapest less the chosen. */
     Priced *priced = PyMem_New(Priced, (size_t)count);
     const Priced **cheap = PyMem_New(const Priced *, (size_t)(keep < count ? keep : count));
-    PyObject *order = NULL;
+    PyObject *backups = NULL;
     if (priced == NULL || cheap == NULL) {
         PyErr_NoMemory();
     } else {
         for (Py_ssize_t i = 0; i < count; i++)
             priced[i] = c[i].p;
-        Py_ssize_t held = ace_cheapest(priced, count, keep, cheap);
-        order = PyTuple_New(held);
-        for (Py_ssize_t i = 0; order != NULL && i < held; i++) {
+        Py_ssize_t held = ace_cheapest(priced, count, keep, cheap), named = 0;
+        for (Py_ssize_t i = 0; i < held; i++)
+            named += cheap[i]->slot != won->p.slot;
+        if (named > fallbacks)
+            named = fallbacks;
+        backups = PyTuple_New(named);
+        for (Py_ssize_t i = 0, k = 0; backups != NULL && k < named; i++) {
+            if (cheap[i]->slot == won->p.slot)
+                continue;
             Py_INCREF(cheap[i]->obj);
-            PyTuple_SET_ITEM(order, i, cheap[i]->obj);
+            PyTuple_SET_ITEM(backups, k++, cheap[i]->obj);
         }
     }
     PyMem_Free(priced);
     PyMem_Free(cheap);
-    if (order == NULL)
+    if (backups == NULL)
         return NULL;
-    return Py_BuildValue("(OLLLN)", won->p.obj, won->held, best, won->p.depth, order);
+    /* What steered: none (a miss), the chosen pod's match (a hit), or a deeper match
+     * elsewhere (a spill: the hot prefix moved on). */
+    PyObject *action = !best ? miss_str : won->p.depth == best ? hit_str : spill_str;
+    return Py_BuildValue("(OLON)", won->p.obj, won->held, action, backups);
 }

@@ -969,42 +969,100 @@ static PyObject *completion_prompt(PyObject *Py_UNUSED(module), PyObject *data)
     return parse_body(data, 0);
 }
 
+/* The chained hashes of the ``count`` full blocks at ``data``; the last in ``*last``. */
+static PyObject *chain_blocks(const uint8_t *data, Py_ssize_t count, Py_ssize_t block,
+                              uint64_t seed, uint64_t *last)
+{
+    PyObject *hashes = PyList_New(count);
+    XXH64_hash_t h = seed;
+    for (Py_ssize_t i = 0; hashes != NULL && i < count; i++) {
+        h = XXH3_64bits_withSeed(data + i * block, (size_t)block, h);
+        PyObject *item = PyLong_FromUnsignedLongLong(h);
+        if (item == NULL)
+            Py_CLEAR(hashes);
+        else
+            PyList_SET_ITEM(hashes, i, item);
+    }
+    *last = h;
+    return hashes;
+}
+
+/* block_bytes and seed, arguments 1 and 2 of chain and 2 and 3 of prefix_hashes. */
+static int block_and_seed(PyObject *const *args, Py_ssize_t *block, uint64_t *seed)
+{
+    *block = PyLong_AsSsize_t(args[0]);
+    if (*block == -1 && PyErr_Occurred())
+        return -1;
+    if (*block < 1) {
+        PyErr_SetString(PyExc_ValueError, "block_bytes must be at least 1");
+        return -1;
+    }
+    unsigned long long value = PyLong_AsUnsignedLongLong(args[1]);
+    if (value == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *seed = value;
+    return 0;
+}
+
 static PyObject *chain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "chain(data, block_bytes, seed) takes 3 arguments");
         return NULL;
     }
-    Py_ssize_t block = PyLong_AsSsize_t(args[1]);
-    if (block == -1 && PyErr_Occurred())
-        return NULL;
-    if (block < 1) {
-        PyErr_SetString(PyExc_ValueError, "block_bytes must be at least 1");
-        return NULL;
-    }
-    unsigned long long seed = PyLong_AsUnsignedLongLong(args[2]);
-    if (seed == (unsigned long long)-1 && PyErr_Occurred())
+    Py_ssize_t block;
+    uint64_t seed, last;
+    if (block_and_seed(args + 1, &block, &seed) < 0)
         return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    Py_ssize_t count = view.len / block;
-    PyObject *hashes = PyList_New(count);
-    if (hashes != NULL) {
-        const uint8_t *data = view.buf;
-        XXH64_hash_t h = seed;
-        for (Py_ssize_t i = 0; i < count; i++) {
-            h = XXH3_64bits_withSeed(data + i * block, (size_t)block, h);
-            PyObject *item = PyLong_FromUnsignedLongLong(h);
-            if (item == NULL) {
-                Py_CLEAR(hashes);
-                break;
-            }
-            PyList_SET_ITEM(hashes, i, item);
-        }
-    }
+    PyObject *hashes = chain_blocks(view.buf, view.len / block, block, seed, &last);
     PyBuffer_Release(&view);
     return hashes;
+}
+
+/* prefix.py's prefix_hashes_pure: the blocks' chained hashes and the prefix key. */
+static PyObject *prefix_hashes(PyObject *Py_UNUSED(module), PyObject *const *args,
+                               Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "prefix_hashes(prompt, cacheable_end, block_bytes, seed) takes 4 arguments");
+        return NULL;
+    }
+    Py_ssize_t block;
+    uint64_t seed, last;
+    if (block_and_seed(args + 2, &block, &seed) < 0)
+        return NULL;
+    if (!PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "prefix_hashes: prompt must be bytes");
+        return NULL;
+    }
+    const uint8_t *data = (const uint8_t *)PyBytes_AS_STRING(args[0]);
+    Py_ssize_t len = PyBytes_GET_SIZE(args[0]), count = len / block, end = count * block;
+    if (args[1] != Py_None) {
+        end = PyLong_AsSsize_t(args[1]);
+        if (end == -1 && PyErr_Occurred())
+            return NULL;
+        if (end < 0 || end > len) {
+            PyErr_SetString(PyExc_IndexError, "prefix_hashes: cacheable_end out of the prompt");
+            return NULL;
+        }
+    }
+    PyObject *hashes = chain_blocks(data, count, block, seed, &last);
+    if (hashes == NULL)
+        return NULL;
+    /* The chain at the last full block inside the prefix, extended by its partial tail. */
+    Py_ssize_t full = end / block;
+    uint64_t h = full ? PyLong_AsUnsignedLongLong(PyList_GET_ITEM(hashes, full - 1)) : seed;
+    if (end > full * block)
+        h = XXH3_64bits_withSeed(data + full * block, (size_t)(end - full * block), h);
+    char key[17];
+    static const char hex[] = "0123456789abcdef";
+    for (int i = 15; i >= 0; i--, h >>= 4)
+        key[i] = hex[h & 15];
+    return Py_BuildValue("(Ns#)", hashes, key, (Py_ssize_t)16);
 }
 
 static PyMethodDef methods[] = {
@@ -1017,6 +1075,9 @@ static PyMethodDef methods[] = {
      "decides."},
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL,
      "chain(data, block_bytes, seed) -> the chained xxh3_64 hashes of data's full blocks."},
+    {"prefix_hashes", (PyCFunction)(void (*)(void))prefix_hashes, METH_FASTCALL,
+     "prefix_hashes(prompt, cacheable_end, block_bytes, seed) -> (blocks, prefix_key): "
+     "prefix.py's prefix_hashes_pure."},
     {"match", (PyCFunction)(void (*)(void))ace_match, METH_FASTCALL,
      "match(lrus, blocks, holders) -> {slot: leading blocks held} for each slot of the "
      "holders bitmask (each holds blocks[0]; lrus maps slots to BlockLRUs)."},
@@ -1029,13 +1090,16 @@ static PyMethodDef methods[] = {
     {"body_answer", (PyCFunction)(void (*)(void))ace_body_answer, METH_FASTCALL,
      "body_answer(headers, remove, clear_route_cache, body, namespaces) -> a serialized "
      "ProcessingResponse answering a request body (mutate.body_answer)."},
+    {"splice", (PyCFunction)(void (*)(void))ace_splice, METH_FASTCALL,
+     "splice(body, fields) -> the body with fields (a JSON object fragment) inserted after "
+     "its opening brace (processor.py's splice_pure)."},
     {"price", (PyCFunction)(void (*)(void))ace_price, METH_FASTCALL,
      "price(slots, depths, rooms, load, n, tokens, params, keep) -> (near, deepest, order): "
      "the cost pipeline's pricing of every candidate (routing/pipeline.py's price_pure)."},
     {"pick", (PyCFunction)(void (*)(void))ace_pick, METH_FASTCALL,
-     "pick(blocks, slots, rooms, roots, load, seeds, params, keep, max_kv_usage, tokens, "
-     "route_key, home, min_match, steer) -> (chosen, held, best, steered, order): the cost "
-     "pipeline's pick in one call (routing/pipeline.py's Pipeline._choose)."},
+     "pick(blocks, slots, rooms, roots, load, seeds, params, fallbacks, max_kv_usage, "
+     "tokens, route_key, home, min_match, steer) -> (chosen, held, action, backups): the "
+     "cost pipeline's pick in one call (routing/pipeline.py's Pipeline._choose)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -10,6 +10,9 @@ from ace_extproc.routing.pipeline import PriceParams
 def chat_prompt(body: bytes, /) -> tuple[str, bytes, int, bool, bool, bool] | None: ...
 def completion_prompt(body: bytes, /) -> tuple[str, bytes, None, bool, bool, bool] | None: ...
 def chain(data: bytes, block_bytes: int, seed: int, /) -> list[int]: ...
+def prefix_hashes(
+    prompt: bytes, cacheable_end: int | None, block_bytes: int, seed: int, /
+) -> tuple[list[int], str]: ...
 
 @final
 class BlockLRU:
@@ -44,7 +47,7 @@ def pick(
     load: list[PodLoad],
     seeds: list[tuple[int, float]],
     params: PriceParams,
-    keep: int,
+    fallbacks: int,
     max_kv_usage: float,
     tokens: int,
     route_key: int,
@@ -52,7 +55,8 @@ def pick(
     min_match: float,
     steer: bool,
     /,
-) -> tuple[int, int, int, int, tuple[int, ...]]: ...
+) -> tuple[int, int, str, tuple[int, ...]]: ...
+def splice(body: bytes, fields: str, /) -> bytes: ...
 def body_answer(
     headers: Sequence[tuple[str, bytes]],
     remove: Sequence[str],

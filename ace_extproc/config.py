@@ -58,16 +58,15 @@ class Pod:
     port: int
     weight: float = 1.0
     tls: bool = False  # its base_url is https: Envoy and the monitor speak TLS to it
+    # Derived once (read on every decision): ``destination/pod``, the id reported in
+    # ``x-ace-served-by``; and the Envoy cluster that holds exactly this pod (the
+    # ``x-ace-upstream`` value in cluster mode).
+    key: str = field(init=False, repr=False, compare=False)
+    cluster: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> str:
-        """``destination/pod``: the id reported in ``x-ace-served-by``."""
-        return f"{self.destination}/{self.id}"
-
-    @property
-    def cluster(self) -> str:
-        """The Envoy cluster that holds exactly this pod (the ``x-ace-upstream`` value)."""
-        return f"ace_pod.{self.destination}.{self.id}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.destination}/{self.id}")
+        object.__setattr__(self, "cluster", f"ace_pod.{self.destination}.{self.id}")
 
     @property
     def address(self) -> str:

@@ -34,6 +34,18 @@ class TTFTModel:
         """TTFT of one request alone on an idle engine."""
         return self.t0_ms + self.prefill_ms(uncached, cached)
 
+    def gain(self, tokens: int, cached: int) -> tuple[float, float]:
+        """What ``cached`` warm tokens of a ``tokens``-token prompt are worth alone on an
+        idle engine: the cold TTFT over the warm one, and cold less warm (ms). The same
+        arithmetic as ``ttft_ms``, inline: it runs on every decision."""
+        n = max(tokens, 0)
+        cold = self.t0_ms + max(self.t_step_ms, self.a_ms * n + self.b_ms * n * (0 + n / 2))
+        if not cached:
+            return 1.0, 0.0
+        n = max(tokens - cached, 0)
+        warm = self.t0_ms + max(self.t_step_ms, self.a_ms * n + self.b_ms * n * (cached + n / 2))
+        return cold / warm, cold - warm
+
     @property
     def prefill_tokens_per_s(self) -> float:
         """A pod's prefill rate in uncached tokens a second, the attention term aside."""

@@ -62,19 +62,33 @@ def chain_pure(data: bytes, block_bytes: int, seed: int, /) -> list[int]:
 chain = native.chain if native is not None else chain_pure
 
 
-def hash_prompt(
-    prompt: bytes, cacheable_end: int | None, block_bytes: int, seed: int
-) -> PrefixHashes:
-    """Block hashes and prefix key; ``cacheable_end=None`` means the leading full blocks."""
-    blocks = chain(prompt, block_bytes, seed)
+def prefix_hashes_pure(
+    prompt: bytes, cacheable_end: int | None, block_bytes: int, seed: int, /
+) -> tuple[list[int], str]:
+    """The block hashes and the prefix key (``prefix_hashes`` in Python alone)."""
+    blocks = chain_pure(prompt, block_bytes, seed)
     if cacheable_end is None:
         cacheable_end = len(blocks) * block_bytes
+    elif not 0 <= cacheable_end <= len(prompt):
+        raise IndexError("prefix_hashes: cacheable_end out of the prompt")
     full = cacheable_end // block_bytes
     h = blocks[full - 1] if full else seed
     tail = prompt[full * block_bytes : cacheable_end]
     if tail:
         h = _xxh3(tail, h)
-    return PrefixHashes(blocks, f"{h:016x}", seed)
+    return blocks, f"{h:016x}"
+
+
+# One C call for the whole prompt where the extension was built (speedups.py).
+prefix_hashes = native.prefix_hashes if native is not None else prefix_hashes_pure
+
+
+def hash_prompt(
+    prompt: bytes, cacheable_end: int | None, block_bytes: int, seed: int
+) -> PrefixHashes:
+    """Block hashes and prefix key; ``cacheable_end=None`` means the leading full blocks."""
+    blocks, key = prefix_hashes(prompt, cacheable_end, block_bytes, seed)
+    return PrefixHashes(blocks, key, seed)
 
 
 def cache_prefix_id(tenant: str, prefix_key: str) -> str:

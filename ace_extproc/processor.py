@@ -25,6 +25,7 @@ from ace_extproc.routing import BlockIndex, FleetState, Picker, RoutingRequest, 
 from ace_extproc.routing.fleet import RETIRED
 from ace_extproc.routing.placements import PrefixPlacements
 from ace_extproc.routing.policies import PickerFactory
+from ace_extproc.speedups import native
 from ace_extproc.telemetry import Telemetry
 from ace_extproc.tenants import MissingKey, Tenants, UnknownKey
 
@@ -282,16 +283,15 @@ class Processor:
                 pick.pod.key, hashes.blocks, ctx.tenant, ctx.session, prompt_tokens - saved
             )
         # The estimate the trace header and the metrics report, computed once.
-        cold = self.ttft.ttft_ms(prompt_tokens)
-        warm = self.ttft.ttft_ms(prompt_tokens - saved, saved) if saved else cold
+        speedup, saved_ms = self.ttft.gain(prompt_tokens, saved)
         outcome = Outcome(
             mode,
             pick.action,
             hashes.prefix_key,
             would_pick=pick.pod,
             saved_tokens=saved,
-            speedup=cold / warm,
-            saved_ms=cold - warm,
+            speedup=speedup,
+            saved_ms=saved_ms,
             slot=pick.slot,
             prompt_tokens=prompt_tokens,
         )
@@ -362,6 +362,11 @@ def rewrite_body(body: bytes, fields: str, strip_client_fields: bool) -> bytes:
         for name in req.ROUTER_FIELDS:
             obj.pop(name, None)
         body = msgspec.json.encode(obj)
+    return splice(body, fields)
+
+
+def splice_pure(body: bytes, fields: str) -> bytes:
+    """``fields`` inserted after the body's opening brace (``splice`` in Python alone)."""
     start = body.index(b"{") + 1
     first = start
     while body[first : first + 1] in _JSON_SPACE:
@@ -372,6 +377,8 @@ def rewrite_body(body: bytes, fields: str, strip_client_fields: bool) -> bytes:
 
 
 _JSON_SPACE = (b" ", b"\t", b"\r", b"\n")
+# One C call, the body copied once, where the extension was built (speedups.py).
+splice = native.splice if native is not None else splice_pure
 
 
 class _BadOverride(Exception):

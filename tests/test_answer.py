@@ -210,3 +210,37 @@ def test_answers_at_the_limits_still_encode() -> None:
 def test_pods_with_any_key_encode() -> None:
     for pod in (*PODS, Pod("d", "ü" * 300, "10.1.1.1", 1)):
         _same(outcome(pod=pod, would_pick=pod, endpoint=False), False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    body=st.one_of(
+        st.binary(max_size=64).map(lambda b: b + b"{" + b),
+        st.builds(
+            lambda ws, rest: b"{" + ws + rest,
+            st.sampled_from([b"", b" ", b"\t\r\n ", b"\n"]),
+            st.sampled_from([b"}", b'"a":1}', b"", b" }", b"\x00"]),
+        ),
+    ),
+    fields=st.text(max_size=40),
+)
+def test_splice_is_the_reference_splice(body: bytes, fields: str) -> None:
+    """The body's rewrite (processor.rewrite_body): the same bytes as ``splice_pure``,
+    whatever precedes the brace or follows it, any text in the fields."""
+    from ace_extproc.processor import splice_pure
+
+    assert speedups.splice(body, fields) == splice_pure(body, fields)
+
+
+def test_splice_refuses_what_it_cannot_splice() -> None:
+    from ace_extproc.processor import splice_pure
+
+    for splice in (speedups.splice, splice_pure):
+        with pytest.raises(ValueError):
+            splice(b'"no object"', '"k":1')
+    with pytest.raises(TypeError):
+        speedups.splice("{}", '"k":1')
+    with pytest.raises(TypeError):
+        speedups.splice(b"{}", b'"k":1')
+    with pytest.raises(UnicodeEncodeError):  # a lone surrogate: not UTF-8, as .encode()
+        speedups.splice(b"{}", "\ud800")

@@ -97,6 +97,8 @@ def test_the_fused_pick_is_the_reference_pick(
         b = reference.pick(request, candidates)
         assert a == b, f"request {i}"
         assert a is not None and (candidates >> a.slot) & 1
+        assert a.slot not in a.fallbacks and len(a.fallbacks) <= 2
+        assert all((candidates >> slot) & 1 for slot in a.fallbacks)
         assert index_state(fused.index) == index_state(reference.index), f"request {i}"
         actions.add(a.action)
     assert fused._sessions == reference._sessions
@@ -149,7 +151,7 @@ def arguments() -> list[Any]:
         fleet.load,
         fleet.seeds,
         params,
-        3,  # keep
+        2,  # fallbacks
         0.97,  # max kv usage
         100,  # tokens
         5,  # route key
@@ -176,7 +178,7 @@ def arguments() -> list[Any]:
         (5, [(1, 1.0)], IndexError),  # slot 1 has no seed
         (5, [1, 2], TypeError),
         (6, (1.0, 2.0), TypeError),  # params
-        (7, 0, ValueError),  # keep
+        (7, -1, ValueError),  # fallbacks
         (8, "high", TypeError),
         (10, -1, OverflowError),  # route key: 64 bits
         (10, 2**64, OverflowError),

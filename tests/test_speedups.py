@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ace_extproc import request
-from ace_extproc.prefix import chain_pure
+from ace_extproc.prefix import chain_pure, prefix_hashes_pure
 from ace_extproc.request import CHAT_PATH, COMPLETIONS_PATH, RequestError, parse_pure
 from tests.conftest import load_speedups
 
@@ -140,6 +140,33 @@ def test_chain_takes_any_buffer_but_not_text() -> None:
 )
 def test_chain_property(data: bytes, block: int, seed: int) -> None:
     assert speedups.chain(data, block, seed) == chain_pure(data, block, seed)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.binary(max_size=3000),
+    block=st.integers(1, 700),
+    seed=st.integers(0, 2**64 - 1),
+    end=st.one_of(st.none(), st.floats(0.0, 1.0)),
+)
+def test_prefix_hashes_property(data: bytes, block: int, seed: int, end: float | None) -> None:
+    """The blocks and the prefix key (the chain at the prefix's last full block,
+    extended by its partial tail) exactly as ``prefix_hashes_pure`` gives them."""
+    cacheable_end = None if end is None else int(len(data) * end)
+    blocks, key = speedups.prefix_hashes(data, cacheable_end, block, seed)
+    assert (blocks, key) == prefix_hashes_pure(data, cacheable_end, block, seed)
+    assert blocks == chain_pure(data, block, seed) and len(key) == 16
+
+
+@pytest.mark.parametrize("end", [-1, 11, 2**70])
+def test_prefix_hashes_refuse_an_end_outside_the_prompt(end: int) -> None:
+    for prefix_hashes in (speedups.prefix_hashes, prefix_hashes_pure):
+        with pytest.raises((IndexError, OverflowError)):
+            prefix_hashes(b"0123456789", end, 4, 1)
+    with pytest.raises(TypeError):
+        speedups.prefix_hashes(bytearray(b"ab"), None, 1, 0)  # the parser's bytes only
+    with pytest.raises(ValueError):
+        speedups.prefix_hashes(b"ab", None, 0, 0)
 
 
 # ------------------------------------------------------- chat_prompt: the plain shape

@@ -261,7 +261,7 @@ class Pipeline:
             steer, route_key = True, request.hashes.route_key
         if self._fused:
             index, fleet = self.index, self.fleet
-            chosen, depth, best, steered, order = native.pick(  # type: ignore[union-attr]
+            chosen, depth, action, backups = native.pick(  # type: ignore[union-attr]
                 request.hashes.blocks,
                 self._slots(candidates),
                 index.room_view(),
@@ -269,7 +269,7 @@ class Pipeline:
                 fleet.load,
                 fleet.seeds,
                 self.params,
-                self.fallbacks + 1,  # the chosen pod may be among them
+                self.fallbacks,
                 self._max_kv_usage,
                 request.prompt_tokens,
                 route_key,
@@ -278,28 +278,24 @@ class Pipeline:
                 steer,
             )
         else:
-            chosen, depth, best, steered, order = self._choose(
+            chosen, depth, action, backups = self._choose(
                 request, candidates, route_key, home, steer
             )
         if session is not None:
             self.remember(session, chosen)
-        # The action names what steered: a shallow match placed as new is a miss. The
-        # depth reported is what the chosen pod really holds (the saved-prefill estimate).
-        action = "miss" if not best else ("hit" if steered == best else "spill")
-        backups = tuple([slot for slot in order if slot != chosen][: self.fallbacks])
         return Pick(self.fleet.pods[chosen], chosen, depth, action, backups)
 
     def _choose(
         self, request: RoutingRequest, candidates: int, route_key: int, home: int, steer: bool
-    ) -> tuple[int, int, int, int, tuple[int, ...]]:
+    ) -> tuple[int, int, str, tuple[int, ...]]:
         """The pod for the request among ``candidates``, recorded as holding its blocks.
 
         ``route_key`` places a new prefix; ``home`` is the session's pod (-1: none);
         ``steer`` False means no warm match steers (a session's first request here).
-        Returns ``(chosen, held, best, steered, order)``: the chosen slot, the blocks it
-        holds, the deepest match that steered (0: none), the chosen pod's steering
-        match, and the cheapest slots (``fallbacks + 1`` of them) for fallbacks. The C
-        version (``native.pick``) does the same in one call for the default filters."""
+        Returns ``(chosen, held, action, backups)``: the chosen slot, the blocks it
+        holds, what steered, and the next cheapest slots (``fallbacks`` of them) for
+        Envoy's retries. The C version (``native.pick``) does the same in one call for
+        the default filters."""
         fleet = self.fleet
         for keep in self.filters:
             candidates = keep(request, candidates, fleet) or candidates
@@ -342,5 +338,9 @@ class Pipeline:
             else rendezvous.best(route_key, fleet.seeds, near_mask)
         )
         index.record(chosen, blocks)
+        # The action names what steered: a shallow match placed as new is a miss. The
+        # depth reported is what the chosen pod really holds (the saved-prefill estimate).
         best = max(depths.values(), default=0)
-        return chosen, held.get(chosen, 0), best, depths.get(chosen, 0), order
+        action = "miss" if not best else ("hit" if depths.get(chosen, 0) == best else "spill")
+        backups = tuple([slot for slot in order if slot != chosen][: self.fallbacks])
+        return chosen, held.get(chosen, 0), action, backups
