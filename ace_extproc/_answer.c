@@ -261,18 +261,10 @@ static uint8_t *put_struct(uint8_t *o, const Namespace *ns)
     return o;
 }
 
-PyObject *ace_body_answer(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+/* The answer's wire bytes. */
+static PyObject *write_answer(const Answer *ap)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError,
-                        "body_answer(headers, remove, clear_route_cache, body, namespaces) "
-                        "takes 5 arguments");
-        return NULL;
-    }
-    Answer a;
-    if (read_answer(args, &a) < 0)
-        return NULL;
-
+    const Answer a = *ap;
     /* Sizes, innermost first. */
     size_t mutation = 0;
     for (Py_ssize_t i = 0; i < a.n_headers; i++)
@@ -338,6 +330,175 @@ PyObject *ace_body_answer(PyObject *Py_UNUSED(module), PyObject *const *args, Py
         return NULL;
     }
     return out;
+}
+
+PyObject *ace_body_answer(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "body_answer(headers, remove, clear_route_cache, body, namespaces) "
+                        "takes 5 arguments");
+        return NULL;
+    }
+    Answer a;
+    if (read_answer(args, &a) < 0)
+        return NULL;
+    return write_answer(&a);
+}
+
+/* ---------------------------------------------------------- outcome_answer */
+
+/* The Outcome and Pod attributes outcome_answer reads, interned once. */
+enum {
+    A_POD, A_ENDPOINT, A_UPSTREAM_AUTH, A_PATH, A_BODY, A_MODE, A_ACTION, A_PREFIX_KEY,
+    A_SAVED_TOKENS, A_SPEEDUP, A_WOULD_PICK, A_REJECT_STATUS, A_KEY, A_CLUSTER, N_NAMES
+};
+static const char *const names[N_NAMES] = {
+    "pod", "endpoint", "upstream_auth", "path", "body", "mode", "action", "prefix_key",
+    "saved_tokens", "speedup", "would_pick", "reject_status", "key", "cluster",
+};
+static PyObject *interned[N_NAMES];
+
+/* A metadata field: a string (``obj`` a str) or, with ``obj`` NULL, ``number``. */
+static int meta(Namespace *ns, const char *key, PyObject *obj, double number)
+{
+    MetaField *f = &ns->fields[ns->count++];
+    f->key.p = key;
+    f->key.n = (Py_ssize_t)strlen(key);
+    if (obj == NULL) {
+        f->text.p = NULL;
+        f->number = number;
+        f->value = 9;
+    } else {
+        if (text(obj, &f->text, "a metadata value") < 0)
+            return -1;
+        f->value = field_size((size_t)f->text.n);
+    }
+    ns->fields_size += field_size(field_size((size_t)f->key.n) + field_size(f->value));
+    return 0;
+}
+
+/* outcome_answer(outcome, client_upstream) -> bytes
+ *     mutate.body_answer for an Outcome in cluster mode (not a rejection, not endpoint
+ *     mode): what mutate.changes and mutate.metadata would list, read from the
+ *     outcome's attributes and written at once, the trace formatted as
+ *     Outcome.trace does (the speedup by PyOS_double_to_string, as Python's
+ *     ``format(x, ".2f")``). The lists body_answer takes cost as much to build in
+ *     Python as the answer costs to write. */
+PyObject *ace_outcome_answer(PyObject *Py_UNUSED(module), PyObject *const *args,
+                             Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyBool_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "outcome_answer(outcome, client_upstream: bool) takes 2 arguments");
+        return NULL;
+    }
+    for (int i = 0; i < N_NAMES; i++)
+        if (interned[i] == NULL && (interned[i] = PyUnicode_InternFromString(names[i])) == NULL)
+            return NULL;
+    PyObject *got[A_REJECT_STATUS + 1] = {NULL};
+    PyObject *outcome = args[0], *result = NULL, *pod_key = NULL, *cluster = NULL;
+    PyObject *pick_key = NULL;
+    char *speedup = NULL, *trace = NULL;
+    for (int i = 0; i <= A_REJECT_STATUS; i++)
+        if ((got[i] = PyObject_GetAttr(outcome, interned[i])) == NULL)
+            goto done;
+    if (PyObject_IsTrue(got[A_ENDPOINT]) != 0 || PyObject_IsTrue(got[A_REJECT_STATUS]) != 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError,
+                            "outcome_answer: cluster mode, not a rejection (see body_answer)");
+        goto done;
+    }
+    Answer a;
+    a.n_headers = a.n_remove = 0;
+    a.clear_route_cache = 0;
+    char length[24];
+    PyObject *pod = got[A_POD];
+    if (pod != Py_None) {
+        if ((cluster = PyObject_GetAttr(pod, interned[A_CLUSTER])) == NULL ||
+            text(cluster, &a.headers[0][1], "a pod's cluster") < 0)
+            goto done;
+        a.headers[a.n_headers++][0] = (Span){"x-ace-upstream", 14};
+        if (got[A_UPSTREAM_AUTH] != Py_None) {
+            if (raw(got[A_UPSTREAM_AUTH], &a.headers[a.n_headers][1], "upstream_auth") < 0)
+                goto done;
+            a.headers[a.n_headers++][0] = (Span){"authorization", 13};
+        }
+        a.clear_route_cache = 1;
+    } else if (args[1] == Py_True) {
+        a.remove[a.n_remove++] = (Span){"x-ace-upstream", 14};
+        a.clear_route_cache = 1;
+    }
+    if (got[A_PATH] != Py_None) {
+        if (text(got[A_PATH], &a.headers[a.n_headers][1], "path") < 0)
+            goto done;
+        a.headers[a.n_headers++][0] = (Span){":path", 5};
+    }
+    a.body.p = NULL;
+    a.body.n = 0;
+    if (got[A_BODY] != Py_None) {
+        if (raw(got[A_BODY], &a.body, "body") < 0)
+            goto done;
+        int n = snprintf(length, sizeof length, "%zd", a.body.n);
+        a.headers[a.n_headers][0] = (Span){"content-length", 14};
+        a.headers[a.n_headers++][1] = (Span){length, n};
+    }
+    /* The metadata, and first the trace: Outcome.trace's f-string. */
+    Span mode, action, prefix_key;
+    long long saved = PyLong_AsLongLong(got[A_SAVED_TOKENS]);
+    double ratio = PyFloat_AsDouble(got[A_SPEEDUP]);
+    if ((saved == -1 || ratio == -1.0) && PyErr_Occurred())
+        goto done;
+    if (text(got[A_MODE], &mode, "mode") < 0 || text(got[A_ACTION], &action, "action") < 0 ||
+        text(got[A_PREFIX_KEY], &prefix_key, "prefix_key") < 0 ||
+        (speedup = PyOS_double_to_string(ratio, 'f', 2, 0, NULL)) == NULL)
+        goto done;
+    size_t room = (size_t)(mode.n + action.n + prefix_key.n) + strlen(speedup) + 96;
+    if ((trace = PyMem_Malloc(room)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Pieces copied, not printed: the text may hold NUL characters. */
+    char *t = trace;
+    const Span pieces[] = {{"mode=", 5}, mode, {",action=", 8}, action, {",prefix_key=", 12},
+                           prefix_key, {",saved_prefill_tokens=", 22}};
+    for (size_t i = 0; i < sizeof pieces / sizeof pieces[0]; i++) {
+        memcpy(t, pieces[i].p, (size_t)pieces[i].n);
+        t += pieces[i].n;
+    }
+    t += snprintf(t, room - (size_t)(t - trace), "%lld,speedup=%s", saved, speedup);
+    Py_ssize_t n = t - trace;
+    Namespace *ns = &a.namespaces[0];
+    a.n_namespaces = 1;
+    ns->key = (Span){"ace", 3};
+    ns->count = 0;
+    ns->fields_size = 0;
+    MetaField *f = &ns->fields[ns->count++];
+    f->key = (Span){"trace", 5};
+    f->text = (Span){trace, n};
+    f->value = field_size((size_t)n);
+    ns->fields_size += field_size(field_size(5) + field_size(f->value));
+    if (meta(ns, "mode", got[A_MODE], 0) < 0 || meta(ns, "action", got[A_ACTION], 0) < 0 ||
+        meta(ns, "prefix_key", got[A_PREFIX_KEY], 0) < 0 ||
+        meta(ns, "saved_tokens", NULL, (double)saved) < 0)
+        goto done;
+    if (pod != Py_None && ((pod_key = PyObject_GetAttr(pod, interned[A_KEY])) == NULL ||
+                           meta(ns, "served_by", pod_key, 0) < 0))
+        goto done;
+    if (got[A_WOULD_PICK] != Py_None &&
+        ((pick_key = PyObject_GetAttr(got[A_WOULD_PICK], interned[A_KEY])) == NULL ||
+         meta(ns, "pod", pick_key, 0) < 0))
+        goto done;
+    result = write_answer(&a);
+done:
+    for (int i = 0; i <= A_REJECT_STATUS; i++)
+        Py_XDECREF(got[i]);
+    Py_XDECREF(cluster);
+    Py_XDECREF(pod_key);
+    Py_XDECREF(pick_key);
+    PyMem_Free(speedup);
+    PyMem_Free(trace);
+    return result;
 }
 
 /* splice(body, fields) -> bytes

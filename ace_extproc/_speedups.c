@@ -1090,6 +1090,9 @@ static PyMethodDef methods[] = {
     {"body_answer", (PyCFunction)(void (*)(void))ace_body_answer, METH_FASTCALL,
      "body_answer(headers, remove, clear_route_cache, body, namespaces) -> a serialized "
      "ProcessingResponse answering a request body (mutate.body_answer)."},
+    {"outcome_answer", (PyCFunction)(void (*)(void))ace_outcome_answer, METH_FASTCALL,
+     "outcome_answer(outcome, client_upstream) -> body_answer's bytes for an Outcome in "
+     "cluster mode, read from its attributes (mutate.body_answer)."},
     {"splice", (PyCFunction)(void (*)(void))ace_splice, METH_FASTCALL,
      "splice(body, fields) -> the body with fields (a JSON object fragment) inserted after "
      "its opening brace (processor.py's splice_pure)."},

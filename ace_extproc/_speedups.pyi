@@ -1,5 +1,6 @@
-# The C fast path (_speedups.c, _answer.c, _price.c, _lru.c); request.py, prefix.py,
-# routing/index.py, routing/pipeline.py and mutate.py hold the reference in Python.
+# The C fast path (_speedups.c, _answer.c, _price.c, _lru.c, _pick.c); request.py,
+# prefix.py, processor.py, routing/index.py, routing/pipeline.py and mutate.py hold the
+# reference in Python.
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import final
 
@@ -56,6 +57,7 @@ def pick(
     steer: bool,
     /,
 ) -> tuple[int, int, str, tuple[int, ...]]: ...
+def outcome_answer(outcome: object, client_upstream: bool, /) -> bytes: ...  # an Outcome
 def splice(body: bytes, fields: str, /) -> bytes: ...
 def body_answer(
     headers: Sequence[tuple[str, bytes]],

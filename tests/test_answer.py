@@ -244,3 +244,58 @@ def test_splice_refuses_what_it_cannot_splice() -> None:
         speedups.splice(b"{}", b'"k":1')
     with pytest.raises(UnicodeEncodeError):  # a lone surrogate: not UTF-8, as .encode()
         speedups.splice(b"{}", "\ud800")
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    mode=st.sampled_from(list(Mode)),
+    action=st.text(max_size=40),
+    prefix_key=st.text(max_size=30),
+    saved_tokens=st.integers(0, 2**62),
+    speedup=st.floats(allow_nan=True, allow_infinity=True),
+    pod=st.sampled_from([None, *PODS]),
+    would_pick=st.sampled_from([None, *PODS]),
+    path=st.one_of(st.none(), st.text(max_size=40)),
+    body=st.one_of(st.none(), st.binary(max_size=300)),
+    auth=st.one_of(st.none(), st.binary(max_size=80)),
+    client_upstream=st.booleans(),
+)
+def test_the_outcome_encoder_writes_what_upb_would(
+    mode: Mode,
+    action: str,
+    prefix_key: str,
+    saved_tokens: int,
+    speedup: float,
+    pod: Pod | None,
+    would_pick: Pod | None,
+    path: str | None,
+    body: bytes | None,
+    auth: bytes | None,
+    client_upstream: bool,
+) -> None:
+    """Cluster mode's answer read straight from the outcome (``outcome_answer``): the
+    message upb builds from ``changes`` and ``metadata``, the trace formatted alike
+    for any speedup (nan, inf, -0.0) and any text."""
+    out = Outcome(
+        mode, action, prefix_key, pod, would_pick, saved_tokens, speedup, body=body, path=path
+    )
+    out.upstream_auth = auth
+    sent = speedups.outcome_answer(out, client_upstream)
+    assert ProcessingResponse.FromString(sent) == mutate.body_decided(out, client_upstream)
+    assert mutate.body_answer(out, client_upstream) == sent
+
+
+def test_the_outcome_encoder_leaves_endpoint_mode_and_rejections_to_the_lists() -> None:
+    for out in (outcome(endpoint=True), outcome(reject_status=401)):
+        with pytest.raises(ValueError):
+            speedups.outcome_answer(out, False)
+    with pytest.raises(TypeError):
+        speedups.outcome_answer(outcome(), 0)  # client_upstream: a bool
+    with pytest.raises(AttributeError):
+        speedups.outcome_answer(object(), False)
+    with pytest.raises(TypeError):
+        speedups.outcome_answer(outcome(body="text"), False)
+    with pytest.raises(TypeError):
+        speedups.outcome_answer(outcome(speedup="fast"), False)
+    with pytest.raises(OverflowError):  # beyond what the trace can say
+        speedups.outcome_answer(outcome(saved_tokens=2**64), False)
