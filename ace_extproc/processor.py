@@ -117,6 +117,7 @@ class Processor:
         self.sharing: PlacementSink | None = None
         self.telemetry.sharing = lambda: self.sharing
         self.fleet.on_change.append(self._fleet_changed)
+        self._endpoint = config.settings.upstream_mode == "endpoint"
         # Each destination's own key, as the header it goes in (made once, not per request).
         self._upstream_auth = {
             d.id: f"Bearer {d.api_key}".encode() for d in config.fleet.destinations if d.api_key
@@ -300,9 +301,10 @@ class Processor:
         if mode is Mode.PROD:
             outcome.pod = pick.pod
             outcome.upstream_auth = self._upstream_auth.get(destination.id)
-            outcome.endpoint = self.settings.upstream_mode == "endpoint"
+            outcome.endpoint = self._endpoint
             if pick.fallbacks:
-                outcome.fallbacks = tuple(self.fleet.pods[slot] for slot in pick.fallbacks)
+                pods = self.fleet.pods
+                outcome.fallbacks = tuple([pods[slot] for slot in pick.fallbacks])
             fields = self._body_fields(destination, ctx, hashes, parsed, body)
             if fields:
                 strip = parsed.has_router_fields and not destination.hosted

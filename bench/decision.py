@@ -217,34 +217,28 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
 def native_steps(
     proc: Processor, bodies: list[bytes], outcome: Any, seed: int
 ) -> Callable[[int], object]:
-    """The decision's C calls alone, back to back on the same requests: parse, hash,
-    each holder's depth, the pricing of every pod, the LRU record and the answer's
-    bytes, with only the Python that passes one's result to the next. The floor the
-    C fast path sets; the total's excess over it is the Python around the steps."""
+    """The decision's C calls alone, back to back on the same requests: parse, the
+    block hashes and prefix key, the pick (match, price, choose, record), the body
+    splice and the answer's bytes, with only the Python that passes one's result to
+    the next. The floor the C fast path sets; the total's excess over it is the Python
+    around the steps."""
     native = speedups.native
     assert native is not None
     picker = proc.picker
     assert isinstance(picker, Pipeline)
     index, fleet, s = proc.index, proc.fleet, proc.settings
-    change = mutate.changes(outcome, False)
-    namespaces = [(mutate.METADATA_NAMESPACE, mutate.metadata(outcome))]
-    prefix = b'{"cache_prefix_id":"ace-kv-anon-0123456789abcdef","cache_salt":"' + b"a" * 64
+    fields = '"cache_prefix_id":"ace-kv-anon-0123456789abcdef","cache_salt":"' + "a" * 64 + '"'
     slots = tuple(range(len(fleet.pods)))
 
     def run(k: int) -> object:
-        body = bodies[k]
-        _, prompt, *_ = native.chat_prompt(body)
-        blocks = native.chain(prompt, s.block_bytes, seed)
-        depths = index.match_depths(blocks, fleet.available)
-        near, _, _ = native.price(
-            slots, depths, index.room_view(), fleet.load, len(blocks), len(prompt) // 4,
-            picker.params, picker.fallbacks + 1,
+        _, prompt, end, *_ = native.chat_prompt(bodies[k])
+        blocks, _ = native.prefix_hashes(prompt, end, s.block_bytes, seed)
+        native.pick(
+            blocks, slots, index.room_view(), index.roots, fleet.load, fleet.seeds,
+            picker.params, picker.fallbacks, 0.97, len(prompt) // 4, blocks[0], -1, 0.1, True,
         )  # fmt: skip
-        index.record(near.bit_length() - 1, blocks)
-        rewritten = b"".join((prefix, b'",', memoryview(body)[1:]))
-        return native.body_answer(
-            change.headers, change.remove, change.clear_route_cache, rewritten, namespaces
-        )
+        outcome.body = native.splice(bodies[k], fields)
+        return native.outcome_answer(outcome, False)
 
     return run
 
