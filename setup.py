@@ -1,7 +1,7 @@
 """Build steps: compile ``protos/**/*.proto`` into ``ace_extproc/_proto`` with grpcio-tools,
 and the C fast path ``ace_extproc/_speedups.c``, ``_answer.c``, ``_price.c``,
-``_lru.c`` and ``_pick.c`` (optional: without a C compiler the package runs on its
-pure-Python path, which gives the same results, slower).
+``_lru.c``, ``_pick.c`` and ``_headers.c`` (optional: without a C compiler the package
+runs on its pure-Python path, which gives the same results, slower).
 
 Everything else about the package is in pyproject.toml. This runs as part of
 ``build_py``, which every build runs: a wheel, an sdist's wheel, and an editable
@@ -127,6 +127,7 @@ SPEEDUPS = Extension(
         "ace_extproc/_price.c",
         "ace_extproc/_lru.c",
         "ace_extproc/_pick.c",
+        "ace_extproc/_headers.c",
     ],
     include_dirs=["third_party/xxhash"],  # xxHash's single header, BSD-2-Clause
     extra_compile_args=["-O3"],

@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "_answer.h"
+#include "_headers.h"
 #include "_lru.h"
 #include "_pick.h"
 #include "_price.h"
@@ -1073,6 +1074,9 @@ static PyMethodDef methods[] = {
      "completion_prompt(body) -> (model, prompt, None, has_router_fields, stream, "
      "stream_options) for a /v1/completions body, or None: request.py's msgspec path "
      "decides."},
+    {"header_map", (PyCFunction)ace_header_map, METH_O,
+     "header_map(data) -> {key: raw_value as latin-1} for a serialized HeaderMap "
+     "(server.py's header_map_pure)."},
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL,
      "chain(data, block_bytes, seed) -> the chained xxh3_64 hashes of data's full blocks."},
     {"prefix_hashes", (PyCFunction)(void (*)(void))prefix_hashes, METH_FASTCALL,

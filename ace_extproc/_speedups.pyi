@@ -1,6 +1,6 @@
-# The C fast path (_speedups.c, _answer.c, _price.c, _lru.c, _pick.c); request.py,
-# prefix.py, processor.py, routing/index.py, routing/pipeline.py and mutate.py hold the
-# reference in Python.
+# The C fast path (_speedups.c, _answer.c, _price.c, _lru.c, _pick.c, _headers.c);
+# request.py, prefix.py, processor.py, server.py, routing/index.py,
+# routing/pipeline.py and mutate.py hold the reference in Python.
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import final
 
@@ -10,6 +10,7 @@ from ace_extproc.routing.pipeline import PriceParams
 
 def chat_prompt(body: bytes, /) -> tuple[str, bytes, int, bool, bool, bool] | None: ...
 def completion_prompt(body: bytes, /) -> tuple[str, bytes, None, bool, bool, bool] | None: ...
+def header_map(data: bytes, /) -> dict[str, str]: ...
 def chain(data: bytes, block_bytes: int, seed: int, /) -> list[int]: ...
 def prefix_hashes(
     prompt: bytes, cacheable_end: int | None, block_bytes: int, seed: int, /
