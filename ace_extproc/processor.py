@@ -65,6 +65,8 @@ class Outcome:
     prompt_tokens: int = 0  # estimated from the canonical prompt
     # The pinned destination's own ``authorization`` (its api_key_env), for the client's.
     upstream_auth: bytes | None = None
+    # For the metrics: the routed steps' times (parse, hash, pick, rewrite; ns).
+    steps_ns: tuple[int, int, int, int] | None = None
 
     @property
     def trace(self) -> str:
@@ -210,6 +212,7 @@ class Processor:
             outcome.saved_tokens,
             outcome.saved_ms,
             latency_ns,
+            outcome.steps_ns,
         )
 
     def _execute(self, ctx: RequestContext, body: bytes) -> Outcome:
@@ -310,8 +313,11 @@ class Processor:
                 strip = parsed.has_router_fields and not destination.hosted
                 outcome.body = rewrite_body(body, fields, strip)
             rewrite_ns = perf_counter_ns() - picked_at
-        self.telemetry.steps_ns(
-            parsed_at - started, hashed_at - parsed_at, picked_at - hashed_at, rewrite_ns
+        outcome.steps_ns = (
+            parsed_at - started,
+            hashed_at - parsed_at,
+            picked_at - hashed_at,
+            rewrite_ns,
         )
         return outcome
 

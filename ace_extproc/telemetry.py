@@ -162,11 +162,13 @@ class Telemetry(Collector):
         cached_tokens: int = 0,
         saved_prefill_ms: float = 0.0,
         latency_ns: int = 0,
+        steps: tuple[int, int, int, int] | None = None,
     ) -> None:
         """One request's outcome. ``slot``: the pod picked (``Pick.slot``; -1 when
         none); ``prompt_tokens`` and ``cached_tokens`` the router's estimates
         (``Outcome.saved_tokens``); ``saved_prefill_ms`` the TTFT model's cold minus
-        warm time; ``latency_ns`` the whole body phase (0: not timed)."""
+        warm time; ``latency_ns`` the whole body phase (0: not timed); ``steps`` its
+        routed steps' times, as ``steps_ns`` takes them (None: not routed)."""
         label = (
             (self._tenant_labels.get(tenant) or self._new_tenant(tenant)) if self.by_tenant else ""
         )
@@ -181,6 +183,8 @@ class Telemetry(Collector):
         if latency_ns:
             self._hist[_TOTAL][bisect_left(BOUNDS_NS, latency_ns)] += 1
             self._hist_sum[_TOTAL] += latency_ns
+        if steps is not None:
+            self.steps_ns(*steps)
         if t.anomaly and self._anomalies.allow(action):
             self._log(logging.INFO, "anomaly", mode, action, tenant, slot, prompt_tokens,
                       cached_tokens, latency_ns)  # fmt: skip

@@ -282,3 +282,30 @@ def test_a_pinned_request_carries_its_destination_s_key_not_the_client_s():
         change = mutate.changes(out, False)
         assert (("authorization", expected) in change.headers) is (expected is not None)
         assert all(name != "authorization" for name, _ in change.headers) is (expected is None)
+
+
+def test_a_routed_request_records_its_step_times_with_its_decision():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def step_counts(p):
+        text = generate_latest(p.telemetry.registry).decode()
+        return {
+            s.labels["step"]: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "ace_decision_step_seconds_count"
+        }
+
+    p = make()
+    before = step_counts(p)
+    out = run(p, headers(), body([{"role": "user", "content": LONG}]))
+    assert out.steps_ns is not None and len(out.steps_ns) == 4
+    assert all(t >= 0 for t in out.steps_ns) and out.steps_ns[2] > 0
+    after = step_counts(p)
+    assert {k: after[k] - before.get(k, 0) for k in after} == dict.fromkeys(
+        ("parse", "hash", "pick", "rewrite"), 1
+    )
+    # A request that is not routed records none.
+    bypass = run(p, headers(path="/v1/models", method="GET"), b"", eos=True)
+    assert bypass.steps_ns is None and step_counts(p) == after
