@@ -33,10 +33,13 @@ def options(share: bool) -> StackOptions:
     return e2e.options(ext_proc_replicas=2, share=share)
 
 
-async def turns(stack: Stack) -> tuple[list[str], set[str]]:
+async def turns(
+    stack: Stack, settle: Callable[[], Coroutine[None, None, None]] | None = None
+) -> tuple[list[str], set[str]]:
     """One conversation's turns in turn, through Envoy: each turn's action (trace
     header) and the pods that served them. Envoy hands each turn to one of the two
-    replicas (the less busy of both, so at random here)."""
+    replicas (the less busy of both, so at random here). ``settle`` runs after each
+    turn (by default a short pause)."""
     chat = f"{stack.url}/v1/chat/completions"
     actions: list[str] = []
     served: set[str] = set()
@@ -47,7 +50,7 @@ async def turns(stack: Stack) -> tuple[list[str], set[str]]:
                 assert resp.status == 200, await resp.text()
                 actions.append(trace(resp.headers)["action"])
                 served.add(resp.headers["x-ace-served-by"])
-            await asyncio.sleep(0.05)  # the placement's way to the other replica
+            await (settle() if settle is not None else asyncio.sleep(0.05))
     return actions, served
 
 
@@ -59,22 +62,30 @@ def test_replicas_behind_one_envoy_learn_each_others_placements() -> None:
         listener = redis.Redis.from_url(share_url)
         pubsub = listener.pubsub(ignore_subscribe_messages=True)
         await pubsub.subscribe(replicas.DEFAULT_CHANNEL)
-        actions, served = await turns(stack)
+        publishers: dict[str, int] = {}
+
+        async def published() -> None:
+            """Until this turn's placement is on the channel (so on its way to the other
+            replica too: a fixed pause lost the race on a loaded machine), then a
+            moment for that replica to take it in."""
+            deadline = asyncio.get_running_loop().time() + 10
+            expected = sum(publishers.values()) + 1
+            while sum(publishers.values()) < expected:
+                assert asyncio.get_running_loop().time() < deadline, f"seen: {publishers}"
+                # None also for the subscription's own confirmation: read on.
+                message = await pubsub.get_message(timeout=1.0)
+                if message is None:
+                    continue
+                replica, _, placed = replicas.decode(message["data"])
+                publishers[replica] = publishers.get(replica, 0) + len(placed)
+            await asyncio.sleep(0.02)
+
+        actions, served = await turns(stack, published)
         # Each later turn finds its history in the index of the replica that gets it,
         # whichever routed the turn before.
         assert actions == ["miss"] + ["hit"] * (TURNS - 1)
         assert len(served) == 1
         # Both replicas routed some of the turns, and each published what it placed.
-        publishers: dict[str, int] = {}
-        deadline = asyncio.get_running_loop().time() + 10
-        while sum(publishers.values()) < TURNS:
-            assert asyncio.get_running_loop().time() < deadline, f"seen: {publishers}"
-            # None also for the subscription's own confirmation: read on.
-            message = await pubsub.get_message(timeout=1.0)
-            if message is None:
-                continue
-            replica, _, placed = replicas.decode(message["data"])
-            publishers[replica] = publishers.get(replica, 0) + len(placed)
         # All on one replica: a 1 in 2,048 chance (the test would say so, not pass).
         assert len(publishers) == 2 and sum(publishers.values()) == TURNS
         await pubsub.aclose()
