@@ -410,9 +410,10 @@ def test_queued_prefill_drains_at_the_configured_prefill_rate() -> None:
     fleet = FleetState(sim_fleet(["127.0.0.1:1"]))
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings(prefill_tokens_per_s=2_500_000))
     load = fleet.load[0]
-    monitor.drain(1000.0)
+    start = time.monotonic() + 0.01  # the clock's own time: a fresh machine's is small
+    monitor.drain(start)
     load.queued_prefill_tokens = 10_000
-    monitor.drain(1000.002)  # 2 ms at 2,500 tokens a millisecond (the model's: 50)
+    monitor.drain(start + 0.002)  # 2 ms at 2,500 tokens a millisecond (the model's: 50)
     assert abs(load.queued_prefill_tokens - 5000) <= 1
 
 
@@ -422,9 +423,9 @@ def test_many_short_drains_drain_as_much_as_one_long_one() -> None:
     fleet = FleetState(sim_fleet(["127.0.0.1:1"]))
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
     load = fleet.load[0]
-    load.queued_prefill_tokens = 10_000
-    start = 1000.0
+    start = time.monotonic() + 0.01
     monitor.drain(start)
+    load.queued_prefill_tokens = 10_000
     for i in range(1, 1001):
         monitor.drain(start + i * 0.0001)  # 1,000 intervals of 0.1 ms: 100 ms in all
     # It drains at most once a millisecond: up to the last one's worth may be pending...
@@ -470,11 +471,12 @@ def test_drains_closer_than_a_millisecond_apart_leave_the_queue_for_the_next() -
     fleet = FleetState(sim_fleet(["127.0.0.1:1"]))
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
     load = fleet.load[0]
-    monitor.drain(1000.0)
+    start = time.monotonic() + 0.01
+    monitor.drain(start)
     load.queued_prefill_tokens = 10_000
-    monitor.drain(1000.0005)
+    monitor.drain(start + 0.0005)
     assert load.queued_prefill_tokens == 10_000  # half a millisecond: not yet
-    monitor.drain(1000.002)
+    monitor.drain(start + 0.002)
     assert abs(load.queued_prefill_tokens - 9950) <= 1  # all 2 ms, at 0.04 ms a token
 
 
