@@ -25,10 +25,10 @@ def test_every_size_and_step_gets_numbers(tmp_path: Path) -> None:
             assert not extra & set(steps) and row["native_steps_p50_us"] is None
             assert row["pick_stepwise_p50_us"] is None
         else:
-            # The C calls alone cost less than the decision around them, and are what
-            # the row says they are; the stepwise pick is timed beside the fused one.
+            # The C calls alone are timed and are what the row says they are (how they
+            # compare with the total is the benchmark's to print: 16 iterations on a
+            # busy machine cannot say); the stepwise pick is timed beside the fused one.
             assert 0 < row["native_steps_p50_us"] == steps["native_steps"]["p50"]
-            assert steps["native_steps"]["p50"] < steps["total"]["p50"]
             assert 0 < row["pick_stepwise_p50_us"] == steps["pick_stepwise"]["p50"]
         for step in steps.values():
             assert 0 < step["p50"] <= step["p99"]
