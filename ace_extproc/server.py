@@ -260,7 +260,10 @@ def request_headers(msg: ProcessingRequest, raw: bytes | None) -> dict[str, str]
     message field by field from Python cost more than the rest of the header phase."""
     if speedups.native is None or raw is None:
         return header_map_pure(msg.request_headers.headers)
-    headers: dict[str, str] = speedups.native.header_map(raw)
+    try:
+        headers: dict[str, str] = speedups.native.header_map(raw)
+    except ValueError:  # wire forms Envoy never sends (groups) but upb accepted: its reading
+        return header_map_pure(msg.request_headers.headers)
     return headers
 
 

@@ -81,6 +81,23 @@ def test_other_kinds_of_message_have_no_request_headers() -> None:
 @pytest.mark.parametrize(
     "data",
     [
+        b"\x12\x02\x18\x01\x33\x34",  # an empty group of an unknown field after the headers
+        b"\x3b\x3c\x50\x01",  # the same before another field
+    ],
+)
+def test_what_upb_accepts_and_the_c_reader_does_not_falls_back(data: bytes) -> None:
+    """A byte fuzz found messages upb parses and ``native.header_map`` refuses (groups,
+    a wire form Envoy never sends): the server reads those from the parsed message
+    rather than passing the request through unrouted."""
+    msg = ProcessingRequest.FromString(data)
+    with pytest.raises(ValueError):
+        speedups.header_map(data)
+    assert request_headers(msg, data) == header_map_pure(msg.request_headers.headers)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
         b"\x12",  # request_headers with no length
         b"\x12\x05\x0a",  # a length past the end
         b"\x12\x02\x0a\x05",  # a HeaderMap past the end of request_headers
