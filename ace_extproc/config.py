@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from ace_extproc.latency import DEFAULT_MODEL, get_model
+from ace_extproc.latency import DEFAULT_MODEL, TTFTModel, get_model
 
 
 class ConfigError(ValueError):
@@ -127,6 +127,15 @@ class Destination:
     # ``authorization: Bearer`` in place of the client's on every request pinned here.
     api_key_env: str = ""
     api_key: str = field(default="", repr=False, compare=False)
+    # The calibrated TTFT model of its pods (``latency.MODELS``): a fleet may serve an
+    # 8B model beside a 70B one, or one model on two kinds of GPU. Empty: the
+    # router's ``ttft_model``.
+    ttft_model: str = ""
+    # Its pods' KV cache in tokens, where their /metrics do not say (an engine without
+    # vLLM's cache_config_info or SGLang's max_total_num_tokens): bounds each pod's
+    # index from the start. 0: the router's index_blocks_per_pod until a scrape tells.
+    # A size the engine reports replaces it.
+    kv_capacity_tokens: int = 0
 
     @property
     def cluster(self) -> str:
@@ -200,14 +209,15 @@ class Settings:
     bytes_per_token: float = 4.0
     max_body_bytes: int = 8 * 1024 * 1024
     # Router blocks remembered per pod until its real KV capacity is known (scraped from
-    # vllm:cache_config_info, or a destination's kv_capacity_tokens).
+    # vllm:cache_config_info or SGLang's max_total_num_tokens, or configured: a
+    # destination's kv_capacity_tokens).
     index_blocks_per_pod: int = 200_000
-    ttft_model: str = DEFAULT_MODEL
+    ttft_model: str = DEFAULT_MODEL  # the pods' TTFT model, where a destination names none
     # How fast a pod prefills, in uncached prompt tokens a second: the rate at which
     # the prefill this replica sent a pod is taken to drain (routing/monitor.py).
-    # 0: the TTFT model's (1000 / a_ms; 25,000 for the default). Set it when the pods
-    # are faster or slower than the model (`ace-extproc up` sets it for its simulated
-    # pods' clock).
+    # 0: its destination's TTFT model's (1000 / a_ms; 25,000 for the default). Set it
+    # when the pods are faster or slower than the model (`ace-extproc up` sets it for
+    # its simulated pods' clock); it then holds for every pod.
     prefill_tokens_per_s: float = 0.0
     policy: str = "cost"  # the picking policy (routing.policies)
     # cost policy: a warm match covering less than this share of the prompt (a system
@@ -421,8 +431,29 @@ def parse_fleet(doc: Mapping[str, Any], env: Mapping[str, str] | None = None) ->
         api_key = env.get(key_env, "") if key_env else ""
         if any(c in api_key for c in "\r\n\0"):
             raise ConfigError(f"{where}.api_key_env: {key_env} holds a line break or NUL")
+        ttft_model = d.get("ttft_model", "")
+        if not isinstance(ttft_model, str):
+            raise ConfigError(f"{where}.ttft_model: expected a TTFT model's name")
+        if ttft_model:
+            try:
+                get_model(ttft_model)
+            except ValueError as exc:
+                raise ConfigError(f"{where}.ttft_model: {exc}") from None
+        kv_tokens = d.get("kv_capacity_tokens", 0)
+        if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 0:
+            raise ConfigError(
+                f"{where}.kv_capacity_tokens: expected a number of tokens, got {kv_tokens!r}"
+            )
         dest = Destination(did, provider, base_url, weight, tuple(pods), tuple(models), discovery)
-        dests.append(replace(dest, api_key_env=key_env, api_key=api_key))
+        dests.append(
+            replace(
+                dest,
+                api_key_env=key_env,
+                api_key=api_key,
+                ttft_model=ttft_model,
+                kv_capacity_tokens=kv_tokens,
+            )
+        )
     return Fleet(tuple(dests))
 
 
@@ -755,6 +786,12 @@ def sim_fleet(addresses: Sequence[str], destination: str = "sim") -> Fleet:
     return Fleet((dest,))
 
 
+def ttft_models(fleet: Fleet, settings: Settings) -> dict[str, TTFTModel]:
+    """Each destination's calibrated TTFT model: its own ``ttft_model``, else the
+    router's (both checked when they were read)."""
+    return {d.id: get_model(d.ttft_model or settings.ttft_model) for d in fleet.destinations}
+
+
 def fleet_to_dict(fleet: Fleet) -> dict[str, Any]:
     """The fleet in ``fleet.yaml`` form (``parse_fleet`` reads it back unchanged)."""
     return {
@@ -767,6 +804,8 @@ def fleet_to_dict(fleet: Fleet) -> dict[str, Any]:
                 **({"models": list(d.models)} if d.models else {}),
                 **({"discovery": discovery_to_dict(d.discovery)} if d.discovery else {}),
                 **({"api_key_env": d.api_key_env} if d.api_key_env else {}),
+                **({"ttft_model": d.ttft_model} if d.ttft_model else {}),
+                **({"kv_capacity_tokens": d.kv_capacity_tokens} if d.kv_capacity_tokens else {}),
                 "pods": [{"id": p.id, "base_url": p.base_url, "weight": p.weight} for p in d.pods],
             }
             for d in fleet.destinations

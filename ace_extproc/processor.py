@@ -17,12 +17,11 @@ import xxhash
 
 from ace_extproc import execute
 from ace_extproc import request as req
-from ace_extproc.config import Config, ConfigError, Destination, Mode, Pod
-from ace_extproc.latency import get_model
+from ace_extproc.config import Config, ConfigError, Destination, Mode, Pod, ttft_models
 from ace_extproc.observe import Observer
 from ace_extproc.prefix import PrefixHashes, cache_prefix_id, hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, Picker, RoutingRequest, policies
-from ace_extproc.routing.fleet import RETIRED
+from ace_extproc.routing.fleet import ADDED, RETIRED
 from ace_extproc.routing.placements import PrefixPlacements
 from ace_extproc.routing.policies import PickerFactory
 from ace_extproc.speedups import native
@@ -102,7 +101,8 @@ class Processor:
         factory = picker or policies.build(config.settings)
         self.picker: Picker = factory(self.fleet, self.index)
         self.tenants = Tenants(config.settings.tenants, config.settings.salt_secret)
-        self.ttft = get_model(config.settings.ttft_model)
+        # Each destination's TTFT model, for the estimate the trace and metrics report.
+        self.ttft = ttft_models(config.fleet, config.settings)
         # Set by server.start: keeps fleet.load and fleet.available fresh.
         self.monitor: FleetMonitor | None = None
         # What became of the requests (the observe-only filter's reports).
@@ -119,6 +119,15 @@ class Processor:
         self.sharing: PlacementSink | None = None
         self.telemetry.sharing = lambda: self.sharing
         self.fleet.on_change.append(self._fleet_changed)
+        # A destination's configured KV size bounds its pods' index until they report one.
+        tokens_per_block = config.settings.block_bytes / config.settings.bytes_per_token
+        self._configured_blocks = {
+            d.id: max(1, int(d.kv_capacity_tokens / tokens_per_block))
+            for d in config.fleet.destinations
+            if d.kv_capacity_tokens
+        }
+        for slot in range(len(self.fleet.pods)):
+            self._fleet_changed(slot, ADDED)
         self._endpoint = config.settings.upstream_mode == "endpoint"
         # Each destination's own key, as the header it goes in (made once, not per request).
         self._upstream_auth = {
@@ -126,6 +135,10 @@ class Processor:
         }
 
     def _fleet_changed(self, slot: int, change: str) -> None:
+        if change == ADDED and self.fleet.capacity_tokens[slot] is None:
+            blocks = self._configured_blocks.get(self.fleet.pods[slot].destination)
+            if blocks is not None:
+                self.index.set_capacity(slot, blocks)
         if change == RETIRED:  # another pod takes the slot: forget the one that left
             self.index.retire_pod(slot)
             self.telemetry.retire_slot(slot)
@@ -287,7 +300,7 @@ class Processor:
                 pick.pod.key, hashes.blocks, ctx.tenant, ctx.session, prompt_tokens - saved
             )
         # The estimate the trace header and the metrics report, computed once.
-        speedup, saved_ms = self.ttft.gain(prompt_tokens, saved)
+        speedup, saved_ms = self.ttft[destination.id].gain(prompt_tokens, saved)
         outcome = Outcome(
             mode,
             pick.action,

@@ -59,7 +59,7 @@ def test_prod_pins_rewrites_and_reports():
     assert second.action == "hit" and second.pod == first.pod
     assert second.saved_tokens > 600 and second.speedup > 1.5
     # The estimate, from the calibrated model: cold TTFT over (and less) the warm one.
-    model, n, c = p.ttft, second.prompt_tokens, second.saved_tokens
+    model, n, c = p.ttft[second.pod.destination], second.prompt_tokens, second.saved_tokens
     assert second.speedup == model.ttft_ms(n) / model.ttft_ms(n - c, c)
     assert second.saved_ms == model.ttft_ms(n) - model.ttft_ms(n - c, c)
     assert first.saved_tokens == 0 and first.speedup == 1.0 and first.saved_ms == 0.0

@@ -54,7 +54,7 @@ from typing import Any
 
 import aiohttp
 
-from ace_extproc.config import Pod, Settings
+from ace_extproc.config import Pod, Settings, ttft_models
 from ace_extproc.latency import get_model
 from ace_extproc.routing import metrics_text
 from ace_extproc.routing.fleet import ADDED, REMOVED, FleetState
@@ -86,10 +86,18 @@ class FleetMonitor:
         self.fleet = fleet
         self.index = index
         self.settings = settings
+        # How fast the prefill this replica sent drains: the pods' prefill rate (the
+        # setting, else their destination's TTFT model), in ms a token; the fraction
+        # of a token drained but not yet whole is kept for the next call.
         rate = settings.prefill_tokens_per_s or get_model(settings.ttft_model).prefill_tokens_per_s
-        self._ms_per_token = 1000.0 / rate  # how fast the prefill this replica sent drains
+        self._ms_per_token = 1000.0 / rate
+        self._drain_carry = 0.0
+        self._drain_rates: dict[str, list[float]] = {}  # destination -> [ms a token, carry]
+        if not settings.prefill_tokens_per_s:
+            for dest, model in ttft_models(fleet.fleet, settings).items():
+                if (ms := 1000.0 / model.prefill_tokens_per_s) != self._ms_per_token:
+                    self._drain_rates[dest] = [ms, 0.0]
         self._drained_at = time.monotonic()
-        self._drain_carry = 0.0  # tokens drained but not yet whole, kept for the next call
         self._destinations = {d.id: d for d in fleet.fleet.destinations}
         # A destination's own key (api_key_env) goes with its probes and scrapes too: an
         # engine run with an API key may guard /health and /metrics as well as /v1;
@@ -304,9 +312,21 @@ class FleetMonitor:
         due = elapsed_ms / self._ms_per_token + self._drain_carry
         done = int(due + 1e-9)  # 2,499.9999 tokens of float error is 2,500
         self._drain_carry = max(0.0, due - done)
-        for load in self.fleet.load:
+        if not self._drain_rates:  # every pod at the router's rate
+            for load in self.fleet.load:
+                if load.queued_prefill_tokens:
+                    load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - done)
+            return
+        done_by: dict[str, int] = {}
+        for dest, rate in self._drain_rates.items():  # destinations of another model
+            due = elapsed_ms / rate[0] + rate[1]
+            done_by[dest] = whole = int(due + 1e-9)
+            rate[1] = max(0.0, due - whole)
+        pods = self.fleet.pods
+        for slot, load in enumerate(self.fleet.load):
             if load.queued_prefill_tokens:
-                load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - done)
+                drained = done_by.get(pods[slot].destination, done)
+                load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - drained)
 
     def apply(self, slot: int, stats: EngineStats) -> None:
         """Take one scrape's figures for a pod (public so it can be fed directly)."""

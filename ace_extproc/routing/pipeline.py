@@ -168,6 +168,7 @@ class Pipeline:
         min_match: float = 0.0,
         place_sessions: bool = False,
         sessions_remembered: int = 65_536,
+        destination_models: Mapping[str, TTFTModel] | None = None,
     ) -> None:
         self.fleet = fleet
         self.index = index
@@ -197,21 +198,16 @@ class Pipeline:
         self._sessions: dict[tuple[str, str], int] = {}
         self._sessions_remembered = sessions_remembered
         self._slot_lists: dict[int, tuple[int, ...]] = {}
-        model = scorer.model
-        # Placing new blocks on a full pod costs later: the prefixes they evict must be
-        # prefilled again by whoever comes back for them, counted at eviction_weight
-        # of their prefill (not all of them come back). The scorer's price, this charge
-        # and the slack are read by ``price`` from here, fixed at construction.
-        evict_ms = eviction_weight * model.a_ms * scorer.tokens_per_block
-        self.params = PriceParams(
-            scorer.tokens_per_block,
-            model.a_ms,
-            model.b_ms,
-            model.t_step_ms,
-            evict_ms,
-            slack_ratio,
-            slack_ms,
-        )
+        self._eviction_weight = eviction_weight
+        self._slack = slack_ratio, slack_ms
+        self.params = self._price_params(scorer.model)
+        # Destinations whose pods run another TTFT model than the scorer's (a request's
+        # candidates are all of one destination): priced with their own constants.
+        self._params_by_destination = {
+            dest: self._price_params(model)
+            for dest, model in (destination_models or {}).items()
+            if model != scorer.model
+        }
         for slot in range(len(fleet.pods)):
             index.add_pod(slot)
         fleet.on_change.append(self._fleet_changed)
@@ -225,6 +221,15 @@ class Pipeline:
             and len(saturated) == len(self.filters) == 1
         )
         self._max_kv_usage = saturated[0].max_kv_usage if saturated else 1.0
+
+    def _price_params(self, model: TTFTModel) -> PriceParams:
+        """What ``price`` reads: the TTFT model's constants, this charge, the slack.
+        Placing new blocks on a full pod costs later: the prefixes they evict must be
+        prefilled again by whoever comes back for them, counted at eviction_weight of
+        their prefill (not all of them come back)."""
+        tpb = self.scorer.tokens_per_block
+        evict_ms = self._eviction_weight * model.a_ms * tpb
+        return PriceParams(tpb, model.a_ms, model.b_ms, model.t_step_ms, evict_ms, *self._slack)
 
     def _fleet_changed(self, slot: int, change: str) -> None:
         if change == RETIRED:  # its sessions' home is gone; the slot's next pod is not it
@@ -259,6 +264,10 @@ class Pipeline:
             steer, route_key = False, rendezvous.key_of(sid)
         else:
             steer, route_key = True, request.hashes.route_key
+        params = self.params
+        if self._params_by_destination:  # the candidates' destination, by any one of them
+            pod = self.fleet.pods[candidates.bit_length() - 1]
+            params = self._params_by_destination.get(pod.destination, params)
         if self._fused:
             index, fleet = self.index, self.fleet
             chosen, depth, action, backups = native.pick(  # type: ignore[union-attr]
@@ -268,7 +277,7 @@ class Pipeline:
                 index.roots,
                 fleet.load,
                 fleet.seeds,
-                self.params,
+                params,
                 self.fallbacks,
                 self._max_kv_usage,
                 request.prompt_tokens,
@@ -279,19 +288,26 @@ class Pipeline:
             )
         else:
             chosen, depth, action, backups = self._choose(
-                request, candidates, route_key, home, steer
+                request, candidates, route_key, home, steer, params
             )
         if session is not None:
             self.remember(session, chosen)
         return Pick(self.fleet.pods[chosen], chosen, depth, action, backups)
 
     def _choose(
-        self, request: RoutingRequest, candidates: int, route_key: int, home: int, steer: bool
+        self,
+        request: RoutingRequest,
+        candidates: int,
+        route_key: int,
+        home: int,
+        steer: bool,
+        params: PriceParams,
     ) -> tuple[int, int, str, tuple[int, ...]]:
         """The pod for the request among ``candidates``, recorded as holding its blocks.
 
         ``route_key`` places a new prefix; ``home`` is the session's pod (-1: none);
-        ``steer`` False means no warm match steers (a session's first request here).
+        ``steer`` False means no warm match steers (a session's first request here);
+        ``params``, the candidates' destination's pricing.
         Returns ``(chosen, held, action, backups)``: the chosen slot, the blocks it
         holds, what steered, and the next cheapest slots (``fallbacks`` of them) for
         Envoy's retries. The C version (``native.pick``) does the same in one call for
@@ -323,7 +339,7 @@ class Pipeline:
             load,
             n,
             request.prompt_tokens,
-            self.params,
+            params,
             self.fallbacks + 1,  # the chosen pod may be among them
         )
         if home >= 0 and (near_mask >> home) & 1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ace_extproc.config import ConfigError, Settings
+from ace_extproc.config import ConfigError, Settings, ttft_models
 from ace_extproc.latency import get_model
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.index import BlockIndex
@@ -47,6 +47,7 @@ def cost_policy(
             place_sessions=by_session,
             slack_ratio=settings.affinity_slack,
             slack_ms=settings.affinity_slack_ms,
+            destination_models=ttft_models(fleet.fleet, settings),
         )
 
     return build
