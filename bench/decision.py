@@ -6,7 +6,8 @@ Steps, timed in turn within each iteration on the same requests: parse (body to
 canonical prompt), hash (chained block hashes), pick (index lookup and placement),
 rewrite (body splice and the Envoy protobuf answer, serialized: by the C fast path's
 encoder, or by upb on pure Python); "total" times the whole header + body phase as the
-server runs it, up to the answer's wire bytes; "native_steps" times the C calls alone,
+server runs it, up to the answer's wire bytes (also in endpoint mode, beside cluster mode
+in a loop of their own); "native_steps" times the C calls alone,
 back to back (the floor the fast path sets). Prompts of 1K/4K/16K/32K tokens (~4 bytes a
 token), as multi-turn chats whose prefixes are already indexed, so picks are warm hits
 (checked: ``hit_share``). Writes bench/results/decision.json. Also compares the C chat
@@ -97,12 +98,14 @@ def measure(fn: Any, iterations: int) -> list[float]:
     return out
 
 
-def warm_processor(tokens: int, pods: int) -> tuple[Processor, list[bytes]]:
+def warm_processor(
+    tokens: int, pods: int, upstream_mode: str = "cluster"
+) -> tuple[Processor, list[bytes]]:
     """A processor whose index has seen 16 conversations of ``tokens`` tokens (returned)
     and unrelated traffic; the same for the same arguments."""
     rng = random.Random(tokens)
     fleet = sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(pods)])
-    proc = Processor(Config(fleet, Settings(salt_secret=b"bench")))
+    proc = Processor(Config(fleet, Settings(salt_secret=b"bench", upstream_mode=upstream_mode)))
     # As the server has one (not started: no probes or scrapes here): its queue drain
     # and the load accounting run on every pick.
     proc.monitor = FleetMonitor(proc.fleet, proc.index, proc.settings)
@@ -136,10 +139,15 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
     fields = '"cache_prefix_id":"ace-kv-anon-0123456789abcdef","cache_salt":"' + "a" * 64 + '"'
 
     # Both end with the answer's wire bytes: gRPC serializes it on the same thread.
-    def total(k: int) -> None:
-        c = proc.on_headers(HEADERS, False)
-        out = proc.on_body(c, bodies[k])
+    def total_on(p: Processor, k: int) -> None:
+        c = p.on_headers(HEADERS, False)
+        out = p.on_body(c, bodies[k])
         mutate.serialize(mutate.body_answer(out, c.client_upstream))
+
+    # Endpoint mode (large and dynamic fleets): x-ace-upstream is the pod's ip:port,
+    # with Envoy's fallback list and the endpoint-picker metadata; on a processor of
+    # its own, warmed alike.
+    endpoint = warm_processor(tokens, pods, "endpoint")[0]
 
     def rewrite(k: int) -> None:
         outcome.body = rewrite_body(bodies[k], fields, False)
@@ -152,7 +160,7 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
         ),
         "pick": lambda k: proc.picker.pick(hashes[k], proc.fleet.available),
         "rewrite": rewrite,
-        "total": total,
+        "total": lambda k: total_on(proc, k),
     }
     if speedups.native is not None:
         # On processors of their own, warmed alike: their records must not change what
@@ -175,8 +183,20 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
             t = clock()
             fn(k)
             steps[name].append((clock() - t) / 1000.0)
+    # Endpoint mode beside cluster mode, in a loop of their own: a second processor's
+    # decision in the loop above would change the caches every step there runs with.
+    modes = {"cluster": proc, "endpoint": endpoint}
+    by_mode: dict[str, list[float]] = {mode: [] for mode in modes}
+    for i in range(iterations):
+        k = i % len(bodies)
+        for mode, p in modes.items():
+            t = clock()
+            total_on(p, k)
+            by_mode[mode].append((clock() - t) / 1000.0)
     # What the timed requests were: warm hits, as the table says (checked, not assumed).
-    actions = [proc.on_body(proc.on_headers(HEADERS, False), b).action for b in bodies]
+    actions = [
+        p.on_body(p.on_headers(HEADERS, False), b).action for p in modes.values() for b in bodies
+    ]
     typed = msgspec.json.Decoder(req.ChatBody)
     json_cmp = {
         "c_chat_prompt": statistics.median(measure(lambda: chat_prompt(bodies[0]), iterations))
@@ -195,6 +215,7 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
         },
         "json_decode_p50_us": {k: round(v, 2) for k, v in json_cmp.items()},
         "hit_share": actions.count("hit") / len(actions),
+        "total_by_mode_p50_us": {m: round(percentile(v, 0.5), 2) for m, v in by_mode.items()},
         # The C calls alone, back to back: what the decision would cost with no Python
         # around them (None on pure Python).
         "native_steps_p50_us": round(percentile(steps["native_steps"], 0.5), 2)
@@ -401,6 +422,15 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "total p50 minus the four steps' p50s (header phase, metrics, outcome, pick log):",
         ", ".join(f"{r['tokens']}: {r['other_p50_us']:.1f} us" for r in rows),
+    )
+    print(
+        "total p50 in endpoint mode (x-ace-upstream ip:port, fallbacks, endpoint-picker "
+        "metadata) vs cluster mode, side by side in a loop of their own:",
+        ", ".join(
+            f"{r['tokens']}: {r['total_by_mode_p50_us']['endpoint']:.1f} vs "
+            f"{r['total_by_mode_p50_us']['cluster']:.1f} us"
+            for r in rows
+        ),
     )
     if rows[0]["native_steps_p50_us"] is not None:
         print(

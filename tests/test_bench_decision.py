@@ -21,6 +21,9 @@ def test_every_size_and_step_gets_numbers(tmp_path: Path) -> None:
         steps = row["steps_us"]
         extra = {"native_steps", "pick_stepwise"}
         assert set(steps) - extra == {"parse", "hash", "pick", "rewrite", "total"}
+        # The whole decision in each upstream mode, side by side.
+        assert set(row["total_by_mode_p50_us"]) == {"cluster", "endpoint"}
+        assert all(us > 0 for us in row["total_by_mode_p50_us"].values())
         if speedups.native is None:  # pure Python: no C calls to time
             assert not extra & set(steps) and row["native_steps_p50_us"] is None
             assert row["pick_stepwise_p50_us"] is None
