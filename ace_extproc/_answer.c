@@ -351,12 +351,16 @@ PyObject *ace_body_answer(PyObject *Py_UNUSED(module), PyObject *const *args, Py
 /* The Outcome and Pod attributes outcome_answer reads, interned once. */
 enum {
     A_POD, A_ENDPOINT, A_UPSTREAM_AUTH, A_PATH, A_BODY, A_MODE, A_ACTION, A_PREFIX_KEY,
-    A_SAVED_TOKENS, A_SPEEDUP, A_WOULD_PICK, A_REJECT_STATUS, A_KEY, A_CLUSTER, N_NAMES
+    A_SAVED_TOKENS, A_SPEEDUP, A_WOULD_PICK, A_REJECT_STATUS, A_FALLBACKS, A_KEY, A_CLUSTER,
+    A_DESTINATION, N_NAMES
 };
 static const char *const names[N_NAMES] = {
     "pod", "endpoint", "upstream_auth", "path", "body", "mode", "action", "prefix_key",
-    "saved_tokens", "speedup", "would_pick", "reject_status", "key", "cluster",
+    "saved_tokens", "speedup", "would_pick", "reject_status", "fallbacks", "key", "cluster",
+    "destination",
 };
+/* Endpoint mode names at most the pod and its fallbacks (Pipeline.fallbacks: 2). */
+#define MAX_ENDPOINTS 8
 static PyObject *interned[N_NAMES];
 
 /* A metadata field: a string (``obj`` a str) or, with ``obj`` NULL, ``number``. */
@@ -378,10 +382,61 @@ static int meta(Namespace *ns, const char *key, PyObject *obj, double number)
     return 0;
 }
 
+/* The endpoint-mode value (mutate.endpoints): the pod's ``endpoint``, then each
+ * fallback's unless equal to the pod, comma-separated, in PyMem memory at ``*out``. */
+static int endpoint_list(PyObject *pod, PyObject *fallbacks, char **out, Py_ssize_t *len,
+                         PyObject **refs, int *n_refs)
+{
+    if (!PyTuple_Check(fallbacks)) {
+        PyErr_SetString(PyExc_TypeError, "outcome_answer: fallbacks must be a tuple");
+        return -1;
+    }
+    Py_ssize_t n_fallbacks = PyTuple_GET_SIZE(fallbacks);
+    if (n_fallbacks > MAX_ENDPOINTS - 1) {
+        PyErr_SetString(PyExc_ValueError, "outcome_answer: too many fallbacks");
+        return -1;
+    }
+    Span parts[MAX_ENDPOINTS];
+    int n = 0;
+    size_t room = 0;
+    for (Py_ssize_t i = -1; i < n_fallbacks; i++) {
+        PyObject *p = i < 0 ? pod : PyTuple_GET_ITEM(fallbacks, i);
+        if (i >= 0) {
+            int same = PyObject_RichCompareBool(p, pod, Py_EQ);
+            if (same < 0)
+                return -1;
+            if (same)
+                continue;
+        }
+        PyObject *endpoint = PyObject_GetAttr(p, interned[A_ENDPOINT]);
+        if (endpoint == NULL)
+            return -1;
+        refs[(*n_refs)++] = endpoint;
+        if (text(endpoint, &parts[n], "a pod's endpoint") < 0)
+            return -1;
+        room += (size_t)parts[n++].n + 1;
+    }
+    char *list = PyMem_Malloc(room);
+    if (list == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    char *o = list;
+    for (int i = 0; i < n; i++) {
+        if (i)
+            *o++ = ',';
+        memcpy(o, parts[i].p, (size_t)parts[i].n);
+        o += parts[i].n;
+    }
+    *out = list;
+    *len = o - list;
+    return 0;
+}
+
 /* outcome_answer(outcome, client_upstream) -> bytes
- *     mutate.body_answer for an Outcome in cluster mode (not a rejection, not endpoint
- *     mode): what mutate.changes and mutate.metadata would list, read from the
- *     outcome's attributes and written at once, the trace formatted as
+ *     mutate.body_answer for an Outcome that is not a rejection, in cluster or
+ *     endpoint mode: what mutate.changes and mutate.metadata would list, read from
+ *     the outcome's attributes and written at once, the trace formatted as
  *     Outcome.trace does (the speedup by PyOS_double_to_string, as Python's
  *     ``format(x, ".2f")``). The lists body_answer takes cost as much to build in
  *     Python as the answer costs to write. */
@@ -396,17 +451,22 @@ PyObject *ace_outcome_answer(PyObject *Py_UNUSED(module), PyObject *const *args,
     for (int i = 0; i < N_NAMES; i++)
         if (interned[i] == NULL && (interned[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
-    PyObject *got[A_REJECT_STATUS + 1] = {NULL};
+    PyObject *got[A_FALLBACKS + 1] = {NULL};
     PyObject *outcome = args[0], *result = NULL, *pod_key = NULL, *cluster = NULL;
-    PyObject *pick_key = NULL;
-    char *speedup = NULL, *trace = NULL;
-    for (int i = 0; i <= A_REJECT_STATUS; i++)
+    PyObject *pick_key = NULL, *refs[MAX_ENDPOINTS + 1];
+    int n_refs = 0;
+    char *speedup = NULL, *trace = NULL, *picked = NULL, *destination = NULL;
+    Py_ssize_t picked_len = 0;
+    for (int i = 0; i <= A_FALLBACKS; i++)
         if ((got[i] = PyObject_GetAttr(outcome, interned[i])) == NULL)
             goto done;
-    if (PyObject_IsTrue(got[A_ENDPOINT]) != 0 || PyObject_IsTrue(got[A_REJECT_STATUS]) != 0) {
+    int endpoint = PyObject_IsTrue(got[A_ENDPOINT]);
+    if (endpoint < 0)
+        goto done;
+    if (PyObject_IsTrue(got[A_REJECT_STATUS]) != 0) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError,
-                            "outcome_answer: cluster mode, not a rejection (see body_answer)");
+                            "outcome_answer: not for a rejection (see body_answer)");
         goto done;
     }
     Answer a;
@@ -414,11 +474,33 @@ PyObject *ace_outcome_answer(PyObject *Py_UNUSED(module), PyObject *const *args,
     a.clear_route_cache = 0;
     char length[24];
     PyObject *pod = got[A_POD];
-    if (pod != Py_None) {
+    if (pod != Py_None && endpoint) {
+        /* The pod and its fallbacks by ip:port, also as the endpoint picker's header,
+         * and the destination's cluster for Envoy's route. */
+        Span dest;
+        if (endpoint_list(pod, got[A_FALLBACKS], &picked, &picked_len, refs, &n_refs) < 0 ||
+            (cluster = PyObject_GetAttr(pod, interned[A_DESTINATION])) == NULL ||
+            text(cluster, &dest, "a pod's destination") < 0)
+            goto done;
+        if ((destination = PyMem_Malloc((size_t)dest.n + 12)) == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        memcpy(destination, "ace_default.", 12);
+        memcpy(destination + 12, dest.p, (size_t)dest.n);
+        a.headers[a.n_headers][0] = (Span){"x-ace-upstream", 14};
+        a.headers[a.n_headers++][1] = (Span){picked, picked_len};
+        a.headers[a.n_headers][0] = (Span){"x-gateway-destination-endpoint", 30};
+        a.headers[a.n_headers++][1] = (Span){picked, picked_len};
+        a.headers[a.n_headers][0] = (Span){"x-ace-destination", 17};
+        a.headers[a.n_headers++][1] = (Span){destination, dest.n + 12};
+    } else if (pod != Py_None) {
         if ((cluster = PyObject_GetAttr(pod, interned[A_CLUSTER])) == NULL ||
             text(cluster, &a.headers[0][1], "a pod's cluster") < 0)
             goto done;
         a.headers[a.n_headers++][0] = (Span){"x-ace-upstream", 14};
+    }
+    if (pod != Py_None) {
         if (got[A_UPSTREAM_AUTH] != Py_None) {
             if (raw(got[A_UPSTREAM_AUTH], &a.headers[a.n_headers][1], "upstream_auth") < 0)
                 goto done;
@@ -489,15 +571,30 @@ PyObject *ace_outcome_answer(PyObject *Py_UNUSED(module), PyObject *const *args,
         ((pick_key = PyObject_GetAttr(got[A_WOULD_PICK], interned[A_KEY])) == NULL ||
          meta(ns, "pod", pick_key, 0) < 0))
         goto done;
+    if (picked != NULL) { /* the endpoint picker's metadata: the same list */
+        Namespace *lb = &a.namespaces[a.n_namespaces++];
+        lb->key = (Span){"envoy.lb", 8};
+        lb->count = 0;
+        lb->fields_size = 0;
+        MetaField *e = &lb->fields[lb->count++];
+        e->key = (Span){"x-gateway-destination-endpoint", 30};
+        e->text = (Span){picked, picked_len};
+        e->value = field_size((size_t)picked_len);
+        lb->fields_size += field_size(field_size(30) + field_size(e->value));
+    }
     result = write_answer(&a);
 done:
-    for (int i = 0; i <= A_REJECT_STATUS; i++)
+    for (int i = 0; i <= A_FALLBACKS; i++)
         Py_XDECREF(got[i]);
+    for (int i = 0; i < n_refs; i++)
+        Py_DECREF(refs[i]);
     Py_XDECREF(cluster);
     Py_XDECREF(pod_key);
     Py_XDECREF(pick_key);
     PyMem_Free(speedup);
     PyMem_Free(trace);
+    PyMem_Free(picked);
+    PyMem_Free(destination);
     return result;
 }
 

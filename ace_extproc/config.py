@@ -59,14 +59,19 @@ class Pod:
     weight: float = 1.0
     tls: bool = False  # its base_url is https: Envoy and the monitor speak TLS to it
     # Derived once (read on every decision): ``destination/pod``, the id reported in
-    # ``x-ace-served-by``; and the Envoy cluster that holds exactly this pod (the
-    # ``x-ace-upstream`` value in cluster mode).
+    # ``x-ace-served-by``; the Envoy cluster that holds exactly this pod (the
+    # ``x-ace-upstream`` value in cluster mode); and how Envoy names its host
+    # (``ip:port``, ``[v6]:port`` in canonical spelling: the endpoint-mode value).
     key: str = field(init=False, repr=False, compare=False)
     cluster: str = field(init=False, repr=False, compare=False)
+    endpoint: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", f"{self.destination}/{self.id}")
         object.__setattr__(self, "cluster", f"ace_pod.{self.destination}.{self.id}")
+        host = canonical_host(self.host)
+        endpoint = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        object.__setattr__(self, "endpoint", endpoint)
 
     @property
     def address(self) -> str:

@@ -15,8 +15,6 @@ the C fast path (``_answer.c``) where it was built, else built in upb.
 
 from __future__ import annotations
 
-import ipaddress
-from functools import lru_cache
 from typing import NamedTuple, TypeAlias
 
 from envoy.config.core.v3.base_pb2 import HeaderValueOption
@@ -29,7 +27,6 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
-from ace_extproc.config import Pod
 from ace_extproc.processor import UPSTREAM_HEADER, Outcome
 from ace_extproc.speedups import native
 
@@ -79,28 +76,16 @@ def _set(mutation: HeaderMutation, key: str, value: bytes) -> None:
     option.append_action = _OVERWRITE
 
 
-@lru_cache(maxsize=65536)
-def _host(pod: Pod) -> tuple[str, bytes]:
-    """How Envoy names the pod's host (``ip:port``, ``[v6]:port``) and its destination
-    cluster. Only an IP pod can be named: a hostname matches no host, so Envoy's
-    fallback policy picks instead (the renderer refuses such pods in endpoint mode)."""
-    try:
-        ip = ipaddress.ip_address(pod.host)
-    except ValueError:
-        address = pod.address
-    else:
-        address = f"[{ip}]:{pod.port}" if ip.version == 6 else f"{ip}:{pod.port}"
-    return address, f"ace_default.{pod.destination}".encode()
-
-
 def endpoints(outcome: Outcome) -> str:
-    """The endpoint-mode value: the pinned pod, then its fallbacks, comma-separated."""
-    assert outcome.pod is not None
-    first = _host(outcome.pod)[0]
+    """The endpoint-mode value: the pinned pod, then its fallbacks, comma-separated, as
+    Envoy names their hosts (``Pod.endpoint``). Only an IP pod can be named: a hostname
+    matches no host, so Envoy's fallback policy picks instead (the renderer refuses
+    such pods in endpoint mode)."""
+    pod = outcome.pod
+    assert pod is not None
     if not outcome.fallbacks:
-        return first
-    rest = [_host(p)[0] for p in outcome.fallbacks if p != outcome.pod]
-    return ",".join((first, *rest))
+        return pod.endpoint
+    return ",".join([pod.endpoint, *[p.endpoint for p in outcome.fallbacks if p != pod]])
 
 
 class Changes(NamedTuple):
@@ -124,7 +109,8 @@ def changes(outcome: Outcome, client_upstream: bool) -> Changes:
             value = picked.encode()
             headers.append((UPSTREAM_HEADER, value))
             headers.append((GIE_HEADER, value))
-            headers.append((DESTINATION_HEADER, _host(outcome.pod)[1]))
+            cluster = f"ace_default.{outcome.pod.destination}"  # the destination's
+            headers.append((DESTINATION_HEADER, cluster.encode()))
         else:
             headers.append((UPSTREAM_HEADER, outcome.pod.cluster.encode()))
         if outcome.upstream_auth is not None:  # the destination's key, not the client's
@@ -233,19 +219,12 @@ def body_answer(outcome: Outcome, client_upstream: bool) -> Answer:
     """``body_decided``, as the server sends it: already serialized by the C fast path
     (``_answer.c``) where the extension was built (the same message; the rewrite step
     2.7-3.2x cheaper in ``bench.decision``), the upb message otherwise (the server's
-    serializer takes either). In cluster mode the C encoder reads the outcome itself
-    (``outcome_answer``); endpoint mode's lists are made here."""
+    serializer takes either). The C encoder reads the outcome itself
+    (``outcome_answer``), in either upstream mode: what ``changes`` and ``metadata``
+    list, without the lists."""
     if native is None or outcome.reject_status:
         return body_decided(outcome, client_upstream)
-    if not outcome.endpoint:
-        return native.outcome_answer(outcome, client_upstream)
-    change = changes(outcome, client_upstream)
-    namespaces = [(METADATA_NAMESPACE, metadata(outcome))]
-    if change.picked is not None:
-        namespaces.append((GIE_NAMESPACE, [(GIE_HEADER, change.picked)]))
-    return native.body_answer(
-        change.headers, change.remove, change.clear_route_cache, outcome.body, namespaces
-    )
+    return native.outcome_answer(outcome, client_upstream)
 
 
 def serialize(answer: Answer) -> bytes:

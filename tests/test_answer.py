@@ -259,6 +259,8 @@ def test_splice_refuses_what_it_cannot_splice() -> None:
     body=st.one_of(st.none(), st.binary(max_size=300)),
     auth=st.one_of(st.none(), st.binary(max_size=80)),
     client_upstream=st.booleans(),
+    endpoint=st.booleans(),
+    fallbacks=st.lists(st.sampled_from(PODS), max_size=3).map(tuple),
 )
 def test_the_outcome_encoder_writes_what_upb_would(
     mode: Mode,
@@ -272,12 +274,25 @@ def test_the_outcome_encoder_writes_what_upb_would(
     body: bytes | None,
     auth: bytes | None,
     client_upstream: bool,
+    endpoint: bool,
+    fallbacks: tuple[Pod, ...],
 ) -> None:
-    """Cluster mode's answer read straight from the outcome (``outcome_answer``): the
-    message upb builds from ``changes`` and ``metadata``, the trace formatted alike
-    for any speedup (nan, inf, -0.0) and any text."""
+    """The answer read straight from the outcome (``outcome_answer``), in cluster or
+    endpoint mode (the pod and its fallbacks by ip:port, the pod among them or not, an
+    IPv6 host, a name): the message upb builds from ``changes`` and ``metadata``, the
+    trace formatted alike for any speedup (nan, inf, -0.0) and any text."""
     out = Outcome(
-        mode, action, prefix_key, pod, would_pick, saved_tokens, speedup, body=body, path=path
+        mode,
+        action,
+        prefix_key,
+        pod,
+        would_pick,
+        saved_tokens,
+        speedup,
+        body=body,
+        path=path,
+        fallbacks=fallbacks,
+        endpoint=endpoint,
     )
     out.upstream_auth = auth
     sent = speedups.outcome_answer(out, client_upstream)
@@ -285,10 +300,15 @@ def test_the_outcome_encoder_writes_what_upb_would(
     assert mutate.body_answer(out, client_upstream) == sent
 
 
-def test_the_outcome_encoder_leaves_endpoint_mode_and_rejections_to_the_lists() -> None:
-    for out in (outcome(endpoint=True), outcome(reject_status=401)):
-        with pytest.raises(ValueError):
-            speedups.outcome_answer(out, False)
+def test_the_outcome_encoder_leaves_rejections_to_the_reference() -> None:
+    with pytest.raises(ValueError):
+        speedups.outcome_answer(outcome(reject_status=401), False)
+    with pytest.raises(TypeError):  # fallbacks: a tuple of pods
+        speedups.outcome_answer(outcome(endpoint=True, fallbacks=[PODS[0]]), False)
+    with pytest.raises(AttributeError):
+        speedups.outcome_answer(outcome(endpoint=True, fallbacks=(object(),)), False)
+    with pytest.raises(ValueError):  # more than an answer names
+        speedups.outcome_answer(outcome(endpoint=True, fallbacks=PODS * 2), False)
     with pytest.raises(TypeError):
         speedups.outcome_answer(outcome(), 0)  # client_upstream: a bool
     with pytest.raises(AttributeError):
