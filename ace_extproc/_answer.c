@@ -363,22 +363,43 @@ static const char *const names[N_NAMES] = {
 #define MAX_ENDPOINTS 8
 static PyObject *interned[N_NAMES];
 
+/* The answer's next metadata namespace, empty. */
+static Namespace *open_namespace(Answer *a, Span key)
+{
+    Namespace *ns = &a->namespaces[a->n_namespaces++];
+    ns->key = key;
+    ns->count = 0;
+    ns->fields_size = 0;
+    return ns;
+}
+
+/* A string metadata field whose text is at hand. */
+static void meta_text(Namespace *ns, Span key, Span value)
+{
+    MetaField *f = &ns->fields[ns->count++];
+    f->key = key;
+    f->text = value;
+    f->value = field_size((size_t)value.n);
+    ns->fields_size += field_size(field_size((size_t)key.n) + field_size(f->value));
+}
+
 /* A metadata field: a string (``obj`` a str) or, with ``obj`` NULL, ``number``. */
 static int meta(Namespace *ns, const char *key, PyObject *obj, double number)
 {
-    MetaField *f = &ns->fields[ns->count++];
-    f->key.p = key;
-    f->key.n = (Py_ssize_t)strlen(key);
-    if (obj == NULL) {
-        f->text.p = NULL;
-        f->number = number;
-        f->value = 9;
-    } else {
-        if (text(obj, &f->text, "a metadata value") < 0)
+    Span k = {key, (Py_ssize_t)strlen(key)};
+    if (obj != NULL) {
+        Span value;
+        if (text(obj, &value, "a metadata value") < 0)
             return -1;
-        f->value = field_size((size_t)f->text.n);
+        meta_text(ns, k, value);
+        return 0;
     }
-    ns->fields_size += field_size(field_size((size_t)f->key.n) + field_size(f->value));
+    MetaField *f = &ns->fields[ns->count++];
+    f->key = k;
+    f->text.p = NULL;
+    f->number = number;
+    f->value = 9;
+    ns->fields_size += field_size(field_size((size_t)k.n) + field_size(f->value));
     return 0;
 }
 
@@ -550,16 +571,9 @@ PyObject *ace_outcome_answer(PyObject *Py_UNUSED(module), PyObject *const *args,
     }
     t += snprintf(t, room - (size_t)(t - trace), "%lld,speedup=%s", saved, speedup);
     Py_ssize_t n = t - trace;
-    Namespace *ns = &a.namespaces[0];
-    a.n_namespaces = 1;
-    ns->key = (Span){"ace", 3};
-    ns->count = 0;
-    ns->fields_size = 0;
-    MetaField *f = &ns->fields[ns->count++];
-    f->key = (Span){"trace", 5};
-    f->text = (Span){trace, n};
-    f->value = field_size((size_t)n);
-    ns->fields_size += field_size(field_size(5) + field_size(f->value));
+    a.n_namespaces = 0;
+    Namespace *ns = open_namespace(&a, (Span){"ace", 3});
+    meta_text(ns, (Span){"trace", 5}, (Span){trace, n});
     if (meta(ns, "mode", got[A_MODE], 0) < 0 || meta(ns, "action", got[A_ACTION], 0) < 0 ||
         meta(ns, "prefix_key", got[A_PREFIX_KEY], 0) < 0 ||
         meta(ns, "saved_tokens", NULL, (double)saved) < 0)
@@ -571,17 +585,9 @@ PyObject *ace_outcome_answer(PyObject *Py_UNUSED(module), PyObject *const *args,
         ((pick_key = PyObject_GetAttr(got[A_WOULD_PICK], interned[A_KEY])) == NULL ||
          meta(ns, "pod", pick_key, 0) < 0))
         goto done;
-    if (picked != NULL) { /* the endpoint picker's metadata: the same list */
-        Namespace *lb = &a.namespaces[a.n_namespaces++];
-        lb->key = (Span){"envoy.lb", 8};
-        lb->count = 0;
-        lb->fields_size = 0;
-        MetaField *e = &lb->fields[lb->count++];
-        e->key = (Span){"x-gateway-destination-endpoint", 30};
-        e->text = (Span){picked, picked_len};
-        e->value = field_size((size_t)picked_len);
-        lb->fields_size += field_size(field_size(30) + field_size(e->value));
-    }
+    if (picked != NULL) /* the endpoint picker's metadata: the same list */
+        meta_text(open_namespace(&a, (Span){"envoy.lb", 8}),
+                  (Span){"x-gateway-destination-endpoint", 30}, (Span){picked, picked_len});
     result = write_answer(&a);
 done:
     for (int i = 0; i <= A_FALLBACKS; i++)
