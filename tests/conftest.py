@@ -25,9 +25,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 @pytest.fixture
@@ -45,14 +43,21 @@ def _is_free(port: int) -> bool:
         return True
 
 
+_handed_out: set[int] = set()
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` consecutive free ports below Linux's ephemeral range (32768+), so that no
-    outgoing connection can take one between this check and the server binding it."""
+    outgoing connection can take one between this check and the server binding it,
+    and none handed out before in this run (two calls before either binds would
+    otherwise be able to get the same one)."""
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(20000, 32000 - n)
-        if all(_is_free(base + i) for i in range(n)):
-            return list(range(base, base + n))
+        ports = range(base, base + n)
+        if _handed_out.isdisjoint(ports) and all(_is_free(p) for p in ports):
+            _handed_out.update(ports)
+            return list(ports)
     raise RuntimeError("no free ports")
 
 

@@ -26,7 +26,7 @@ from ace_extproc.config import Config, ConfigError, Settings, parse_settings, si
 from ace_extproc.processor import Processor
 from ace_extproc.routing import replicas
 from ace_extproc.routing.replicas import Learner, Placement, ReplicaSync, decode, encode
-from tests.conftest import free_port
+from tests.conftest import free_port, free_ports
 
 CHAT = "/v1/chat/completions"
 HEADERS = {":path": CHAT, ":method": "POST", "content-type": "application/json"}
@@ -490,7 +490,9 @@ def test_serve_workers_share_their_placements_with_each_other(
 
     from tests.test_server import body_msg, headers_msg
 
-    listen, metrics = free_port(), free_port()
+    # Worker n serves metrics on the port plus n: three ports in a row, below the
+    # ephemeral range, or an outgoing connection can take the second one first.
+    listen, metrics, _ = free_ports(3)
     fleet = tmp_path / "fleet.yaml"
     pods = "\n".join(
         f"      - {{id: pod-{i}, base_url: http://127.0.0.1:{8001 + i}}}" for i in range(4)
@@ -535,6 +537,7 @@ def test_serve_workers_share_their_placements_with_each_other(
             line = proc.stdout.readline()
             assert line, seen
             seen += line
+        assert seen.count("; metrics on") == 2, seen  # each worker bound its own
         deadline = time.monotonic() + 10
         while not all(tallies(w).get("ace_share_subscribed") == 1.0 for w in (0, 1)):
             assert time.monotonic() < deadline, [tallies(w) for w in (0, 1)]
