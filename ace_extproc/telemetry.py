@@ -22,6 +22,7 @@ into ``other``.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from bisect import bisect_left
@@ -733,8 +734,35 @@ def serve_metrics(
         registry = REGISTRY
     else:
         registry = source
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    server, thread = start_http_server(port, addr=host, registry=_NameFilter(registry))
     return MetricsServer(host, int(server.server_address[1]), server, thread)
+
+
+class _NameFilter:
+    """``registry`` answering Prometheus' ``/metrics?name[]=...`` filter. prometheus-
+    client's own filter only finds names that collectors describe up front, and this
+    collector's families come and go with the fleet, so it answered every such query
+    with an empty page. A name matches a family (``ace_decision_seconds``: the whole
+    histogram) or one of its series (``ace_decision_seconds_count``)."""
+
+    def __init__(self, registry: Collector, names: frozenset[str] | None = None) -> None:
+        self._registry = registry
+        self._names = names
+
+    def restricted_registry(self, names: Iterable[str]) -> _NameFilter:
+        return _NameFilter(self._registry, frozenset(names))
+
+    def collect(self) -> Iterator[Metric]:
+        names = self._names
+        for metric in self._registry.collect():
+            if names is None or metric.name in names:
+                yield metric
+                continue
+            samples = [s for s in metric.samples if s.name in names]
+            if samples:
+                kept = copy.copy(metric)
+                kept.samples = samples
+                yield kept
 
 
 def worker_listen(listen: str, worker: int) -> str:

@@ -350,6 +350,36 @@ def test_endpoint_serves_and_stops(fx: Fixture) -> None:
     server.stop()  # twice is fine
 
 
+def test_endpoint_filters_by_name(fx: Fixture) -> None:
+    """``/metrics?name[]=...`` (Prometheus' filter) answers with the named families or
+    series only, including the fleet's, which no collector describes up front."""
+    fx.telemetry.decision("prod", "hit", "", 0, 100, 50, latency_ns=40_000)
+    server = tm.serve_metrics("127.0.0.1:0", fx.telemetry)
+    assert server is not None
+    try:
+
+        def series(*names: str) -> set[str]:
+            query = "&".join(f"name[]={n}" for n in names)
+            text = _get(f"{server.url}?{query}")
+            return {line.split("{")[0].split()[0] for line in text.splitlines() if line[0] != "#"}
+
+        assert series("ace_decisions_total") == {"ace_decisions_total"}
+        assert series("ace_decisions") == {"ace_decisions_total"}  # a counter's family
+        assert series("ace_pod_up", "ace_decision_seconds_count") == {
+            "ace_pod_up",
+            "ace_decision_seconds_count",
+        }
+        assert series("ace_decision_seconds") == {  # a family: the whole histogram
+            "ace_decision_seconds_bucket",
+            "ace_decision_seconds_count",
+            "ace_decision_seconds_sum",
+        }
+        assert series("no_such_metric") == set()
+        assert len(series()) > 10  # no filter: everything
+    finally:
+        server.stop()
+
+
 def test_endpoint_off_and_bad_addresses(fx: Fixture) -> None:
     assert tm.serve_metrics("off", fx.telemetry) is None
     with pytest.raises(ConfigError, match="metrics_listen"):
