@@ -81,22 +81,38 @@ class _PodState:
     complaint: str = ""  # the last scrape problem logged, so each is logged once
 
 
+class _DrainRate:
+    """Prefill drained at ``tokens_per_s``, in whole tokens. ``drain`` runs before every
+    pick, so the intervals are short: the fraction of a token is carried to the next
+    call, or at a few thousand picks a second most of the drain would be rounded away."""
+
+    __slots__ = ("carry", "ms_per_token")
+
+    def __init__(self, tokens_per_s: float) -> None:
+        self.ms_per_token = 1000.0 / tokens_per_s
+        self.carry = 0.0
+
+    def tokens(self, elapsed_ms: float) -> int:
+        due = elapsed_ms / self.ms_per_token + self.carry
+        whole = int(due + 1e-9)  # 2,499.9999 tokens of float error is 2,500
+        self.carry = max(0.0, due - whole)
+        return whole
+
+
 class FleetMonitor:
     def __init__(self, fleet: FleetState, index: BlockIndex, settings: Settings) -> None:
         self.fleet = fleet
         self.index = index
         self.settings = settings
         # How fast the prefill this replica sent drains: the pods' prefill rate (the
-        # setting, else their destination's TTFT model), in ms a token; the fraction
-        # of a token drained but not yet whole is kept for the next call.
+        # setting, else their destination's TTFT model).
         rate = settings.prefill_tokens_per_s or get_model(settings.ttft_model).prefill_tokens_per_s
-        self._ms_per_token = 1000.0 / rate
-        self._drain_carry = 0.0
-        self._drain_rates: dict[str, list[float]] = {}  # destination -> [ms a token, carry]
+        self._drain = _DrainRate(rate)
+        self._drain_by_destination: dict[str, _DrainRate] = {}  # those of another model
         if not settings.prefill_tokens_per_s:
             for dest, model in ttft_models(fleet.fleet, settings).items():
-                if (ms := 1000.0 / model.prefill_tokens_per_s) != self._ms_per_token:
-                    self._drain_rates[dest] = [ms, 0.0]
+                if model.prefill_tokens_per_s != rate:
+                    self._drain_by_destination[dest] = _DrainRate(model.prefill_tokens_per_s)
         self._drained_at = time.monotonic()
         self._destinations = {d.id: d for d in fleet.fleet.destinations}
         # A destination's own key (api_key_env) goes with its probes and scrapes too: an
@@ -307,21 +323,13 @@ class FleetMonitor:
                 self._drained_at = now
             return
         self._drained_at = now
-        # Called before every pick, so the intervals are short: carry the fraction, or
-        # at a few thousand picks a second most of the drain would be rounded away.
-        due = elapsed_ms / self._ms_per_token + self._drain_carry
-        done = int(due + 1e-9)  # 2,499.9999 tokens of float error is 2,500
-        self._drain_carry = max(0.0, due - done)
-        if not self._drain_rates:  # every pod at the router's rate
+        done = self._drain.tokens(elapsed_ms)
+        if not self._drain_by_destination:  # every pod at the router's rate
             for load in self.fleet.load:
                 if load.queued_prefill_tokens:
                     load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - done)
             return
-        done_by: dict[str, int] = {}
-        for dest, rate in self._drain_rates.items():  # destinations of another model
-            due = elapsed_ms / rate[0] + rate[1]
-            done_by[dest] = whole = int(due + 1e-9)
-            rate[1] = max(0.0, due - whole)
+        done_by = {d: rate.tokens(elapsed_ms) for d, rate in self._drain_by_destination.items()}
         pods = self.fleet.pods
         for slot, load in enumerate(self.fleet.load):
             if load.queued_prefill_tokens:
