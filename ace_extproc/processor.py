@@ -127,18 +127,24 @@ class Processor:
             if d.kv_capacity_tokens
         }
         for slot in range(len(self.fleet.pods)):
-            self._fleet_changed(slot, ADDED)
+            self._bound_index(slot)
         self._endpoint = config.settings.upstream_mode == "endpoint"
         # Each destination's own key, as the header it goes in (made once, not per request).
         self._upstream_auth = {
             d.id: f"Bearer {d.api_key}".encode() for d in config.fleet.destinations if d.api_key
         }
 
-    def _fleet_changed(self, slot: int, change: str) -> None:
-        if change == ADDED and self.fleet.capacity_tokens[slot] is None:
+    def _bound_index(self, slot: int) -> None:
+        """Size the slot's index from its destination's configured KV size, unless its
+        engine already reported one."""
+        if self.fleet.capacity_tokens[slot] is None:
             blocks = self._configured_blocks.get(self.fleet.pods[slot].destination)
             if blocks is not None:
                 self.index.set_capacity(slot, blocks)
+
+    def _fleet_changed(self, slot: int, change: str) -> None:
+        if change == ADDED:
+            self._bound_index(slot)
         if change == RETIRED:  # another pod takes the slot: forget the one that left
             self.index.retire_pod(slot)
             self.telemetry.retire_slot(slot)
