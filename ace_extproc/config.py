@@ -116,6 +116,11 @@ class DiscoveryConfig:
     ca_path: str = f"{SERVICE_ACCOUNT}/ca.crt"
 
 
+def default_cluster(destination: str) -> str:
+    """The Envoy cluster of all of destination ``destination``'s pods."""
+    return f"ace_default.{destination}"
+
+
 @dataclass(frozen=True, slots=True)
 class Destination:
     """A model deployment: one or more interchangeable pods serving the same models."""
@@ -145,7 +150,7 @@ class Destination:
     @property
     def cluster(self) -> str:
         """The Envoy cluster of all this destination's pods (the fail-open route)."""
-        return f"ace_default.{self.id}"
+        return default_cluster(self.id)
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models

@@ -27,6 +27,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
+from ace_extproc.config import default_cluster
 from ace_extproc.processor import UPSTREAM_HEADER, Outcome
 from ace_extproc.speedups import native
 
@@ -109,7 +110,7 @@ def changes(outcome: Outcome, client_upstream: bool) -> Changes:
             value = picked.encode()
             headers.append((UPSTREAM_HEADER, value))
             headers.append((GIE_HEADER, value))
-            cluster = f"ace_default.{outcome.pod.destination}"  # the destination's
+            cluster = default_cluster(outcome.pod.destination)
             headers.append((DESTINATION_HEADER, cluster.encode()))
         else:
             headers.append((UPSTREAM_HEADER, outcome.pod.cluster.encode()))
