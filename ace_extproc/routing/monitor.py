@@ -318,7 +318,9 @@ class FleetMonitor:
         # At most once a millisecond (~25 tokens at the model's rate): at thousands of
         # picks a second a loop over the fleet per pick would cost more than the drain
         # is worth. The time skipped is drained by the next call, nothing is lost.
-        if elapsed_ms < DRAIN_EVERY_MS:
+        # (Less a nanosecond: a millisecond measured between two float clock readings
+        # can come out a hair short, and the drain would then wait another whole one.)
+        if elapsed_ms < DRAIN_EVERY_MS - 1e-6:
             if elapsed_ms < 0:  # a clock the monitor has not seen: start from it
                 self._drained_at = now
             return
