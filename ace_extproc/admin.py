@@ -269,6 +269,10 @@ def config_document(config: Config) -> dict[str, Any]:
         value = getattr(s, f.name)
         if f.name == "share_url":
             value = redacted_url(value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)  # passive_health, ext_proc_tls
+        elif isinstance(value, tuple):
+            value = list(value)  # allow_mode_override's tenants
         if value is not None:
             router[f.name] = value
     t = s.tenants

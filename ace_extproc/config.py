@@ -207,11 +207,83 @@ class TenantConfig:
     def has_key_map(self) -> bool:
         return bool(self.key_digests)
 
+    @property
+    def isolated(self) -> bool:
+        """Requests belong to tenants other than the anonymous one (API keys, or the
+        trusted header): every request must then reach an engine with its tenant's
+        cache salt, and a client's own cache fields never."""
+        return self.has_key_map or self.header is not None
+
+    @property
+    def guarded(self) -> bool:
+        """Some requests must be refused (an unknown key, or a missing one): with
+        ace-extproc unable to answer, Envoy must refuse them too."""
+        return self.has_key_map or self.require_key
+
+
+FAILURE_MODES = ("auto", "open", "closed")
+
+
+@dataclass(frozen=True, slots=True)
+class PassiveHealth:
+    """Pods taken out for failing the requests they serve (``router.passive_health``;
+    ``routing/outlier.py``), with Envoy's outlier detection's defaults."""
+
+    consecutive_5xx: int = 5  # the pod's 5xx answers in a row
+    consecutive_gateway_failure: int = 5  # 502/503/504, or unreachable, in a row
+    max_ejection_percent: int = 10  # of a destination's pods out at once (at least one)
+    base_ejection_time_s: float = 30.0  # out for this times the times it was out
+    max_ejection_time_s: float = 300.0
+
+
+def _passive_health(raw: Any) -> PassiveHealth:
+    where = "router.passive_health"
+    if raw is None:
+        return PassiveHealth()
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping")
+    fields = PassiveHealth.__dataclass_fields__
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in fields:
+            raise ConfigError(f"{where}.{name}: unknown setting")
+        whole = name != "base_ejection_time_s" and name != "max_ejection_time_s"
+        if isinstance(value, bool) or not isinstance(value, int if whole else int | float):
+            raise ConfigError(f"{where}.{name}: expected a number, got {value!r}")
+        if value <= 0 or (name == "max_ejection_percent" and value > 100):
+            raise ConfigError(f"{where}.{name}: out of range: {value!r}")
+        values[name] = value if whole else float(value)
+    return PassiveHealth(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class ExtProcTLS:
+    """mTLS between Envoy and ace-extproc (``router.ext_proc_tls``). ace-extproc serves
+    with ``cert_file`` and ``key_file`` and admits only clients with a certificate
+    ``ca_file`` signed; the rendered Envoy presents ``client_cert_file`` and
+    ``client_key_file`` and checks ace-extproc's certificate against ``ca_file`` (and
+    its name against ``server_name``, where given). Each side reads only its files."""
+
+    ca_file: str
+    cert_file: str = ""
+    key_file: str = ""
+    client_cert_file: str = ""
+    client_key_file: str = ""
+    server_name: str = ""
+
 
 @dataclass(frozen=True, slots=True)
 class Settings:
     mode: Mode = Mode.PROD
-    allow_mode_override: bool = True
+    # Who may send ``x-ace-skill-override`` (or an envelope's mode): True, anyone where no
+    # tenants are configured, else any tenant that authenticated (a key, the trusted
+    # header); a tuple of tenant ids, those alone; False, nobody.
+    allow_mode_override: bool | tuple[str, ...] = True
+    # What Envoy does with a request when ace-extproc does not answer it (down, slow):
+    # "open" sends it on unrouted, "closed" refuses it (503). "auto": closed where
+    # tenants or keys are configured, since an unanswered request is neither checked
+    # nor salted; open otherwise (see docs/security.md).
+    failure_mode: str = "auto"
     # Prefix blocks are 512 bytes of canonical prompt (~128 tokens at ~4 bytes a token):
     # fine enough to tell conversations apart, coarse enough that a 32K-token prompt
     # hashes in ~40 us (see README "Block size").
@@ -265,8 +337,9 @@ class Settings:
     # The CA bundle that https pods' (and hosted APIs') certificates are checked against,
     # by Envoy and by the monitor; "": the system's.
     upstream_ca_file: str = ""
-    unhealthy_after: int = 2  # consecutive failures that take a pod out
-    healthy_after: int = 2  # consecutive successes that bring it back
+    unhealthy_after: int = 2  # consecutive failed probes (or scrapes) that take a pod out
+    healthy_after: int = 2  # consecutive good probes that bring it back
+    passive_health: PassiveHealth = field(default_factory=PassiveHealth)
     # A second, observe-only ext_proc filter sees each response (its status, the host
     # that answered) without delaying it: passive health, and the engines' own reuse.
     observe_responses: bool = True
@@ -279,6 +352,12 @@ class Settings:
     tenants: TenantConfig = field(default_factory=TenantConfig)
     listen: str = "127.0.0.1:50051"
     uds: str | None = None
+    # Every ext_proc stream must carry the token Envoy is rendered with (peer.py), so
+    # nothing else that reaches the port counts. Off only where another layer (mTLS,
+    # a socket only Envoy can open) already keeps everyone else out.
+    require_peer_token: bool = True
+    # mTLS on the ext_proc port, for an Envoy on another host (ExtProcTLS).
+    ext_proc_tls: ExtProcTLS | None = None
     # The admin gRPC API (admin.py, ``ace-extproc ctl``): host:port, unix:/path, or "off".
     # Never the ext_proc port; no authentication, so keep it on loopback or a socket.
     admin_listen: str = "127.0.0.1:9091"
@@ -294,6 +373,22 @@ class Settings:
     metrics_tenant_label: bool = False
     metrics_max_tenants: int = 100
     log_format: str = "json"  # "json": one JSON object a line; "text": for people
+
+    @property
+    def fails_closed(self) -> bool:
+        """Envoy refuses what ace-extproc cannot answer (``failure_mode``)."""
+        if self.failure_mode == "auto":
+            return self.tenants.isolated or self.tenants.guarded
+        return self.failure_mode == "closed"
+
+    def may_override(self, tenant: str) -> bool:
+        """Whether ``tenant``'s requests may choose their own mode."""
+        allowed = self.allow_mode_override
+        if isinstance(allowed, tuple):
+            return tenant in allowed
+        if not allowed:
+            return False
+        return not self.tenants.isolated or tenant != self.tenants.anonymous
 
 
 LOG_FORMATS = ("json", "text")
@@ -593,6 +688,14 @@ def parse_tenants(raw: Any) -> TenantConfig:
     if header is not None and (not isinstance(header, str) or not header):
         raise ConfigError("router.tenants.header: expected a header name")
     anonymous = _check_id(raw.get("anonymous", "anon"), "router.tenants.anonymous")
+    if anonymous in digests.values():
+        raise ConfigError(
+            f"router.tenants.api_keys: {anonymous!r} is the anonymous tenant; a key's "
+            "tenant must be another"
+        )
+    for name in raw:
+        if name not in ("api_keys", "header", "anonymous", "require_key"):
+            raise ConfigError(f"router.tenants.{name}: unknown setting")
     return TenantConfig(
         key_digests=digests,
         header=header.lower() if header else None,
@@ -602,7 +705,6 @@ def parse_tenants(raw: Any) -> TenantConfig:
 
 
 _SETTING_TYPES: dict[str, type] = {
-    "allow_mode_override": bool,
     "block_bytes": int,
     "bytes_per_token": float,
     "max_body_bytes": int,
@@ -628,6 +730,7 @@ _SETTING_TYPES: dict[str, type] = {
     "usage_capture": bool,
     "listen": str,
     "uds": str,
+    "require_peer_token": bool,
     "admin_listen": str,
     "grpc_max_message_bytes": int,
     "shutdown_grace_s": float,
@@ -638,6 +741,55 @@ _SETTING_TYPES: dict[str, type] = {
 }
 
 
+# router: keys read by parse_settings itself rather than through _SETTING_TYPES.
+_PARSED_APART = frozenset(
+    {
+        "mode",
+        "tenants",
+        "salt_secret",
+        "salt_secret_env",
+        "share_password_env",
+        "allow_mode_override",
+        "failure_mode",
+        "ext_proc_tls",
+        "passive_health",
+    }
+)
+
+
+def _ext_proc_tls(raw: Any) -> ExtProcTLS | None:
+    if raw is None:
+        return None
+    where = "router.ext_proc_tls"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping")
+    names = ExtProcTLS.__dataclass_fields__
+    for name, value in raw.items():
+        if name not in names:
+            raise ConfigError(f"{where}.{name}: unknown setting")
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}.{name}: expected a file path, got {value!r}")
+    if not raw.get("ca_file"):
+        raise ConfigError(f"{where}.ca_file: required (the CA both sides' certificates chain to)")
+    tls = ExtProcTLS(**raw)
+    if bool(tls.cert_file) != bool(tls.key_file):
+        raise ConfigError(f"{where}: cert_file and key_file go together")
+    if bool(tls.client_cert_file) != bool(tls.client_key_file):
+        raise ConfigError(f"{where}: client_cert_file and client_key_file go together")
+    return tls
+
+
+def _override_setting(value: Any) -> bool | tuple[str, ...]:
+    """``allow_mode_override``: true, false, or a list of tenant ids."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, list):
+        return tuple(_check_id(t, "router.allow_mode_override (a tenant)") for t in value)
+    raise ConfigError(
+        f"router.allow_mode_override: expected true, false or a list of tenants, got {value!r}"
+    )
+
+
 def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
     if raw is None:
@@ -646,7 +798,7 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("router: expected a mapping")
     values: dict[str, Any] = {}
     for name, value in raw.items():
-        if name in ("mode", "tenants", "salt_secret", "salt_secret_env", "share_password_env"):
+        if name in _PARSED_APART:
             continue
         kind = _SETTING_TYPES.get(name)
         if kind is None:
@@ -658,7 +810,23 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
         values[name] = value
     if "mode" in raw:
         values["mode"] = Mode.parse(str(raw["mode"]))
-    values["tenants"] = parse_tenants(raw.get("tenants"))
+    values["tenants"] = tenants = parse_tenants(raw.get("tenants"))
+    if "allow_mode_override" in raw:
+        values["allow_mode_override"] = _override_setting(raw["allow_mode_override"])
+    failure_mode = raw.get("failure_mode", "auto")
+    if failure_mode not in FAILURE_MODES:
+        raise ConfigError(
+            f"router.failure_mode: expected one of {', '.join(FAILURE_MODES)}, got {failure_mode!r}"
+        )
+    if failure_mode == "open" and tenants.guarded:
+        raise ConfigError(
+            "router.failure_mode: open would let requests past the API key check whenever "
+            "ace-extproc does not answer; with router.tenants.api_keys or require_key it "
+            "must be closed (or auto)"
+        )
+    values["failure_mode"] = failure_mode
+    values["ext_proc_tls"] = _ext_proc_tls(raw.get("ext_proc_tls"))
+    values["passive_health"] = _passive_health(raw.get("passive_health"))
     values["salt_secret"], values["salt_secret_generated"] = _salt_secret(raw, env)
     values["share_password"] = env.get(str(raw.get("share_password_env", "ACE_SHARE_PASSWORD")), "")
     settings = Settings(**values)

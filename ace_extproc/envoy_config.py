@@ -19,11 +19,12 @@ import ssl
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
 from ace_extproc import config as cfg
+from ace_extproc import peer
 
 # The header ext_proc sets to pin a pod; its value is a ``Pod.cluster`` name.
 UPSTREAM_HEADER = "x-ace-upstream"
@@ -31,14 +32,22 @@ UPSTREAM_HEADER = "x-ace-upstream"
 # routing (early header mutation), or a client could pin any pod while ext_proc is down.
 STRIPPED_REQUEST_HEADERS = (UPSTREAM_HEADER, "x-ace-served-by", "x-gateway-destination-endpoint")
 EXT_PROC_CLUSTER = "ace_extproc"
+# The service ace-extproc's gRPC health answers for (and Envoy's health checks ask).
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # What the observe-only filter asks Envoy to attach to each response (observe.py).
 RESPONSE_ATTRIBUTES = ("upstream.address", "response.code", "response.flags")
 # Namespaces of the dynamic metadata ext_proc may return; any other is silently dropped.
 METADATA_NAMESPACES = ("ace", "envoy.lb")
-# Response headers Envoy adds from that metadata, saving ext_proc a response-phase round trip.
+# Where each pod's endpoint carries its Pod.key (``pod``), for the served-by header.
+ENDPOINT_NAMESPACE = "ace"
+# Response headers Envoy adds itself, saving ext_proc a response-phase round trip: the
+# trace and the pod ace-extproc pinned from the metadata it returned; the pod that
+# served (after a retry, not the pinned one; in any mode) from the endpoint Envoy used.
+# A pod found by discovery is known to Envoy by address alone: no served-by for it.
 RESPONSE_HEADERS = {
     "x-ace-trace-prefix-kv-cache": "%DYNAMIC_METADATA(ace:trace)%",
-    "x-ace-served-by": "%DYNAMIC_METADATA(ace:served_by)%",
+    "x-ace-pinned": "%DYNAMIC_METADATA(ace:served_by)%",
+    "x-ace-served-by": f'%UPSTREAM_METADATA(["{ENDPOINT_NAMESPACE}", "pod"])%',
 }
 # Generations run for minutes and a non-streamed one sends nothing until it is done: no
 # overall route timeout, only a generous idle timeout (it replaces the HCM's 5 min one).
@@ -282,28 +291,36 @@ def _upstream_key(dest: cfg.Destination) -> dict[str, Any]:
 # ---------------------------------------------------------------- clusters
 
 
-Endpoints = list[tuple[str, int, int | None]]
+class Host(NamedTuple):
+    """A cluster endpoint; ``pod`` its ``Pod.key`` where it is one of the fleet's pods,
+    kept in its metadata so that Envoy can name the pod that served a request."""
+
+    host: str
+    port: int
+    weight: int | None = None
+    pod: str | None = None
 
 
-def _lb_endpoints(endpoints: Endpoints) -> list[dict[str, Any]]:
+def _lb_endpoints(hosts: Sequence[Host]) -> list[dict[str, Any]]:
     out = []
-    for host, port, weight in endpoints:
-        ep: dict[str, Any] = {"endpoint": {"address": _socket_address(host, port)}}
-        if weight is not None:
-            ep["load_balancing_weight"] = weight
+    for h in hosts:
+        ep: dict[str, Any] = {"endpoint": {"address": _socket_address(h.host, h.port)}}
+        if h.weight is not None:
+            ep["load_balancing_weight"] = h.weight
+        if h.pod is not None:
+            ep["metadata"] = {"filter_metadata": {ENDPOINT_NAMESPACE: {"pod": h.pod}}}
         out.append(ep)
     return out
 
 
 def _cluster(
-    name: str, endpoints: Endpoints, *, standby: Endpoints | None = None, **extra: Any
+    name: str, hosts: Sequence[Host], *, standby: Sequence[Host] = (), **extra: Any
 ) -> dict[str, Any]:
-    """A cluster of ``(host, port, weight)`` endpoints: STATIC when all are IPs, else
-    STRICT_DNS (which resolves each name and keeps every address it returns).
-    ``standby`` endpoints sit at priority 1: no traffic while a priority-0 host is
-    healthy, only retries that skip priority 0 (``previous_priorities``)."""
-    standby = standby or []
-    static = all(cfg.is_ip(host) for host, _, _ in [*endpoints, *standby])
+    """A cluster of ``hosts``: STATIC when all are IPs, else STRICT_DNS (which resolves
+    each name and keeps every address it returns). ``standby`` hosts sit at priority 1:
+    no traffic while a priority-0 host is healthy, only retries that skip priority 0
+    (``previous_priorities``)."""
+    static = all(cfg.is_ip(h.host) for h in [*hosts, *standby])
     cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC" if static else "STRICT_DNS",
@@ -312,44 +329,45 @@ def _cluster(
     if not static:
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     cluster.update(extra)
-    localities: list[dict[str, Any]] = [{"lb_endpoints": _lb_endpoints(endpoints)}]
+    localities: list[dict[str, Any]] = [{"lb_endpoints": _lb_endpoints(hosts)}]
     if standby:
         localities.append({"priority": 1, "lb_endpoints": _lb_endpoints(standby)})
     cluster["load_assignment"] = {"cluster_name": name, "endpoints": localities}
     return cluster
 
 
-def _lb_weights(pods: tuple[cfg.Pod, ...]) -> list[int | None]:
-    # Envoy weights are integers >= 1; only emit them when the pods actually differ.
+def _pod_hosts(dest: cfg.Destination) -> list[Host]:
+    """A destination's pods as hosts; weights only where the pods' differ (Envoy's are
+    integers >= 1)."""
+    pods = dest.pods
     if all(p.weight == pods[0].weight for p in pods):
-        return [None] * len(pods)
+        return [Host(p.host, p.port, None, p.key) for p in pods]
     top = max(p.weight for p in pods)
-    return [max(1, round(100 * p.weight / top)) for p in pods]
+    return [Host(p.host, p.port, max(1, round(100 * p.weight / top)), p.key) for p in pods]
 
 
 def _pod_clusters(fleet: cfg.Fleet, lb_policy: str, ca_file: str | None) -> list[dict[str, Any]]:
     clusters = []
     for dest in fleet.destinations:
-        weights = _lb_weights(dest.pods)
+        hosts = _pod_hosts(dest)
         clusters.append(
             _cluster(
                 dest.cluster,
-                [(p.host, p.port, w) for p, w in zip(dest.pods, weights, strict=True)],
+                hosts,
                 lb_policy=lb_policy,
                 circuit_breakers=_circuit_breakers(),
                 **_tls(dest, ca_file),
                 **_upstream_key(dest),
             )
         )
-        for pod in dest.pods:
+        for pod, host in zip(dest.pods, hosts, strict=True):
             # The destination's other pods stand by, so a retry of a request pinned to a
             # pod that is down lands on one of them (see _route_config).
-            others = [(p.host, p.port, w) for p, w in zip(dest.pods, weights, strict=True)]
             clusters.append(
                 _cluster(
                     pod.cluster,
-                    [(pod.host, pod.port, None)],
-                    standby=[o for o, p in zip(others, dest.pods, strict=True) if p != pod],
+                    [host._replace(weight=None)],
+                    standby=[h for h in hosts if h is not host],
                     circuit_breakers=_circuit_breakers(),
                     **_tls(dest, ca_file, pod),
                     **_upstream_key(dest),
@@ -396,8 +414,7 @@ def _endpoint_clusters(
                     f"pod {pod.key}: endpoint mode needs pods given by IP address "
                     f"(as from EndpointSlices), got {pod.host!r}; use upstream mode cluster"
                 )
-        weights = _lb_weights(dest.pods)
-        hosts: Endpoints = [(p.host, p.port, w) for p, w in zip(dest.pods, weights, strict=True)]
+        hosts = _pod_hosts(dest)
         extra: dict[str, Any] = {}
         if (found := dest.discovery) is not None:
             # Pods found at run time: Envoy resolves the same name, every address a
@@ -408,7 +425,7 @@ def _endpoint_clusters(
                     f"destination {dest.id}: discovery by port_name needs 'port' too, "
                     "for the port Envoy connects to"
                 )
-            hosts.append((found.hostname.rstrip("."), found.port, None))
+            hosts.append(Host(found.hostname.rstrip("."), found.port))
             extra["dns_refresh_rate"] = f"{found.interval_s if found.type == 'dns' else 5.0:g}s"
         clusters.append(
             _cluster(
@@ -443,12 +460,15 @@ def _ext_proc_cluster(
                 ],
             },
         }
-    endpoints: Endpoints = []
+    endpoints: list[Host] = []
     for address in replicas or [settings.listen]:
         host, port = split_host_port(address, "router.listen")
         # The server may bind a wildcard; Envoy must dial a concrete loopback address.
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-        endpoints.append((host, port, None))
+        endpoints.append(Host(host, port))
+    extra: dict[str, Any] = {}
+    if len(endpoints) > 1 or not cfg.is_ip(endpoints[0].host):
+        extra = _replica_health()
     # Several servers (listed, or a DNS name resolving to several): each stream to the
     # less busy of two drawn at random. Not round robin: with the observe-only filter
     # every request opens two streams, and with an even number of servers round robin
@@ -458,33 +478,108 @@ def _ext_proc_cluster(
         endpoints,
         lb_policy="LEAST_REQUEST",
         typed_extension_protocol_options=_http2_options(),
+        **extra,
+        **_ext_proc_tls(settings.ext_proc_tls),
     )
+
+
+def _replica_health() -> dict[str, Any]:
+    """Keep streams off a replica that is down. A dead one fails each stream at once,
+    so to least-request it looks the least busy and would take most of them: gRPC
+    health checks take it out within a second, and outlier detection at the first
+    failed connections, before the next check. No panic mode: with every replica out
+    a request fails as ``failure_mode`` says rather than go to a dead one."""
+    return {
+        "health_checks": [
+            {
+                "timeout": "0.5s",
+                "interval": "1s",
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "no_traffic_interval": "1s",
+                "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
+            }
+        ],
+        "outlier_detection": {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 2,
+            "consecutive_gateway_failure": 2,
+            "interval": "1s",
+            "base_ejection_time": "2s",
+            "max_ejection_percent": 100,
+        },
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+    }
+
+
+def _ext_proc_tls(tls: cfg.ExtProcTLS | None) -> dict[str, Any]:
+    """Envoy's side of mTLS to ace-extproc (``router.ext_proc_tls``): its client
+    certificate, and ace-extproc's checked against the CA (and name, if given)."""
+    if tls is None:
+        return {}
+    if not tls.client_cert_file:
+        raise cfg.ConfigError(
+            "router.ext_proc_tls: Envoy needs client_cert_file and client_key_file"
+        )
+    validation: dict[str, Any] = {"trusted_ca": {"filename": tls.ca_file}}
+    context: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": {
+            "tls_certificates": [
+                {
+                    "certificate_chain": {"filename": tls.client_cert_file},
+                    "private_key": {"filename": tls.client_key_file},
+                }
+            ],
+            "alpn_protocols": ["h2"],
+            "validation_context": validation,
+        },
+    }
+    if tls.server_name:
+        context["sni"] = tls.server_name
+        validation["match_typed_subject_alt_names"] = [
+            {"san_type": "DNS", "matcher": {"exact": tls.server_name}}
+        ]
+    return {"transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": context}}
 
 
 # ---------------------------------------------------------------- HTTP connection manager
 
 
-def _ext_proc_filter(processing_mode: str, message_timeout_s: float) -> dict[str, Any]:
-    return {
-        "name": "envoy.filters.http.ext_proc",
-        "typed_config": {
-            "@type": "type.googleapis.com/"
-            "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
-            "stat_prefix": "ace",
-            # Fail-open: if ace-extproc is down or slow, the request goes on unpinned
-            # (fully so in buffered mode only; see envoy/README.md).
-            "failure_mode_allow": True,
-            "processing_mode": dict(PROCESSING_MODES[processing_mode]),
-            "message_timeout": _duration(message_timeout_s, "message_timeout"),
-            # ext_proc may switch response processing on for a single request.
-            "allow_mode_override": True,
-            "metadata_options": {"receiving_namespaces": {"untyped": list(METADATA_NAMESPACES)}},
-        },
+def _grpc_service(settings: cfg.Settings) -> dict[str, Any]:
+    """How both ext_proc filters reach ace-extproc, with the token that says the
+    stream is Envoy's (peer.py)."""
+    service: dict[str, Any] = {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}}
+    token = peer.token(settings)
+    if token is not None:
+        service["initial_metadata"] = [{"key": peer.METADATA_KEY, "value": token}]
+    return service
+
+
+def _ext_proc_filter(
+    settings: cfg.Settings, processing_mode: str, message_timeout_s: float
+) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": _grpc_service(settings),
+        "stat_prefix": "ace",
+        # Fail-open: if ace-extproc is down or slow, the request goes on unpinned
+        # (fully so in buffered mode only; see envoy/README.md). Closed where tenants or
+        # keys are configured (router.failure_mode): such a request would go on
+        # neither checked nor salted, so it is refused with a 503.
+        "failure_mode_allow": not settings.fails_closed,
+        "processing_mode": dict(PROCESSING_MODES[processing_mode]),
+        "message_timeout": _duration(message_timeout_s, "message_timeout"),
+        # ext_proc may switch response processing on for a single request.
+        "allow_mode_override": True,
+        "metadata_options": {"receiving_namespaces": {"untyped": list(METADATA_NAMESPACES)}},
     }
+    if settings.fails_closed:
+        config["status_on_error"] = {"code": "ServiceUnavailable"}
+    return {"name": "envoy.filters.http.ext_proc", "typed_config": config}
 
 
-def _observe_filter(usage_capture: bool) -> dict[str, Any]:
+def _observe_filter(settings: cfg.Settings) -> dict[str, Any]:
     """The observe-only filter (observe.py): Envoy sends it each response without
     waiting for an answer, with the routing filter's ``ace`` metadata and the host
     that answered, so it delays nothing. With usage capture it also gets the body."""
@@ -493,7 +588,7 @@ def _observe_filter(usage_capture: bool) -> dict[str, Any]:
         "typed_config": {
             "@type": "type.googleapis.com/"
             "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
+            "grpc_service": _grpc_service(settings),
             "stat_prefix": "ace_observe",
             "observability_mode": True,
             "failure_mode_allow": True,
@@ -502,7 +597,7 @@ def _observe_filter(usage_capture: bool) -> dict[str, Any]:
                 "request_body_mode": "NONE",
                 "request_trailer_mode": "SKIP",
                 "response_header_mode": "SEND",
-                "response_body_mode": "STREAMED" if usage_capture else "NONE",
+                "response_body_mode": "STREAMED" if settings.usage_capture else "NONE",
                 "response_trailer_mode": "SKIP",
             },
             "metadata_options": {"forwarding_namespaces": {"untyped": ["ace"]}},
@@ -688,9 +783,12 @@ def _http_connection_manager(
             "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
         },
     }
-    filters = [_ext_proc_filter(processing_mode, message_timeout_s)] if ext_proc else []
-    if ext_proc and config.settings.observe_responses:
-        filters.append(_observe_filter(config.settings.usage_capture))
+    s = config.settings
+    filters = [_ext_proc_filter(s, processing_mode, message_timeout_s)] if ext_proc else []
+    if ext_proc and s.observe_responses:
+        filters.append(_observe_filter(s))
+    if s.tenants.header is not None:  # only an auth filter of Envoy's may set it
+        stripped = (*stripped, s.tenants.header)
     return {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
@@ -698,6 +796,12 @@ def _http_connection_manager(
             "http_connection_manager.v3.HttpConnectionManager",
             "stat_prefix": "ace_ingress",
             "codec_type": "AUTO",
+            # The path as the engine will serve it, before any filter or route looks:
+            # /v1/%63hat/completions, //v1/chat/./completions and /v1%2Fchat%2Fcompletions
+            # are the chat path to an engine's server, so they must be to ace-extproc.
+            "normalize_path": True,
+            "merge_slashes": True,
+            "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
             # Runs before route selection; the header_mutation *filter* would be too late
             # for cluster_header routing (the route is already chosen by then).
             "early_header_mutation_extensions": [

@@ -247,21 +247,40 @@ def response_replaced(body: bytes) -> ProcessingResponse:
 
 
 def duplex_decided(
-    outcome: Outcome, client_upstream: bool, body: bytes
+    outcome: Outcome,
+    client_upstream: bool,
+    body: bytes,
+    ended: bool = True,
+    has_body: bool = True,
 ) -> list[ProcessingResponse]:
-    """Full-duplex streamed mode: the held headers answer, then the body streamed back
-    in chunks (Envoy forwards only what the processor returns)."""
+    """Full-duplex streamed mode: the held headers answered, then the body so far (the
+    rewritten one, if any) streamed back in chunks, the last saying whether the body
+    ``ended`` there (Envoy forwards only what the processor returns). A request
+    without a body (``has_body`` False) gets the headers answer alone."""
     if outcome.reject_status:
         return [immediate(outcome)]
     headers = ProcessingResponse()
     picked = _fill(headers.request_headers.response, outcome, client_upstream, False)
     out = [_with_metadata(headers, outcome, picked)]
+    if not has_body:
+        return out
     data = outcome.body if outcome.body is not None else body
+    if not data and not ended:
+        return out  # nothing yet: the chunks follow as they come
     view = memoryview(data)
     for start in range(0, max(len(data), 1), STREAM_CHUNK):
-        chunk = ProcessingResponse()
-        streamed = chunk.request_body.response.body_mutation.streamed_response
-        streamed.body = bytes(view[start : start + STREAM_CHUNK])
-        streamed.end_of_stream = start + STREAM_CHUNK >= len(data)
-        out.append(chunk)
+        out.append(
+            streamed_chunk(
+                view[start : start + STREAM_CHUNK], ended and start + STREAM_CHUNK >= len(data)
+            )
+        )
     return out
+
+
+def streamed_chunk(data: bytes | memoryview, end_of_stream: bool) -> ProcessingResponse:
+    """Full-duplex: one chunk of the request body, going on to the upstream."""
+    chunk = ProcessingResponse()
+    streamed = chunk.request_body.response.body_mutation.streamed_response
+    streamed.body = bytes(data)
+    streamed.end_of_stream = end_of_stream
+    return chunk

@@ -9,8 +9,9 @@ really answered as the ``upstream.address`` attribute. From those, per response:
 * **passive health**: a pod's own 5xx, or Envoy's report that it timed out, reset or
   could not be reached, counts a failure against it; any other answer a success; a
   pinned pod that Envoy retried away from counts a failure too. Envoy's own refusals
-  (overflow, no route) count for nothing. The monitor applies its thresholds, as
-  for active probes.
+  (overflow, no route) count for nothing, nor do the answers to bodies the router
+  already found malformed (a client can make an engine fail on purpose). The
+  outlier detector (``routing/outlier.py``) decides what the failures mean.
 * **reuse, estimated and reported**: the router's estimate of the prefill it saved
   against ``usage.prompt_tokens_details.cached_tokens`` as the engine reported it,
   per mode, so shadow mode shows what default routing really reused next to what
@@ -24,14 +25,12 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
+from ace_extproc.request import BODY_FAULTS
 from ace_extproc.routing.fleet import FleetState
-
-if TYPE_CHECKING:
-    from ace_extproc.routing.monitor import FleetMonitor
+from ace_extproc.routing.outlier import OutlierDetector
 
 log = logging.getLogger("ace_extproc.observe")
 
@@ -42,6 +41,10 @@ TAIL_BYTES = 8192
 # timeout (UT), remote reset (UR), connection failure (UF), connection termination
 # (UC). Others (overflow, no route, rate limits) are Envoy's verdicts, not the pod's.
 POD_FAULTS = (1 << 2) | (1 << 4) | (1 << 5) | (1 << 6)
+# The router's actions for bodies it found malformed: their answers are the client's doing.
+CLIENT_FAULTS = frozenset(
+    f"{prefix}_{reason}" for prefix in ("bypass", "reject") for reason in BODY_FAULTS
+)
 _PROMPT = re.compile(rb'"prompt_tokens":\s*(\d+)')
 _CACHED = re.compile(rb'"cached_tokens":\s*(\d+)')
 
@@ -139,11 +142,11 @@ class Observation:
 
 
 class Observer:
-    """Turns finished observations into health reports and ledger entries."""
+    """Turns finished observations into passive health reports and ledger entries."""
 
-    def __init__(self, fleet: FleetState) -> None:
+    def __init__(self, fleet: FleetState, outliers: OutlierDetector) -> None:
         self.fleet = fleet
-        self.monitor: FleetMonitor | None = None  # set by server.start
+        self.outliers = outliers
         self.ledger = Ledger()
         self._by_address: dict[str, int] = {}
         self._seen = -1  # the fleet's membership version _by_address was built at
@@ -165,15 +168,17 @@ class Observer:
         pinned = fleet.slot_of(obs.pinned) if obs.pinned else None
         if answered is None and obs.status and pinned is not None and not obs.upstream:
             answered = pinned  # no attribute: trust the pin
-        monitor = self.monitor
-        if monitor is not None and obs.status:
+        if obs.status and obs.action not in CLIENT_FAULTS:
+            outliers = self.outliers
             faulted = bool(obs.flags & POD_FAULTS)
             if answered is not None:
                 if obs.status < 500:
-                    monitor.report_success(answered)
-                elif faulted or not obs.flags:  # the pod's own 5xx, or it failed
-                    monitor.report_failure(answered)
+                    outliers.success(answered)
+                elif faulted:  # no answer of its own: unreachable, reset, timed out
+                    outliers.failure(answered, 0)
+                elif not obs.flags:  # the pod's own 5xx
+                    outliers.failure(answered, obs.status)
             if pinned is not None and pinned != answered and (faulted or answered is not None):
-                monitor.report_failure(pinned)  # Envoy retried away from it
+                outliers.failure(pinned, 0)  # Envoy retried away from it
         pod_key = fleet.pods[answered].key if answered is not None else None
         self.ledger.add(obs, pod_key)

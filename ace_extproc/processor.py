@@ -22,6 +22,7 @@ from ace_extproc.observe import Observer
 from ace_extproc.prefix import PrefixHashes, cache_prefix_id, hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, Picker, RoutingRequest, policies
 from ace_extproc.routing.fleet import ADDED, RETIRED
+from ace_extproc.routing.outlier import OutlierDetector
 from ace_extproc.routing.placements import PrefixPlacements
 from ace_extproc.routing.policies import PickerFactory
 from ace_extproc.speedups import native
@@ -86,6 +87,9 @@ class RequestContext:
     session: str | None = None  # x-session-id or x-user-id
     outcome: Outcome | None = None  # set when the headers alone decide
     execute: bool = False  # the native API (execute.py): its response is enveloped
+    # Decided by the headers not to route (mode off, a bad override), but the body is
+    # still wanted: where tenants are configured it goes on salted (Processor._seal).
+    unrouted: str | None = None
 
 
 def _bypass(mode: Mode, reason: str) -> Outcome:
@@ -105,8 +109,10 @@ class Processor:
         self.ttft = ttft_models(config.fleet, config.settings)
         # Set by server.start: keeps fleet.load and fleet.available fresh.
         self.monitor: FleetMonitor | None = None
-        # What became of the requests (the observe-only filter's reports).
-        self.observer = Observer(self.fleet)
+        # What became of the requests (the observe-only filter's reports), and the pods
+        # taken out for failing them.
+        self.outliers = OutlierDetector(self.fleet, config.settings.passive_health)
+        self.observer = Observer(self.fleet, self.outliers)
         # Decisions and step times, read by the metrics endpoint (telemetry.py).
         self.telemetry = Telemetry(config.settings, self.fleet, self.index, lambda: self.monitor)
         self.telemetry.ledger = self.observer.ledger
@@ -129,6 +135,8 @@ class Processor:
         for slot in range(len(self.fleet.pods)):
             self._bound_index(slot)
         self._endpoint = config.settings.upstream_mode == "endpoint"
+        # Tenants configured: no request reaches an engine without its tenant's salt.
+        self._isolated = config.settings.tenants.isolated
         # Each destination's own key, as the header it goes in (made once, not per request).
         self._upstream_auth = {
             d.id: f"Bearer {d.api_key}".encode() for d in config.fleet.destinations if d.api_key
@@ -164,7 +172,7 @@ class Processor:
 
     def _headers(self, headers: Mapping[str, str], end_of_stream: bool) -> RequestContext:
         s = self.settings
-        path = headers.get(":path", "").partition("?")[0]
+        path = req.canonical_path(headers.get(":path", ""))
         ctx = RequestContext(
             path,
             s.mode,
@@ -172,6 +180,16 @@ class Processor:
             UPSTREAM_HEADER in headers,
             headers.get("x-session-id") or headers.get("x-user-id"),
         )
+        # Who is asking comes first, whatever the path, method or mode: nothing a
+        # client sends gets a request past the key check.
+        try:
+            ctx.tenant = self.tenants.resolve(
+                headers.get("authorization"), headers.get(s.tenants.header or "")
+            )
+        except (UnknownKey, MissingKey) as exc:
+            missing = isinstance(exc, MissingKey)
+            ctx.outcome = _auth_failure(s.mode, "missing_key" if missing else "unknown_key")
+            return ctx
         if path == execute.PATH:
             ctx.execute = True
             if end_of_stream:  # the envelope is the request: without one, a 400 now
@@ -184,32 +202,42 @@ class Processor:
         if headers.get(":method") != "POST":
             ctx.outcome = _bypass(s.mode, "method")
             return ctx
+        bad_override = None
         override = headers.get(OVERRIDE_HEADER)
-        if override is not None and s.allow_mode_override:
+        if override is not None and s.may_override(ctx.tenant):
             try:
                 ctx.mode = _parse_override(override, s.mode)
             except _BadOverride as exc:
-                ctx.outcome = _bypass(s.mode, exc.reason)
-                return ctx
-        if ctx.mode is Mode.OFF and not ctx.execute:  # an envelope may still turn it on
-            ctx.outcome = Outcome(Mode.OFF, "off")
-            return ctx
-        try:
-            ctx.tenant = self.tenants.resolve(
-                headers.get("authorization"), headers.get(s.tenants.header or "")
-            )
-        except (UnknownKey, MissingKey) as exc:
-            known = isinstance(exc, MissingKey)
-            ctx.outcome = _auth_failure(ctx.mode, "missing_key" if known else "unknown_key")
-            return ctx
+                bad_override = f"bypass_{exc.reason}"
+        # No JSON body, so nothing to route or salt: the engine refuses these anyway.
         content_type = headers.get("content-type", "application/json").lower()
         if "json" not in content_type:
             ctx.outcome = _bypass(ctx.mode, "content_type")
         elif end_of_stream:
             ctx.outcome = _bypass(ctx.mode, "empty_body")
         elif _int(headers.get("content-length")) > s.max_body_bytes:
-            ctx.outcome = _bypass(ctx.mode, "too_large")
+            ctx.outcome = self._too_large(ctx.mode)
+        elif bad_override is not None:
+            self._unrouted(ctx, bad_override)
+        elif ctx.mode is Mode.OFF and not ctx.execute:  # an envelope may still turn it on
+            self._unrouted(ctx, "off")
         return ctx
+
+    def _unrouted(self, ctx: RequestContext, action: str) -> None:
+        """The headers decided not to route. With tenants, the body is still needed, to
+        salt; without, Envoy need not send it."""
+        if self._isolated:
+            ctx.unrouted = action
+        else:
+            ctx.outcome = Outcome(ctx.mode, action)
+
+    def _too_large(self, mode: Mode) -> Outcome:
+        """A body past ``max_body_bytes`` cannot be read, so not salted either: refused
+        where tenants are configured, else passed on unrouted."""
+        if not self._isolated:
+            return _bypass(mode, "too_large")
+        message = f"request body over the gateway's limit of {self.settings.max_body_bytes} bytes"
+        return _reject(mode, "reject_too_large", 413, message, "invalid_request_error")
 
     # -------------------------------------------------------------- body phase
 
@@ -219,6 +247,30 @@ class Processor:
         start = perf_counter_ns()
         outcome = self._execute(ctx, body) if ctx.execute else self._route(ctx, body)
         self._count(ctx, outcome, perf_counter_ns() - start)
+        return outcome
+
+    def too_large(self, ctx: RequestContext) -> Outcome:
+        """The decision for a streamed body found over ``max_body_bytes`` before its end
+        (full-duplex: the server holds no more of it)."""
+        outcome = self._too_large(ctx.mode)
+        self._count(ctx, outcome, 0)
+        return outcome
+
+    def internal_error(self, ctx: RequestContext | None) -> Outcome:
+        """The decision after a bug of ours: the request goes on unrouted, or where
+        tenants are configured, is refused, since it could not then be salted."""
+        mode = ctx.mode if ctx is not None else self.settings.mode
+        if self._isolated:
+            outcome = _reject(
+                mode,
+                "reject_internal_error",
+                500,
+                "the gateway failed on this request",
+                "internal_error",
+            )
+        else:
+            outcome = _bypass(mode, "internal_error")
+        self.telemetry.decision(mode, outcome.action, ctx.tenant if ctx is not None else "")
         return outcome
 
     def _count(self, ctx: RequestContext, outcome: Outcome, latency_ns: int) -> None:
@@ -244,13 +296,12 @@ class Processor:
             chat, mode = execute.to_chat(body)
         except execute.EnvelopeError as exc:
             return _invalid_envelope(ctx.mode, exc)
-        if mode is not None and self.settings.allow_mode_override and ctx.outcome is None:
+        decided = ctx.outcome is not None or ctx.unrouted is not None
+        if mode is not None and not decided and self.settings.may_override(ctx.tenant):
             ctx.mode = mode
         ctx.path = req.CHAT_PATH
         if ctx.outcome is not None:
-            outcome = ctx.outcome
-        elif ctx.mode is Mode.OFF:
-            outcome = Outcome(Mode.OFF, "off")
+            outcome = self._seal(ctx, ctx.outcome, chat)
         else:
             outcome = self._route(ctx, chat)
         outcome.path = req.CHAT_PATH
@@ -262,17 +313,21 @@ class Processor:
         if ctx.outcome is not None:
             return ctx.outcome
         mode = ctx.mode
+        if ctx.unrouted is not None:
+            return self._seal(ctx, Outcome(mode, ctx.unrouted), body)
+        if mode is Mode.OFF:
+            return self._seal(ctx, Outcome(mode, "off"), body)
         if len(body) > self.settings.max_body_bytes:
-            return _bypass(mode, "too_large")
+            return self._too_large(mode)
         started = perf_counter_ns()
         try:
             parsed = req.parse(ctx.path, body)
         except req.RequestError as exc:
             log.debug("bypass: %s (%s)", exc.reason, exc)  # counted, and logged, as anomaly
-            return _bypass(mode, exc.reason)
+            return self._seal(ctx, _bypass(mode, exc.reason), body, error=exc)
         destination = self.fleet.destination_for(parsed.model)
         if destination is None:
-            return _bypass(mode, "unknown_model")
+            return self._seal(ctx, _bypass(mode, "unknown_model"), body, parsed)
         s = self.settings
         parsed_at = perf_counter_ns()
         hashes = hash_prompt(
@@ -287,7 +342,7 @@ class Processor:
             self.monitor.drain()
         pick = self.picker.pick(routing, self.fleet.candidates(destination))
         if pick is None:
-            return _bypass(mode, "no_pod")
+            return self._seal(ctx, _bypass(mode, "no_pod"), body, parsed, destination)
         if self.placements is not None:
             self.placements.note(hashes.prefix_key, pick.slot)
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
@@ -332,12 +387,53 @@ class Processor:
                 strip = parsed.has_router_fields and not destination.hosted
                 outcome.body = rewrite_body(body, fields, strip)
             rewrite_ns = perf_counter_ns() - picked_at
+        else:  # shadow: decided and reported, not pinned; salted all the same
+            self._seal(ctx, outcome, body, parsed, destination)
         outcome.steps_ns = (
             parsed_at - started,
             hashed_at - parsed_at,
             picked_at - hashed_at,
             rewrite_ns,
         )
+        return outcome
+
+    def _seal(
+        self,
+        ctx: RequestContext,
+        outcome: Outcome,
+        body: bytes,
+        parsed: req.ParsedRequest | None = None,
+        destination: Destination | None = None,
+        error: req.RequestError | None = None,
+    ) -> Outcome:
+        """A request going on unrouted (off, shadow, any bypass) where tenants are
+        configured: it still carries its tenant's salt and never the client's cache
+        fields, so no path reaches an engine's cache outside the tenant's namespace. A
+        body that is not a JSON object cannot be salted, nor served by an engine:
+        refused (400). ``destination``: where it goes, if known (else Envoy's
+        default route's); ``error``: why ``parsed`` is missing, if it was tried."""
+        if not self._isolated or outcome.reject_status:
+            return outcome
+        if (destination or self.fleet.fleet.default).hosted:
+            return outcome  # a hosted API takes no engine fields (see _body_fields)
+        strip = True
+        if parsed is None and error is None:
+            try:
+                parsed = req.parse(ctx.path, body)
+            except req.RequestError as exc:
+                error = exc
+        if parsed is not None:
+            strip = parsed.has_router_fields
+        elif error is not None and error.reason not in _OBJECT_ERRORS:
+            return _reject(
+                outcome.mode,
+                f"reject_{error.reason}",
+                400,
+                f"the request body is not a JSON object ({error})",
+                "invalid_request_error",
+            )
+        fields = f'"cache_salt":"{self.tenants.salt(ctx.tenant)}"'
+        outcome.body = rewrite_body(body, fields, strip)
         return outcome
 
     def _body_fields(
@@ -381,15 +477,20 @@ def rewrite_body(body: bytes, fields: str, strip_client_fields: bool) -> bytes:
 
     The common case splices them in after the opening brace, leaving the client's
     bytes as they were; only a body carrying its own ``cache_salt`` or
-    ``cache_prefix_id`` is decoded and re-encoded, so the client's values are gone
-    rather than shadowed by a duplicate key.
+    ``cache_prefix_id`` (however its key is spelled: escapes, repeats) is re-encoded
+    without them, every other value's bytes kept as they were, so the client's
+    values are gone rather than shadowed by a duplicate key.
     """
     if strip_client_fields:
-        obj = msgspec.json.decode(body)
+        obj = _raw_object.decode(body)
         for name in req.ROUTER_FIELDS:
             obj.pop(name, None)
         body = msgspec.json.encode(obj)
     return splice(body, fields)
+
+
+# A JSON object's members, each value left as its bytes.
+_raw_object = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
 def splice_pure(body: bytes, fields: str) -> bytes:
@@ -436,14 +537,19 @@ def _invalid_envelope(mode: Mode, error: execute.EnvelopeError) -> Outcome:
 
 
 def _auth_failure(mode: Mode, reason: str) -> Outcome:
-    # In shadow the router must not change what happens to a request: report only.
-    if mode is not Mode.PROD:
-        return _bypass(mode, reason)
+    # In every mode: shadow and off change how a request is routed, not who may send it.
     message = "missing API key" if reason == "missing_key" else "invalid API key"
-    body = msgspec.json.encode(
-        {"error": {"message": message, "type": "authentication_error", "code": 401}}
-    )
-    return Outcome(mode, f"reject_{reason}", reject_status=401, reject_body=body)
+    return _reject(mode, f"reject_{reason}", 401, message, "authentication_error")
+
+
+def _reject(mode: Mode, action: str, status: int, message: str, kind: str) -> Outcome:
+    """Answered by the gateway itself, with an OpenAI-style error body."""
+    body = msgspec.json.encode({"error": {"message": message, "type": kind, "code": status}})
+    return Outcome(mode, action, reject_status=status, reject_body=body)
+
+
+# Parse failures of a body that is still a JSON object: it can be salted as it is.
+_OBJECT_ERRORS = frozenset({"invalid_body", "empty_prompt"})
 
 
 def _int(value: str | None) -> int:

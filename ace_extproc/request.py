@@ -18,6 +18,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import msgspec
 
@@ -34,6 +35,27 @@ ROUTABLE_PATHS = frozenset((CHAT_PATH, COMPLETIONS_PATH))
 
 # Fields the router owns: a client's value is never trusted or forwarded.
 ROUTER_FIELDS = ("cache_salt", "cache_prefix_id")
+
+
+def canonical_path(raw: str) -> str:
+    """A request's ``:path`` as an engine's server matches it, or more loosely: no
+    query, percent-escapes decoded (uvicorn serves ``/v1/%63hat/completions`` as the
+    chat path), repeated slashes merged, dot segments resolved. Envoy normalizes the
+    same way before routing where its config is ours (``normalize_path``); this holds
+    where it is not. Erring towards "an API path" only costs a salt on a 404."""
+    path = raw.partition("?")[0].partition("#")[0]
+    if "%" not in path and "//" not in path and "/." not in path:
+        return path
+    decoded = unquote(path)
+    parts: list[str] = []
+    for segment in decoded.split("/"):
+        if segment == "..":
+            if parts:
+                parts.pop()
+        elif segment and segment != ".":
+            parts.append(segment)
+    trailing = decoded.endswith(("/", "/.", "/..")) and parts
+    return "/" + "/".join(parts) + ("/" if trailing else "")
 
 
 class Function(msgspec.Struct):
@@ -83,6 +105,14 @@ class CompletionBody(_RouterFields):
 
 _chat_decoder = msgspec.json.Decoder(ChatBody)
 _completion_decoder = msgspec.json.Decoder(CompletionBody)
+
+
+# Every RequestError reason: a body the client got wrong (not_utf8 comes from a decode
+# error's message). The engine answers these with an error of its own, which says
+# nothing of the engine's health (observe.py).
+BODY_FAULTS = frozenset(
+    {"bad_json", "not_utf8", "not_object", "invalid_body", "empty_body", "empty_prompt"}
+)
 
 
 class RequestError(ValueError):
@@ -140,7 +170,7 @@ def parse_pure(path: str, body: bytes) -> ParsedRequest:
             return _parse_chat(path, _chat_decoder.decode(body))
         return _parse_completion(path, _completion_decoder.decode(body))
     except msgspec.ValidationError as exc:
-        if str(exc).startswith("Expected `object`, got"):
+        if " - at `$" not in str(exc):  # the body itself, not a field of it
             raise RequestError("not_object", "body is JSON but not an object") from None
         raise RequestError("invalid_body", str(exc)) from None
     except msgspec.DecodeError as exc:

@@ -20,8 +20,10 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import replace
+from pathlib import Path
 from typing import TypeAlias
 
 import grpc
@@ -38,10 +40,11 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ace_extproc import config as config_mod
-from ace_extproc import execute, mutate, speedups
+from ace_extproc import execute, mutate, peer, speedups
 from ace_extproc import telemetry as tm
 from ace_extproc.admin import serve_admin
-from ace_extproc.config import Config, ConfigError, Mode
+from ace_extproc.config import Config, ConfigError, ExtProcTLS, Mode
+from ace_extproc.envoy_config import EXT_PROC_SERVICE
 from ace_extproc.logs import configure_logging
 from ace_extproc.mutate import Answer
 from ace_extproc.observe import Observation
@@ -54,7 +57,7 @@ from ace_extproc.routing.replicas import Learner, ReplicaSync, redacted_url
 log = logging.getLogger("ace_extproc")
 
 _DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
-_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+_SERVICE = EXT_PROC_SERVICE
 _UNASKED = {
     "response_headers": ProcessingResponse(response_headers=HeadersResponse()),
     "response_body": ProcessingResponse(response_body=BodyResponse()),
@@ -73,10 +76,17 @@ def _receive(data: bytes) -> Received:
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, processor: Processor) -> None:
         self.processor = processor
+        self.token = peer.token(processor.settings)
+        self._refused_logged_at = -60.0
 
     async def Process(
-        self, request_iterator: AsyncIterator[Received], context: object
+        self, request_iterator: AsyncIterator[Received], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Answer]:
+        if self.token is not None and not peer.presented(
+            context.invocation_metadata() or (), self.token
+        ):
+            self._refused(context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not Envoy's stream")
         stream = _Stream(self.processor)
         try:
             async for message, raw in request_iterator:
@@ -89,17 +99,32 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         finally:
             stream.close()
 
+    def _refused(self, who: str) -> None:
+        now = time.monotonic()
+        if now - self._refused_logged_at >= 60:  # once a minute: a flood is one story
+            self._refused_logged_at = now
+            log.warning(
+                "ext_proc: refused a stream from %s without Envoy's token (%s); is this "
+                "Envoy rendered from the same salt secret?",
+                who,
+                peer.METADATA_KEY,
+            )
+
 
 class _Stream:
     """State of one request's stream."""
 
     __slots__ = (
+        "buffered",
         "chunks",
         "ctx",
         "duplex",
+        "ended",
+        "has_body",
         "observed",
         "observed_all",
         "outcome",
+        "passing",
         "processor",
         "status",
     )
@@ -108,7 +133,11 @@ class _Stream:
         self.processor = processor
         self.ctx: RequestContext | None = None
         self.duplex = False
-        self.chunks: list[bytes] = []
+        self.chunks: list[bytes] = []  # full-duplex: the body so far, while deciding
+        self.buffered = 0  # their total size
+        self.passing = False  # full-duplex: headers answered; body chunks go back as they came
+        self.ended = False  # the request's last message (headers or body) has been seen
+        self.has_body = True  # the headers did not end the request
         self.observed: Observation | None = None
         self.observed_all = False  # an observe stream whose response has been seen
         self.outcome: Outcome | None = None  # the decision, for the native API's envelope
@@ -132,9 +161,9 @@ class _Stream:
                     return self._on_response_headers(msg)
                 if kind == "response_body":
                     return self._on_response_body(msg)
-        except Exception:  # a bug here must cost a decision, never the request
+        except Exception as exc:  # a bug here must cost a decision, never the request
             log.exception("ext_proc: failed on %s; passing the request through", kind)
-            return self._pass_through(kind)
+            return self._failed(kind, exc)
         # Phases this server does not ask for: answer so Envoy never waits on us.
         unasked = _UNASKED.get(kind or "")
         return [unasked] if unasked is not None else []
@@ -143,6 +172,8 @@ class _Stream:
         if msg.HasField("protocol_config"):
             self.duplex = msg.protocol_config.request_body_mode == _DUPLEX
         http = msg.request_headers
+        self.ended = http.end_of_stream
+        self.has_body = not http.end_of_stream
         headers = request_headers(msg, raw)
         self.ctx = ctx = self.processor.on_headers(headers, http.end_of_stream)
         if ctx.execute and not (ctx.outcome and ctx.outcome.reject_status):
@@ -151,6 +182,8 @@ class _Stream:
                 return [mutate.immediate(execute_unavailable(ctx.mode))]
             return [mutate.EXECUTE_HEADERS]
         if self.duplex:
+            if ctx.outcome is not None:  # decided now: the body need not wait for it
+                return self._pass(ctx.outcome, b"", False)
             if not http.end_of_stream:
                 return []  # answered once the body is complete
             return self._decide(b"")
@@ -160,19 +193,38 @@ class _Stream:
 
     def _on_body(self, msg: ProcessingRequest) -> list[Answer]:
         http = msg.request_body
+        self.ended = http.end_of_stream
         if not self.duplex:
             return self._decide(http.body)
+        if self.passing:
+            return [mutate.streamed_chunk(http.body, http.end_of_stream)]
         self.chunks.append(http.body)
+        self.buffered += len(http.body)
+        if self.buffered > self.processor.settings.max_body_bytes and self.ctx is not None:
+            # Held no further: refused where it cannot be salted, else let through as is.
+            body, self.chunks = b"".join(self.chunks), []
+            return self._pass(self.processor.too_large(self.ctx), body, http.end_of_stream)
         if not http.end_of_stream:
             return []
         return self._decide(b"".join(self.chunks))
 
     def _on_trailers(self) -> list[Answer]:
         # Trailers end a full-duplex body that did not say end_of_stream itself.
-        out = self._decide(b"".join(self.chunks)) if self.duplex and self.chunks else []
+        self.ended = True
+        out = self._decide(b"".join(self.chunks)) if self.duplex and not self.passing else []
         self.chunks = []
         out.append(ProcessingResponse(request_trailers=TrailersResponse()))
         return out
+
+    def _pass(self, outcome: Outcome, body: bytes, ended: bool) -> list[Answer]:
+        """Full-duplex: the headers answered with a decision reached before the body's
+        end (``ended`` False), or at it; what came of the body so far goes back now,
+        the rest as it arrives."""
+        if outcome.reject_status:
+            return [mutate.immediate(outcome)]
+        self.passing = True
+        client_upstream = self.ctx.client_upstream if self.ctx is not None else False
+        return mutate.duplex_decided(outcome, client_upstream, body, ended, self.has_body)
 
     def _decide(self, body: bytes) -> list[Answer]:
         ctx = self.ctx
@@ -181,7 +233,7 @@ class _Stream:
         outcome = self.outcome = self.processor.on_body(ctx, body)
         if self.duplex:
             self.chunks = []
-            return mutate.duplex_decided(outcome, ctx.client_upstream, body)
+            return self._pass(outcome, body, True)
         return [mutate.body_answer(outcome, ctx.client_upstream)]
 
     def _on_response_headers(self, msg: ProcessingRequest) -> list[Answer]:
@@ -234,18 +286,29 @@ class _Stream:
             except Exception:
                 log.exception("observe: failed to record a response")
 
-    def _pass_through(self, kind: str | None) -> list[Answer]:
-        outcome = Outcome(self.ctx.mode if self.ctx else Mode.OFF, "bypass_internal_error")
-        self.processor.telemetry.bypass(outcome.mode.value, "internal_error")
-        if self.duplex:
+    def _failed(self, kind: str | None, error: Exception) -> list[Answer]:
+        """The answer after a bug: the message's own phase answered, and the request
+        passed on unrouted, or refused where it could not then be salted."""
+        if kind not in _REQUEST_PHASES:  # a response phase: let it through as it is
+            self.outcome = None
+            unasked = _UNASKED.get(kind or "")
+            return [unasked] if unasked is not None else []
+        outcome = self.processor.internal_error(self.ctx)
+        if not self.duplex:
             if kind == "request_headers":
-                return []
-            body = b"".join(self.chunks)
-            self.chunks = []
-            return mutate.duplex_decided(outcome, False, body)
-        if kind == "request_headers":
-            return [mutate.headers_decided(outcome, False)]
-        return [mutate.body_answer(outcome, False)]
+                return [mutate.headers_decided(outcome, False)]
+            return [mutate.body_answer(outcome, False)]
+        if self.passing:  # headers answered, body under way: only ending the stream can say
+            raise error
+        body, self.chunks = b"".join(self.chunks), []
+        ended = kind == "request_trailers" or self.ended
+        out = self._pass(outcome, body, ended)
+        if kind == "request_trailers":
+            out.append(ProcessingResponse(request_trailers=TrailersResponse()))
+        return out
+
+
+_REQUEST_PHASES = frozenset({"request_headers", "request_body", "request_trailers"})
 
 
 def header_map_pure(headers: HeaderMap) -> dict[str, str]:
@@ -317,7 +380,7 @@ async def start(
     _add_processor(ExternalProcessor(processor), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if s.listen and server.add_insecure_port(s.listen) == 0:
+    if s.listen and _add_port(server, s.listen, s.ext_proc_tls) == 0:
         raise OSError(f"cannot listen on {s.listen}")
     if s.uds:
         server.add_insecure_port(f"unix:{s.uds}")
@@ -325,7 +388,6 @@ async def start(
     if s.probe_interval_s > 0 and processor.monitor is None:
         processor.monitor = FleetMonitor(processor.fleet, processor.index, s)
         await processor.monitor.start()
-    processor.observer.monitor = processor.monitor  # passive health reports
     if not processor.discoveries:
         # After the monitor, which follows the pods discovery adds and removes.
         processor.discoveries = [
@@ -350,6 +412,25 @@ async def start(
     for name in ("", _SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer
+
+
+def _add_port(server: grpc.aio.Server, address: str, tls: ExtProcTLS | None) -> int:
+    """The TCP listener: with ``router.ext_proc_tls``, mTLS (only clients whose
+    certificate the CA signed get a stream)."""
+    if tls is None:
+        port: int = server.add_insecure_port(address)
+        return port
+    if not tls.cert_file:
+        raise ConfigError("router.ext_proc_tls: ace-extproc needs cert_file and key_file")
+    try:
+        ca, cert, key = (Path(p).read_bytes() for p in (tls.ca_file, tls.cert_file, tls.key_file))
+    except OSError as exc:
+        raise ConfigError(f"router.ext_proc_tls: {exc.filename}: {exc.strerror}") from None
+    credentials = grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=True
+    )
+    port = server.add_secure_port(address, credentials)
+    return port
 
 
 async def stop_discovery(processor: Processor) -> None:

@@ -32,7 +32,9 @@ from ace_extproc.config import Config, ConfigError
 from ace_extproc.latency import DEFAULT_MODEL, get_model
 from ace_extproc.procs import die_with_parent
 
-SERVED_BY = "x-ace-served-by"
+# Set on every answer ace-extproc gives, in any mode: its presence proves the request
+# went through it rather than failing open.
+TRACE_HEADER = "x-ace-trace-prefix-kv-cache"
 
 
 def envoy_binary() -> str:
@@ -300,8 +302,7 @@ class Stack:
             if self.options.fleet_path is None:
                 body = {"model": "sim-llama", "messages": [{"role": "user", "content": "ping"}]}
                 url = f"{self.url}/v1/chat/completions"
-                # x-ace-served-by proves the request went through ace-extproc, not fail-open.
-                await self._wait_http(http, url, "the request path", json=body, header=SERVED_BY)
+                await self._wait_http(http, url, "the request path", json=body, header=TRACE_HEADER)
             else:
                 await self._wait_http(http, f"{self.url}/v1/models", "the request path")
 

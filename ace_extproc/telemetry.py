@@ -193,11 +193,6 @@ class Telemetry(Collector):
             self._log(logging.DEBUG, "decision", mode, action, tenant, slot, prompt_tokens,
                       cached_tokens, latency_ns)  # fmt: skip
 
-    def bypass(self, mode: str, reason: str, tenant: str = "", latency_ns: int = 0) -> None:
-        """``decision(mode, "bypass_" + reason)``: for a bypass decided outside the
-        processor (the server's ``internal_error``)."""
-        self.decision(mode, "bypass_" + reason, tenant, latency_ns=latency_ns)
-
     def retire_slot(self, slot: int) -> None:
         """The pod that was in ``slot`` is gone and another takes the slot: its per-pod
         series end, and what it counted stays in the totals (under no pod), so no
@@ -433,10 +428,13 @@ class Telemetry(Collector):
         loads, capacities = list(fleet.load), list(fleet.capacity_tokens)
         # Health and drain masks where the fleet keeps them; else the monitor says.
         healthy: int | None = getattr(fleet, "healthy", None)
+        if healthy is not None:  # ejected by passive health is down too
+            healthy &= ~getattr(fleet, "ejected", 0)
         drained: int = getattr(fleet, "drained", 0)
         by_state = GaugeMetricFamily(
             "ace_pods",
-            "Pods by state: removed (left the fleet), down (failed health checks), drained "
+            "Pods by state: removed (left the fleet), down (failed health checks, or its "
+            "requests: passive health), drained "
             "(by an operator), available (taking new requests), unavailable (otherwise).",
             labels=["destination", "state"],
         )

@@ -2,7 +2,9 @@
 
 A tenant comes from the bearer token (looked up by its SHA-256 digest, so no raw
 key is held beyond the request, logged or echoed), or from a header set by a
-trusted upstream auth filter, or else is the anonymous tenant.
+trusted auth filter in Envoy (stripped from what clients send before any filter
+runs: ``envoy_config.py``), or else is the anonymous tenant. A presented key is
+checked first and settles it: an unknown one is refused whatever the header says.
 
 The cache salt is ``HMAC-SHA256(secret, tenant)`` in hex: 64 characters of
 ``[0-9a-f]``, within vLLM's rules (1..128 characters, no ``@ / \\`` or NUL). Engines
@@ -39,19 +41,15 @@ class Tenants:
         """The tenant id of a request, from its ``authorization`` header value and the
         value of the trusted tenant header (None when absent or not configured)."""
         cfg = self._config
-        if trusted is not None and cfg.header is not None and _TENANT_ID.match(trusted):
-            return trusted
-        if cfg.has_key_map:
-            token = _bearer(authorization)
-            if token is None:
-                if cfg.require_key:
-                    raise MissingKey
-                return cfg.anonymous
+        token = _bearer(authorization)
+        if token is not None and cfg.has_key_map:
             tenant = cfg.key_digests.get(hashlib.sha256(token.encode()).digest())
-            if tenant is None:
+            if tenant is None:  # never overridden by the trusted header
                 raise UnknownKey
             return tenant
-        if cfg.require_key and _bearer(authorization) is None:
+        if trusted is not None and cfg.header is not None and _TENANT_ID.match(trusted):
+            return trusted  # vouched for by the auth filter that set it
+        if cfg.require_key and token is None:
             raise MissingKey
         return cfg.anonymous
 

@@ -76,7 +76,7 @@ import yaml
 from ace_extproc import config as config_mod
 from ace_extproc import envoy_config
 from ace_extproc.config import Config
-from ace_extproc.stack import SERVED_BY, StackError, StackOptions, envoy_binary
+from ace_extproc.stack import TRACE_HEADER, StackError, StackOptions, envoy_binary
 from bench import peers
 
 # (ext_proc server, processing mode, observe filter) per Envoy variant: the default set.
@@ -260,7 +260,8 @@ class Bench(peers.PeerStack):
         path = self.workdir / "fleet.yaml"
         path.write_text(yaml.safe_dump(config_mod.fleet_to_dict(fleet)))
         await self._start_pods(fleet)
-        return config_mod.load(path)
+        # As the servers will read it: their environment is ours plus the options'.
+        return config_mod.load(path, env={**os.environ, **self.options.env})
 
     async def start_variant(
         self, name: str, config: Config, ports: list[int], peer_policy: str = "cache_aware"
@@ -314,7 +315,9 @@ class Bench(peers.PeerStack):
                 "max_tokens": 1,
                 "messages": [{"role": "user", "content": "hi"}],
             }
-            await self._wait_http(http, url, name, json=ping, header=SERVED_BY if server else None)
+            await self._wait_http(
+                http, url, name, json=ping, header=TRACE_HEADER if server else None
+            )
         server_proc = self.procs.get(f"{name}-server")
         return Variant(
             name,

@@ -24,6 +24,17 @@ if TYPE_CHECKING:
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
+def peer_metadata(salt_secret: bytes) -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata Envoy sends on each ext_proc stream (peer.py), for a server
+    configured with ``salt_secret``: a test client standing in for Envoy needs it."""
+    from ace_extproc import peer
+    from ace_extproc.config import Settings
+
+    token = peer.token(Settings(salt_secret=salt_secret))
+    assert token is not None
+    return ((peer.METADATA_KEY, token),)
+
+
 def free_port() -> int:
     return free_ports(1)[0]
 

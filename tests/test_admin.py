@@ -34,7 +34,7 @@ from ace_extproc.config import (
 from ace_extproc.processor import Processor
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.placements import PrefixPlacements
-from tests.conftest import free_port
+from tests.conftest import free_port, peer_metadata
 
 
 class NotRecording(Processor):
@@ -61,6 +61,9 @@ def chat(doc: str) -> bytes:
     )
 
 
+ENVOY = peer_metadata(b"s")  # what Envoy rendered from the same secret sends
+
+
 async def route(target: str, body: bytes) -> tuple[str, str, str]:
     """Send one request as Envoy does (buffered); ``(pod key, prefix_key, cache_prefix_id)``."""
     hs = [
@@ -75,7 +78,7 @@ async def route(target: str, body: bytes) -> tuple[str, str, str]:
     )
     body_msg = ext_pb.ProcessingRequest(request_body=ext_pb.HttpBody(body=body, end_of_stream=True))
     async with grpc.aio.insecure_channel(target) as channel:
-        call = ext_grpc.ExternalProcessorStub(channel).Process()
+        call = ext_grpc.ExternalProcessorStub(channel).Process(metadata=ENVOY)
         await call.write(headers)
         await asyncio.wait_for(call.read(), 5)
         await call.write(body_msg)

@@ -264,55 +264,81 @@ def test_client_supplied_upstream_never_picks_the_pod(prod: Client) -> None:
         assert headers["x-sim-pod"] == chosen
 
 
-def test_shadow_changes_neither_body_nor_pod(prod: Client) -> None:
+def test_shadow_changes_no_pod_and_only_salts_the_body(prod: Client) -> None:
+    """Shadow decides and reports without pinning; with tenants configured the body
+    still carries the tenant's salt (and loses the client's), as on every path."""
     prod.clear_records()
     msgs = conversation(2, "shadowed")
-    body = json.dumps({"model": "sim-llama", "messages": msgs, "max_tokens": 4}).encode()
+    doc = {"model": "sim-llama", "messages": msgs, "max_tokens": 4}
+    body = json.dumps({**doc, "cache_salt": "client-chosen"}).encode()
     pods = Counter()
     for _ in range(8):
         status, headers, _ = prod.post(
-            "/v1/chat/completions", body, **{"x-ace-skill-override": "prefix_kv_cache=shadow"}
+            "/v1/chat/completions",
+            body,
+            **{
+                "x-ace-skill-override": "prefix_kv_cache=shadow",
+                "authorization": "Bearer key-acme",
+            },
         )
         assert status == 200
-        assert "x-ace-served-by" not in headers
+        assert "x-ace-upstream" not in headers
         assert trace(headers)["mode"] == "shadow"
         pods[headers["x-sim-pod"]] += 1
     assert len(pods) > 1  # default load balancing, not the pin
-    received = [r for recs in prod.records().values() for r in recs]
-    assert len(received) == 8 and all(r["body"].encode() == body for r in received)
+    received = [json.loads(r["body"]) for recs in prod.records().values() for r in recs]
+    assert len(received) == 8
+    salts = {r.pop("cache_salt") for r in received}
+    assert len(salts) == 1 and "client-chosen" not in salts
+    assert all(r == doc for r in received)
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"{not json", "bad_json"),
+        (b"[1, 2, 3]", "not_object"),
+        (b'{"model": "sim-llama", "messages": [{"role": "user", "content": "\xff"}]}', "not_utf8"),
+    ],
+)
+def test_bodies_that_cannot_be_salted_are_refused_by_the_gateway(
+    prod: Client, body: bytes, reason: str
+) -> None:
+    prod.clear_records()
+    status, headers, answer = prod.post("/v1/chat/completions", body)
+    assert trace(headers)["action"] == f"reject_{reason}"
+    assert status == 400 and "JSON object" in json.loads(answer)["error"]["message"]
+    assert not [r for recs in prod.records().values() for r in recs]
 
 
 @pytest.mark.parametrize(
     ("body", "content_type", "reason"),
     [
-        (b"{not json", "application/json", "bad_json"),
-        (b"[1, 2, 3]", "application/json", "not_object"),
         (b'{"model": "sim-llama", "messages": []}', "application/json", "empty_prompt"),
         (
             b'{"model": "sim-llama", "messages": [{"role": "user", "content": 5}]}',
             "application/json",
             "invalid_body",
         ),
-        (
-            b'{"model": "sim-llama", "messages": [{"role": "user", "content": "\xff"}]}',
-            "application/json",
-            "not_utf8",
-        ),
         (b"model=sim-llama", "application/x-www-form-urlencoded", "content_type"),
     ],
 )
-def test_bad_input_passes_through_unchanged(
+def test_bad_input_goes_on_unrouted(
     prod: Client, body: bytes, content_type: str, reason: str
 ) -> None:
+    """What the router cannot read but an engine might still take goes on unrouted
+    (salted, where it is a JSON object), and the engine answers it."""
     prod.clear_records()
     status, headers, _ = prod.post("/v1/chat/completions", body, **{"content-type": content_type})
     assert trace(headers)["action"] == f"bypass_{reason}"
     assert status == 400  # the engine's own answer to what it was sent
     received = [r for recs in prod.records().values() for r in recs]
-    assert (
-        len(received) == 1
-        and received[0]["body"].encode() == body.decode("utf-8", "replace").encode()
-    )
+    assert len(received) == 1
+    if content_type == "application/json":
+        sent = json.loads(received[0]["body"])
+        assert len(sent.pop("cache_salt")) == 64 and sent == json.loads(body)
+    else:
+        assert received[0]["body"].encode() == body
 
 
 def test_empty_body_unknown_path_bad_override(prod: Client) -> None:
@@ -322,18 +348,24 @@ def test_empty_body_unknown_path_bad_override(prod: Client) -> None:
     assert trace(headers)["action"] == "bypass_unknown_path"
     for value, reason in (("nonsense", "bad_override"), ("prefix_kv_cache=turbo", "unknown_mode")):
         status, headers, _ = prod.chat(
-            conversation(0, "override"), **{"x-ace-skill-override": value}
+            conversation(0, "override"),
+            **{"x-ace-skill-override": value, "authorization": "Bearer key-acme"},
         )
         assert status == 200 and trace(headers)["action"] == f"bypass_{reason}"
+    # The anonymous tenant may not choose its mode where tenants are configured.
+    status, headers, _ = prod.chat(
+        conversation(0, "override"), **{"x-ace-skill-override": "prefix_kv_cache=off"}
+    )
+    assert status == 200 and trace(headers)["mode"] == "prod"
 
 
-def test_body_over_the_limit_passes_through_unrouted(prod: Client) -> None:
-    # Over router.max_body_bytes: decided from content-length alone, so Envoy never
-    # buffers it (no 413) and the engine gets it as sent, by default routing.
+def test_body_over_the_limit_is_refused_where_it_cannot_be_salted(prod: Client) -> None:
+    # Over router.max_body_bytes: decided from content-length alone. With tenants it
+    # cannot be read, so not salted: the gateway refuses it rather than pass it on.
     big = {"model": "sim-llama", "messages": [{"role": "user", "content": "x" * 400_000}]}
-    status, headers, _ = prod.post("/v1/chat/completions", big)
-    assert status == 200
-    assert trace(headers)["action"] == "bypass_too_large" and "x-ace-served-by" not in headers
+    status, headers, answer = prod.post("/v1/chat/completions", big)
+    assert status == 413 and trace(headers)["action"] == "reject_too_large"
+    assert "limit" in json.loads(answer)["error"]["message"]
 
 
 def test_streaming_passes_through_with_usage(prod: Client) -> None:
@@ -394,7 +426,7 @@ def test_ext_proc_killed_mid_run_requests_keep_succeeding() -> None:
         _, headers, _ = client.chat(
             conversation(0, "after"), **{"x-ace-upstream": "ace_pod.sim.pod-3"}
         )
-        assert "x-ace-served-by" not in headers
+        assert "x-ace-pinned" not in headers
         pods = Counter(
             client.chat(conversation(0, "x"), **{"x-ace-upstream": "ace_pod.sim.pod-3"})[1][
                 "x-sim-pod"
@@ -417,4 +449,4 @@ def test_full_duplex_mode_routes_in_one_round_trip() -> None:
         big = conversation(0, "big")
         big[-1]["content"] = "y" * 300_000
         status, headers, _ = client.chat(big)
-        assert status == 200 and "x-ace-served-by" in headers
+        assert status == 200 and "x-ace-pinned" in headers

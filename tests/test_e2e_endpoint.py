@@ -120,7 +120,7 @@ def test_ext_proc_killed_fails_open_through_the_fallback_policy(endpoint: Client
         for i in range(12):
             status, headers, _ = endpoint.chat(conversation(0, f"open-{i % 3}"), **forged)
             assert status == 200
-            assert "x-ace-served-by" not in headers
+            assert "x-ace-pinned" not in headers
             landed[headers["x-sim-pod"]] += 1
         assert len(landed) > 1, landed  # least_request picks; the forged header does not
     finally:
@@ -145,7 +145,9 @@ def test_retries_land_on_the_listed_fallback_pod() -> None:
         for _ in range(4):
             status, headers, body = client.chat(msgs)
             assert status == 200, body
-            assert headers["x-ace-served-by"] == primary.key  # still named first
+            assert headers["x-ace-pinned"] == primary.key  # still named first
+            # ... and the header naming who served says who did: the retry's pod.
+            assert headers["x-ace-served-by"] == by_id[headers["x-sim-pod"]].key != primary.key
             served.append(headers["x-sim-pod"])
         got = received(client, alive)
         assert len(got) == 4  # each request reached exactly one live pod, once

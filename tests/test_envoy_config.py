@@ -70,6 +70,12 @@ def _ext_proc(doc: dict[str, Any]) -> dict[str, Any]:
     return ext
 
 
+def _observe(doc: dict[str, Any]) -> dict[str, Any]:
+    (found,) = [f for f in _hcm(doc)["http_filters"] if f["name"] == "ace.observe"]
+    ext: dict[str, Any] = found["typed_config"]
+    return ext
+
+
 def _vhost(doc: dict[str, Any]) -> dict[str, Any]:
     vhost: dict[str, Any] = _hcm(doc)["route_config"]["virtual_hosts"][0]
     return vhost
@@ -174,8 +180,9 @@ def test_ext_proc_filter_fails_open_and_receives_metadata(default: cfg.Config) -
     filters = [f["name"] for f in _hcm(doc)["http_filters"]]
     assert filters == ["envoy.filters.http.ext_proc", "ace.observe", "envoy.filters.http.router"]
     ext = _ext_proc(doc)
+    # A generated salt secret (none configured): no token Envoy could share.
     assert ext["grpc_service"] == {"envoy_grpc": {"cluster_name": "ace_extproc"}}
-    assert ext["failure_mode_allow"] is True
+    assert ext["failure_mode_allow"] is True and "status_on_error" not in ext
     assert ext["allow_mode_override"] is True
     assert ext["message_timeout"] == "0.25s"
     assert ext["metadata_options"]["receiving_namespaces"]["untyped"] == ["ace", "envoy.lb"]
@@ -197,12 +204,25 @@ def test_processing_modes(default: cfg.Config, mode: str, body: str, trailers: s
     }
 
 
-def test_response_headers_come_from_dynamic_metadata(default: cfg.Config) -> None:
-    added = _hcm(ec.render(default))["route_config"]["response_headers_to_add"]
+def test_response_headers_come_from_metadata(default: cfg.Config) -> None:
+    """The trace and the pin from what ace-extproc returned; who served from the
+    endpoint Envoy used, so a retry elsewhere is reported as such."""
+    doc = ec.render(default)
+    added = _hcm(doc)["route_config"]["response_headers_to_add"]
     assert {a["header"]["key"]: a["header"]["value"] for a in added} == {
         "x-ace-trace-prefix-kv-cache": "%DYNAMIC_METADATA(ace:trace)%",
-        "x-ace-served-by": "%DYNAMIC_METADATA(ace:served_by)%",
+        "x-ace-pinned": "%DYNAMIC_METADATA(ace:served_by)%",
+        "x-ace-served-by": '%UPSTREAM_METADATA(["ace", "pod"])%',
     }
+    # Every endpoint of every pod cluster, standby ones included, names its pod.
+    for name, cluster in _clusters(doc).items():
+        if name == "ace_extproc":
+            continue
+        for locality in cluster["load_assignment"]["endpoints"]:
+            for ep in locality["lb_endpoints"]:
+                port = ep["endpoint"]["address"]["socket_address"]["port_value"]
+                pod = ep["metadata"]["filter_metadata"]["ace"]["pod"]
+                assert pod == f"sim/pod-{port - 8001}"
     assert {a["append_action"] for a in added} == {"OVERWRITE_IF_EXISTS_OR_ADD"}
     assert not any(a.get("keep_empty_value") for a in added)
 
@@ -798,3 +818,137 @@ def test_the_example_fleet_documents_every_router_setting_with_its_default() -> 
             continue
         value = yaml.safe_load(shown[name]) if shown[name] else ""
         assert value == getattr(defaults, name), f"router.{name}: {value!r} shown"
+
+
+# ---------------------------------------------------------------- security
+
+
+def _keyed(default: cfg.Config, **router: Any) -> cfg.Config:
+    settings = cfg.parse_settings(
+        {"tenants": {"api_keys": {"k": "acme"}, "header": "X-Tenant-Id"}, **router},
+        env={"ACE_SALT_SECRET": "shared"},
+    )
+    return cfg.Config(default.fleet, settings)
+
+
+def test_paths_are_normalized_before_any_filter_sees_them(default: cfg.Config) -> None:
+    hcm = _hcm(ec.render(default))
+    assert hcm["normalize_path"] is True and hcm["merge_slashes"] is True
+    assert hcm["path_with_escaped_slashes_action"] == "UNESCAPE_AND_FORWARD"
+
+
+def test_with_tenants_envoy_refuses_what_ace_extproc_cannot_answer(default: cfg.Config) -> None:
+    for doc in (
+        ec.render(_keyed(default)),
+        ec.render(_keyed(default), processing_mode="full_duplex"),
+    ):
+        ext = _ext_proc(doc)
+        assert ext["failure_mode_allow"] is False
+        assert ext["status_on_error"] == {"code": "ServiceUnavailable"}
+        assert _observe(doc)["failure_mode_allow"] is True  # never on the request path
+    header_only = cfg.parse_settings({"tenants": {"header": "x-t"}, "failure_mode": "open"})
+    assert _ext_proc(ec.render(cfg.Config(default.fleet, header_only)))["failure_mode_allow"]
+
+
+def test_the_trusted_tenant_header_is_stripped_at_the_edge(default: cfg.Config) -> None:
+    (early,) = _hcm(ec.render(_keyed(default)))["early_header_mutation_extensions"]
+    removed = {m["remove"] for m in early["typed_config"]["mutations"]}
+    assert "x-tenant-id" in removed
+
+
+def test_both_filters_present_envoy_s_token(default: cfg.Config) -> None:
+    from ace_extproc import peer
+
+    config = _keyed(default)
+    doc = ec.render(config)
+    token = peer.token(config.settings)
+    assert token is not None and len(token) == 64
+    for ext in (_ext_proc(doc), _observe(doc)):
+        assert ext["grpc_service"]["initial_metadata"] == [
+            {"key": "x-ace-peer-token", "value": token}
+        ]
+    # Another secret, another token; and none where the operator turned it off.
+    other = cfg.parse_settings({}, env={"ACE_SALT_SECRET": "other"})
+    assert peer.token(other) not in (None, token)
+    off = cfg.parse_settings({"require_peer_token": False}, env={"ACE_SALT_SECRET": "x"})
+    assert (
+        "initial_metadata"
+        not in _ext_proc(ec.render(cfg.Config(default.fleet, off)))["grpc_service"]
+    )
+
+
+def test_replicas_are_health_checked_and_ejected(default: cfg.Config) -> None:
+    doc = ec.render(default, ext_proc_replicas=["127.0.0.1:7001", "127.0.0.1:7002"])
+    ext = _clusters(doc)["ace_extproc"]
+    (check,) = ext["health_checks"]
+    assert (
+        check["grpc_health_check"]["service_name"] == "envoy.service.ext_proc.v3.ExternalProcessor"
+    )
+    assert ext["outlier_detection"]["consecutive_local_origin_failure"] >= 1
+    assert ext["common_lb_config"]["healthy_panic_threshold"] == {"value": 0}
+    # One local server: nothing to choose between.
+    assert "health_checks" not in _clusters(ec.render(default))["ace_extproc"]
+
+
+def test_mtls_to_ace_extproc(default: cfg.Config) -> None:
+    tls = {
+        "ca_file": "/tls/ca.crt",
+        "client_cert_file": "/tls/envoy.crt",
+        "client_key_file": "/tls/envoy.key",
+        "server_name": "ace-extproc.gateway.svc",
+    }
+    settings = cfg.parse_settings({"ext_proc_tls": tls}, env={})
+    ext = _clusters(ec.render(cfg.Config(default.fleet, settings)))["ace_extproc"]
+    context = ext["transport_socket"]["typed_config"]
+    common = context["common_tls_context"]
+    assert common["tls_certificates"] == [
+        {
+            "certificate_chain": {"filename": "/tls/envoy.crt"},
+            "private_key": {"filename": "/tls/envoy.key"},
+        }
+    ]
+    assert common["validation_context"]["trusted_ca"] == {"filename": "/tls/ca.crt"}
+    assert context["sni"] == "ace-extproc.gateway.svc"
+    server_only = cfg.parse_settings(
+        {"ext_proc_tls": {"ca_file": "/ca", "cert_file": "/c", "key_file": "/k"}}, env={}
+    )
+    with pytest.raises(cfg.ConfigError, match="client_cert_file"):
+        ec.render(cfg.Config(default.fleet, server_only))
+    for bad in ({"cert_file": "/c"}, {"ca_file": "/ca", "cert_file": "/c"}, {"ca_file": 1}):
+        with pytest.raises(cfg.ConfigError, match="ext_proc_tls"):
+            cfg.parse_settings({"ext_proc_tls": bad}, env={})
+
+
+@pytest.mark.envoy
+@needs_envoy
+def test_envoy_accepts_the_secured_bootstraps(default: cfg.Config, tmp_path: Path) -> None:
+    import trustme
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.crt"))
+    envoy_cert = ca.issue_cert("envoy.gateway.svc")
+    envoy_cert.cert_chain_pems[0].write_to_path(str(tmp_path / "envoy.crt"))
+    envoy_cert.private_key_pem.write_to_path(str(tmp_path / "envoy.key"))
+    tls = cfg.parse_settings(
+        {
+            "ext_proc_tls": {
+                "ca_file": str(tmp_path / "ca.crt"),
+                "client_cert_file": str(tmp_path / "envoy.crt"),
+                "client_key_file": str(tmp_path / "envoy.key"),
+                "server_name": "ace-extproc.gateway.svc",
+            }
+        },
+        env={},
+    )
+    variants = {
+        "closed": ec.render_yaml(_keyed(default)),
+        "closed-duplex": ec.render_yaml(_keyed(default), processing_mode="full_duplex"),
+        "replicas": ec.render_yaml(
+            _keyed(default), ext_proc_replicas=["127.0.0.1:7001", "127.0.0.1:7002"]
+        ),
+        "mtls": ec.render_yaml(cfg.Config(default.fleet, tls), listen="127.0.0.1:8080"),
+    }
+    for name, text in variants.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        _validate(path)

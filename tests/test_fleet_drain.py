@@ -3,10 +3,8 @@ whatever its health does, and an undrain never brings back a pod that is down.""
 
 import pytest
 
-from ace_extproc.config import Pod, Settings, sim_fleet
-from ace_extproc.routing import BlockIndex
+from ace_extproc.config import Pod, sim_fleet
 from ace_extproc.routing.fleet import FleetState
-from ace_extproc.routing.monitor import FleetMonitor
 
 
 @pytest.fixture
@@ -62,20 +60,39 @@ def test_a_new_pod_joins_undrained_and_healthy(fleet: FleetState) -> None:
     assert slot == 3 and fleet.is_available(slot) and fleet.available == 0b1110
 
 
-def test_the_monitor_cannot_undrain_and_undrain_cannot_overrule_it(fleet: FleetState) -> None:
-    settings = Settings(unhealthy_after=2, healthy_after=2)
-    index = BlockIndex(100)
-    monitor = FleetMonitor(fleet, index, settings)  # driven through its passive hooks
+@pytest.mark.parametrize("verdict", ["set_available", "set_ejected"])
+def test_health_cannot_undrain_and_undrain_cannot_overrule_it(
+    fleet: FleetState, verdict: str
+) -> None:
+    """The health checks' verdict (the monitor's set_available) and passive health's
+    (the outlier detector's set_ejected) are each their own: neither undrains."""
+    out = (
+        (lambda: fleet.set_available(0, False))
+        if verdict == "set_available"
+        else (lambda: fleet.set_ejected(0, True))
+    )
+    back = (
+        (lambda: fleet.set_available(0, True))
+        if verdict == "set_available"
+        else (lambda: fleet.set_ejected(0, False))
+    )
     fleet.drain(0)
-    monitor.report_failure(0)
-    monitor.report_failure(0)
-    assert monitor.is_down(0) and not fleet.is_healthy(0)
+    out()
+    assert not fleet.is_healthy(0)
     fleet.undrain(0)
-    assert not fleet.is_available(0)  # down: the monitor still keeps it out
+    assert not fleet.is_available(0)  # down: health still keeps it out
     fleet.drain(0)
-    monitor.report_success(0)
-    monitor.report_success(0)
-    assert not monitor.is_down(0) and fleet.is_healthy(0)
+    back()
+    assert fleet.is_healthy(0)
     assert not fleet.is_available(0)  # back, but drained
     fleet.undrain(0)
     assert fleet.available == 0b111
+
+
+def test_the_two_health_verdicts_do_not_lift_each_other(fleet: FleetState) -> None:
+    fleet.set_available(1, False)
+    fleet.set_ejected(1, True)
+    fleet.set_available(1, True)  # the probes pass again: still ejected
+    assert not fleet.is_available(1) and fleet.is_ejected(1)
+    fleet.set_ejected(1, False)
+    assert fleet.is_available(1)

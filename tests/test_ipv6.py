@@ -9,12 +9,13 @@ import time
 
 import yarl
 
-from ace_extproc.config import Pod, Settings, fleet_to_dict, parse_fleet, sim_fleet
+from ace_extproc.config import PassiveHealth, Pod, Settings, fleet_to_dict, parse_fleet, sim_fleet
 from ace_extproc.observe import Observer
 from ace_extproc.routing.discovery import DnsDiscovery
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.monitor import FleetMonitor
+from ace_extproc.routing.outlier import OutlierDetector
 from ace_extproc.sim.app import SimConfig, SimServer
 
 
@@ -80,6 +81,7 @@ def test_the_monitor_probes_and_scrapes_an_ipv6_pod() -> None:
             finally:
                 await monitor.stop()
             # And the observer finds it by the address Envoy reports for it.
-            assert Observer(fleet).slot_at(f"[::1]:{pod.port}") == 0
+            observer = Observer(fleet, OutlierDetector(fleet, PassiveHealth()))
+            assert observer.slot_at(f"[::1]:{pod.port}") == 0
 
     asyncio.run(asyncio.wait_for(main(), 10))

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+from aiohttp import web
 
 from ace_extproc import server
 from ace_extproc.config import Config, Destination, Fleet, Pod, Settings, sim_fleet
@@ -22,7 +23,7 @@ from ace_extproc.routing import BlockIndex, FleetState
 from ace_extproc.routing.metrics_text import EngineStats, parse, restarted
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.sim.app import SimConfig, SimServer
-from tests.conftest import free_port
+from tests.conftest import free_port, serving
 
 # ------------------------------------------------------------------ the parser
 
@@ -260,7 +261,8 @@ def test_a_stopped_pod_goes_down_and_comes_back_empty(caplog: pytest.LogCaptureF
                 assert w.up(0) and not w.up(1)
                 async with sim("pod-1", port=flaky.port):
                     await until(lambda: w.up(1))
-                    assert w.index.blocks_held(1) == 0
+                    # A new process (its start time says so): its index goes.
+                    await until(lambda: w.index.blocks_held(1) == 0)
                     assert w.index.blocks_held(0) == 3
                     await until(lambda: w.monitor.stats(1) is not None)  # scraped again
             finally:
@@ -298,23 +300,45 @@ def test_counters_going_back_empty_only_that_pods_index() -> None:
     run(go)
 
 
-def test_passive_reports_use_the_same_thresholds() -> None:
-    fleet = FleetState(sim_fleet(["127.0.0.1:1", "127.0.0.1:2"]))
-    index = BlockIndex(100)
-    index.add_pod(0)
-    index.record(0, [1, 2])
-    monitor = FleetMonitor(fleet, index, FAST)  # not started: no network at all
-    monitor.report_failure(0)
-    monitor.report_success(0)  # the failure streak starts again
-    monitor.report_failure(0)
-    assert fleet.available == 0b11
-    monitor.report_failure(0)
-    assert fleet.available == 0b10 and monitor.is_down(0)
-    monitor.report_success(0)
-    assert fleet.available == 0b10
-    assert index.blocks_held(0) == 2
-    monitor.report_success(0)
-    assert fleet.available == 0b11 and index.blocks_held(0) == 0
+def test_a_pod_down_a_while_but_not_restarted_keeps_its_index() -> None:
+    """A pod whose /health failed for a while (an engine stalled, a network blip) comes
+    back with its index: its scrape before and after tell it is the same process. A
+    new process start time empties it, down or not."""
+    state = {"health": 200, "started": 1.7e9}
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=state["health"])
+
+    async def metrics(_: web.Request) -> web.Response:
+        text = VLLM.replace("1.71234e+09", repr(state["started"]))
+        return web.Response(text=text)
+
+    app = web.Application()
+    app.add_routes([web.get("/health", health), web.get("/metrics", metrics)])
+
+    async def go() -> None:
+        async with serving(app) as port:
+            fleet = FleetState(sim_fleet([f"127.0.0.1:{port}"]))
+            index = BlockIndex(100)
+            index.add_pod(0)
+            monitor = FleetMonitor(fleet, index, FAST)
+            await monitor.start()
+            try:
+                await until(lambda: monitor.stats(0) is not None)
+                index.record(0, [1, 2, 3])
+                state["health"] = 500
+                await until(lambda: not fleet.is_available(0))
+                state["health"] = 200
+                await until(lambda: fleet.is_available(0))
+                await asyncio.sleep(0.1)  # scraped again since
+                assert index.blocks_held(0) == 3 and monitor.restarts == 0
+                state["started"] += 60  # restarted
+                await until(lambda: index.blocks_held(0) == 0)
+                assert monitor.restarts == 1
+            finally:
+                await monitor.stop()
+
+    run(go)
 
 
 def test_hosted_api_pods_are_not_watched() -> None:

@@ -175,14 +175,13 @@ def test_unknown_key_gets_401_and_the_key_is_never_echoed():
         ).reject_status
         == 401
     )
-    # In shadow nothing is rejected: the router only reports.
-    shadow = make(Mode.SHADOW, tenants=keyed().tenants._config)
-    assert (
-        run(
-            shadow, headers(authorization="Bearer nope"), body([{"role": "user", "content": "x"}])
-        ).action
-        == "bypass_unknown_key"
-    )
+    # Shadow and off change routing, not who may send a request: refused there too.
+    for mode in (Mode.SHADOW, Mode.OFF):
+        other = make(mode, tenants=keyed().tenants._config)
+        out = run(
+            other, headers(authorization="Bearer nope"), body([{"role": "user", "content": "x"}])
+        )
+        assert (out.action, out.reject_status) == ("reject_unknown_key", 401)
 
 
 def test_trusted_tenant_header():

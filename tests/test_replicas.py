@@ -26,7 +26,7 @@ from ace_extproc.config import Config, ConfigError, Settings, parse_settings, si
 from ace_extproc.processor import Processor
 from ace_extproc.routing import replicas
 from ace_extproc.routing.replicas import Learner, Placement, ReplicaSync, decode, encode
-from tests.conftest import free_port, free_ports
+from tests.conftest import free_port, free_ports, peer_metadata
 
 CHAT = "/v1/chat/completions"
 HEADERS = {":path": CHAT, ":method": "POST", "content-type": "application/json"}
@@ -523,7 +523,7 @@ def test_serve_workers_share_their_placements_with_each_other(
         for i in range(requests):  # fresh connections: SO_REUSEPORT spreads them
             options = [("grpc.use_local_subchannel_pool", 1)]
             async with grpc.aio.insecure_channel(f"127.0.0.1:{listen}", options=options) as ch:
-                call = pb_grpc.ExternalProcessorStub(ch).Process()
+                call = pb_grpc.ExternalProcessorStub(ch).Process(metadata=peer_metadata(b"shared"))
                 await call.write(headers_msg())
                 await call.write(body_msg(chat(f"conversation {i} " * 200)))
                 for _ in range(2):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import msgspec
@@ -21,7 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ace_extproc import server
 from ace_extproc.config import Config, Settings, sim_fleet
 from ace_extproc.processor import Processor
-from tests.conftest import alive, children
+from tests.conftest import alive, children, peer_metadata
+
+ENVOY = peer_metadata(b"s")  # what Envoy rendered from the same secret sends
 
 
 def config(listen: str, **kw) -> Config:
@@ -63,7 +66,7 @@ async def exchange(target: str, messages, expect: int):
         ("grpc.max_send_message_length", 64 << 20),
     ]
     async with grpc.aio.insecure_channel(target, options=big) as channel:
-        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        call = pb_grpc.ExternalProcessorStub(channel).Process(metadata=ENVOY)
         out = []
         for m in messages:
             await call.write(m)
@@ -215,7 +218,7 @@ def test_graceful_stop_finishes_streams_in_flight(port):
     async def main():
         srv, health = await server.start(config(target))
         async with grpc.aio.insecure_channel(target) as channel:
-            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            call = pb_grpc.ExternalProcessorStub(channel).Process(metadata=ENVOY)
             await call.write(headers_msg())
             await call.read()
             await health.enter_graceful_shutdown()
@@ -322,3 +325,161 @@ def test_only_a_generated_salt_secret_is_flagged():
     assert (from_env.salt_secret, from_env.salt_secret_generated) == (b"s", False)
     from_file = parse_settings({"salt_secret": "f"}, env={})
     assert (from_file.salt_secret, from_file.salt_secret_generated) == (b"f", False)
+
+
+# ------------------------------------------------------------------ full duplex, bounded
+
+
+def _keyed(**kw):
+    import hashlib
+
+    from ace_extproc.config import TenantConfig
+
+    return TenantConfig(key_digests={hashlib.sha256(b"good").digest(): "t"}, **kw)
+
+
+def _with_header(msg, key: str, value: bytes):
+    msg.request_headers.headers.headers.append(HeaderValue(key=key, raw_value=value))
+    return msg
+
+
+def test_full_duplex_refuses_on_the_headers_without_waiting_for_the_body(port):
+    """A 401 needs no body: it goes back on the headers message, while the client is
+    still sending (before, the server held the headers until the body had ended)."""
+    target = f"127.0.0.1:{port}"
+    msg = _with_header(headers_msg(duplex=True), "authorization", b"Bearer bad")
+    (out,) = with_server(config(target, tenants=_keyed()), lambda: exchange(target, [msg], 1))
+    assert out.immediate_response.status.code == 401
+
+
+def test_full_duplex_passes_a_bypass_on_as_its_chunks_come(port):
+    target = f"127.0.0.1:{port}"
+    msgs = [
+        headers_msg(path="/v1/embeddings", duplex=True),
+        body_msg(b'{"input": "a', eos=False),
+        body_msg(b'bc"}', eos=True),
+    ]
+
+    async def go():
+        async with grpc.aio.insecure_channel(target) as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process(metadata=ENVOY)
+            await call.write(msgs[0])
+            first = await asyncio.wait_for(call.read(), 5)  # before any body was sent
+            out = [first]
+            for m in msgs[1:]:
+                await call.write(m)
+                out.append(await asyncio.wait_for(call.read(), 5))
+            await call.done_writing()
+            return out
+
+    out = with_server(config(target), go)
+    trace = out[0].dynamic_metadata.fields["ace"].struct_value.fields["trace"].string_value
+    assert "action=bypass_unknown_path" in trace
+    chunks = [m.request_body.response.body_mutation.streamed_response for m in out[1:]]
+    assert [(c.body, c.end_of_stream) for c in chunks] == [
+        (b'{"input": "a', False),
+        (b'bc"}', True),
+    ]
+
+
+def _big_duplex_stream(total: int, chunk: int = 64 * 1024):
+    yield headers_msg(duplex=True)
+    sent = 0
+    piece = b"x" * chunk
+    while sent < total:
+        sent += chunk
+        yield body_msg(piece, eos=sent >= total)
+
+
+def test_full_duplex_stops_holding_a_body_past_the_limit(port):
+    """Past max_body_bytes the server holds nothing more: what it held goes back,
+    then each chunk as it comes (without tenants), and its memory stays flat."""
+    import resource
+
+    target = f"127.0.0.1:{port}"
+    limit = 1 << 20
+    total = 256 << 20  # 256 MiB through one stream
+
+    async def go():
+        async with grpc.aio.insecure_channel(target) as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process(metadata=ENVOY)
+            got: dict[str, Any] = {"echoed": 0, "answer": None, "last": None}
+
+            async def read() -> None:  # concurrently, as Envoy does: flow control
+                async for r in call:
+                    if r.HasField("request_headers"):
+                        got["answer"] = r
+                    else:
+                        streamed = r.request_body.response.body_mutation.streamed_response
+                        got["echoed"] += len(streamed.body)
+                        got["last"] = streamed.end_of_stream
+
+            reader = asyncio.create_task(read())
+            for m in _big_duplex_stream(total):
+                await call.write(m)
+            await call.done_writing()
+            await asyncio.wait_for(reader, 60)
+            return got["answer"], got["echoed"], got["last"]
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    answer, echoed, last = with_server(config(target, max_body_bytes=limit), go)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    trace = answer.dynamic_metadata.fields["ace"].struct_value.fields["trace"].string_value
+    assert "action=bypass_too_large" in trace
+    assert (echoed, last) == (total, True)
+    # The client's and server's gRPC buffers in one process; the body is 256 MiB.
+    assert grown_mib < 96, grown_mib
+
+
+def test_full_duplex_refuses_a_body_past_the_limit_where_it_must_be_salted(port):
+    target = f"127.0.0.1:{port}"
+    limit = 1 << 20
+    msgs = list(_big_duplex_stream(4 << 20))
+    msgs[0] = _with_header(msgs[0], "authorization", b"Bearer good")
+    out = with_server(
+        config(target, max_body_bytes=limit, tenants=_keyed()),
+        lambda: exchange(target, msgs[: 2 + limit // (64 * 1024)], 1),
+    )
+    assert out[0].immediate_response.status.code == 413
+
+
+class ExplodingOnResponses(Processor):
+    """The native API asks for the response: a bug there must answer that phase."""
+
+
+def test_a_bug_in_the_response_phase_is_answered_in_that_phase(port, monkeypatch):
+    target = f"127.0.0.1:{port}"
+    envelope = msgspec.json.encode(
+        {"input": {"messages": [{"role": "user", "content": "hi"}]}, "target": {"model": "m"}}
+    )
+
+    def boom(*_args, **_kw):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(server.execute, "wrap", boom)
+    response_headers = pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=":status", raw_value=b"200")])
+        )
+    )
+    response_body = pb.ProcessingRequest(
+        response_body=pb.HttpBody(body=b'{"choices": []}', end_of_stream=True)
+    )
+    msgs = [headers_msg(path="/v1/execute"), body_msg(envelope), response_headers, response_body]
+    out = with_server(config(target), lambda: exchange(target, msgs, 4))
+    assert [m.WhichOneof("response") for m in out] == [
+        "request_headers",
+        "request_body",
+        "response_headers",
+        "response_body",
+    ]
+
+
+def test_a_bug_refuses_the_request_where_it_could_not_then_be_salted(port):
+    target = f"127.0.0.1:{port}"
+    cfg = config(target, tenants=_keyed(header="x-tenant"))
+    out = with_server(
+        cfg, lambda: exchange(target, [headers_msg(), body_msg(CHAT)], 2), Exploding(cfg)
+    )
+    assert out[1].immediate_response.status.code == 500
+    assert b"gateway failed" in out[1].immediate_response.body

@@ -9,13 +9,14 @@ import pytest
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from ace_extproc.config import Config, Destination, Fleet, Pod, Settings, sim_fleet
+from ace_extproc.config import Config, Destination, Fleet, PassiveHealth, Pod, Settings, sim_fleet
 from ace_extproc.observe import Observation, Observer
 from ace_extproc.processor import Outcome, Processor
 from ace_extproc.routing import fleet as fleet_module
 from ace_extproc.routing.fleet import FREE_SLOTS_KEPT, FleetState
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.monitor import FleetMonitor
+from ace_extproc.routing.outlier import OutlierDetector
 from tests.conftest import serving
 
 HEADERS = {":path": "/v1/chat/completions", ":method": "POST", "content-type": "application/json"}
@@ -95,7 +96,7 @@ def test_the_observer_never_credits_a_gone_pod_to_its_successor(
     cache must notice all the same."""
     monkeypatch.setattr(fleet_module, "FREE_SLOTS_KEPT", 0)
     fs = _fleet(2)
-    observer = Observer(fs)
+    observer = Observer(fs, OutlierDetector(fs, PassiveHealth()))
     old = fs.pods[1]
     assert observer.slot_at(old.address) == 1
     fs.remove_pod(1)

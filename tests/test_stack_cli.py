@@ -52,7 +52,7 @@ def test_up_prints_ready_serves_and_stops_cleanly(sig: signal.Signals) -> None:
         )
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert resp.status == 200
-            assert resp.headers["x-ace-served-by"].startswith("sim/pod-")
+            assert resp.headers["x-ace-pinned"].startswith("sim/pod-")
         proc.send_signal(sig)
         assert proc.wait(timeout=30) == 0
         deadline = time.monotonic() + 5

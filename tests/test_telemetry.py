@@ -83,7 +83,7 @@ def test_decisions_and_tokens_move_as_recorded(fx: Fixture) -> None:
     t.decision("prod", "miss", "anon", 2, 800, 0, 0.0)
     t.decision("shadow", "spill", "anon", 3, 100, 50, 1.5)
     t.decision("prod", "bypass_bad_json", "anon")
-    t.bypass("prod", "unknown_path")
+    t.decision("prod", "bypass_unknown_path")
     t.decision("prod", "reject_unknown_key")
     v = fx.value
     assert v("ace_decisions_total", mode="prod", action="hit") == 2
@@ -243,10 +243,11 @@ def test_pods_by_state_follow_the_fleet(fx: Fixture) -> None:
         "removed": 0,
         "unavailable": 0,
     }
-    for _ in range(fx.settings.unhealthy_after):
-        fx.monitor.report_failure(1)
-    assert fx.monitor.is_down(1)
+    fx.fleet.set_available(1, False)  # the monitor's verdict
     assert _states(fx)["down"] == 1
+    fx.fleet.set_ejected(0, True)  # passive health's: down as well
+    assert (_states(fx)["down"], _states(fx)["available"]) == (2, 2)
+    fx.fleet.set_ejected(0, False)
     assert _states(fx)["available"] == 3
     assert fx.value("ace_pod_up", destination="sim", pod="pod-1") == 0
     if hasattr(fx.fleet, "drain"):  # operator drains (admin API)
@@ -257,8 +258,7 @@ def test_pods_by_state_follow_the_fleet(fx: Fixture) -> None:
     states = _states(fx)
     assert (states["removed"], states["available"]) == (1, 2)
     assert ("ace_pod_up", (("destination", "sim"), ("pod", "pod-3"))) not in fx.samples()
-    for _ in range(fx.settings.healthy_after):
-        fx.monitor.report_success(1)
+    fx.fleet.set_available(1, True)
     fx.fleet.add_pod(fx.fleet.pods[3])
     assert _states(fx)["available"] == 4
     assert fx.value("ace_pod_up", destination="sim", pod="pod-1") == 1
@@ -526,7 +526,7 @@ def test_anomalies_at_info_rate_limited(
     clock = [1000.0]
     monkeypatch.setattr(fx.telemetry._anomalies, "clock", lambda: clock[0])
     fx.telemetry.decision("prod", "hit", "", 0, 10, 5)  # routine: no line at info
-    fx.telemetry.bypass("prod", "unknown_path")  # routine bypass: none either
+    fx.telemetry.decision("prod", "bypass_unknown_path")  # routine bypass: none either
     for _ in range(logs.ANOMALY_BURST + 7):
         fx.telemetry.decision("prod", "bypass_bad_json", "acme")
     fx.telemetry.decision("prod", "bypass_no_pod")  # counted apart from bad_json
@@ -680,7 +680,7 @@ def test_envoy_access_log_shows_the_decision(tmp_path: Path) -> None:
                 for _ in range(2):
                     async with http.post(stack.url + "/v1/chat/completions", json=body) as r:
                         assert r.status == 200
-                        served.append(r.headers["x-ace-served-by"])
+                        served.append(r.headers["x-ace-pinned"])
                 async with http.get(stack.url + "/v1/models") as r:
                     await r.read()
             deadline = time.monotonic() + 10

@@ -11,10 +11,11 @@ bitmasks the request path walks, stay bounded by the most pods ever present at o
 plus that reserve, however many pods come and go over months of autoscaling and
 rolling restarts (each a new pod IP, so a new pod id).
 
-Three things keep a pod from new requests, each its own bitmask: leaving the fleet
+Four things keep a pod from new requests, each its own bitmask: leaving the fleet
 (``members``), failing health checks (``healthy``, set by the monitor through
-``set_available``) and an operator's drain (``drained``, the admin API). Pickers read
-only ``available``, recomputed from the three whenever one changes, so a health change
+``set_available``), failing the requests it serves (``ejected``, set by passive health,
+``outlier.py``) and an operator's drain (``drained``, the admin API). Pickers read
+only ``available``, recomputed from the four whenever one changes, so a health change
 never undrains a pod and an undrain never brings back one that is down.
 """
 
@@ -61,6 +62,7 @@ class FleetState:
         self.available = (1 << len(self.pods)) - 1
         self.healthy = (1 << len(self.pods)) - 1  # the health checks' verdict
         self.drained = 0  # drained by an operator: no new requests until undrained
+        self.ejected = 0  # taken out by passive health until its ejection time is up
         self.load: list[PodLoad] = [PodLoad() for _ in self.pods]
         # Each pod's KV cache in tokens, once its /metrics has told (None: not yet).
         self.capacity_tokens: list[int | None] = [None] * len(self.pods)
@@ -106,6 +108,15 @@ class FleetState:
             self.healthy &= ~(1 << slot)
         self._refresh()
 
+    def set_ejected(self, slot: int, ejected: bool) -> None:
+        """Record passive health's verdict (``outlier.py``): apart from the health
+        checks', so that neither brings back a pod the other took out."""
+        if ejected:
+            self.ejected |= 1 << slot
+        else:
+            self.ejected &= ~(1 << slot)
+        self._refresh()
+
     def drain(self, slot: int) -> bool:
         """Send a pod no new requests (requests in flight are not touched, nor its
         index, so an undrain finds its prefixes warm). Health checks go on. The drain
@@ -132,14 +143,18 @@ class FleetState:
         return bool((self.drained >> slot) & 1)
 
     def is_healthy(self, slot: int) -> bool:
-        return bool((self.healthy >> slot) & 1)
+        """Neither marked down by the health checks nor ejected by passive health."""
+        return bool(((self.healthy & ~self.ejected) >> slot) & 1)
+
+    def is_ejected(self, slot: int) -> bool:
+        return bool((self.ejected >> slot) & 1)
 
     def is_available(self, slot: int) -> bool:
         return bool((self.available >> slot) & 1)
 
     def _refresh(self) -> None:
         # One assignment: a reader sees the old mask or the new, never a mix.
-        self.available = self.members & self.healthy & ~self.drained
+        self.available = self.members & self.healthy & ~self.ejected & ~self.drained
 
     # ------------------------------------------------------------ membership
 

@@ -14,19 +14,15 @@ Two loops on the server's event loop share one keep-alive ``aiohttp`` session:
   its cache is empty, so its index is dropped.
 * **probe**: every ``probe_interval_s``, ``GET /health`` within ``probe_timeout_s``.
   ``unhealthy_after`` consecutive failures take a pod out of ``fleet.available``;
-  ``healthy_after`` consecutive successes bring it back, with its index emptied (a
-  pod that was down may well have restarted).
+  ``healthy_after`` consecutive successes bring it back. Its index is kept if its
+  scrapes can tell a restart (the next one compares counters with the last before
+  it went down), else emptied: a pod that was down may well have restarted.
 
-Failures counted: a failed probe, a scrape that cannot reach the pod (or gets a
-5xx), and ``report_failure``. Successes counted: a good probe and
-``report_success``. A good scrape is no health signal: vLLM's API process still
-serves ``/metrics`` when its engine is dead and ``/health`` says 500. A ``/metrics``
-that answers 4xx or text without the engine's series only loses load figures.
-
-Passive marking (``report_failure`` / ``report_success``, the same thresholds) comes
-from the responses Envoy's observe-only filter reports (``observe.py``): a pod's 5xx,
-or Envoy failing to reach it, counts as a failed probe would; any answer as a good
-one. With probes every second and scrapes every 100 ms, whichever sees it first wins.
+Failures counted: a failed probe, and a scrape that cannot reach the pod (or gets a
+5xx). Successes counted: a good probe. A good scrape is no health signal: vLLM's API
+process still serves ``/metrics`` when its engine is dead and ``/health`` says 500. A
+``/metrics`` that answers 4xx or text without the engine's series only loses load
+figures. Passive health, from the responses themselves, is ``outlier.py``'s.
 
 Each pod's scrape or probe runs as its own task, and a pod whose previous one is
 still running is skipped that round, so one slow pod never delays the others. The
@@ -203,16 +199,6 @@ class FleetMonitor:
         elif change == REMOVED:
             self.watched = [w for w in self.watched if w != slot]
 
-    # ---------------------------------------------------------- passive hooks
-
-    def report_failure(self, slot: int) -> None:
-        """A response that says this pod is unwell (its 5xx, or Envoy could not reach
-        it), as the observe filter saw it."""
-        self._failed(slot, "failed requests")
-
-    def report_success(self, slot: int) -> None:
-        self._succeeded(slot)
-
     # ----------------------------------------------------------------- loops
 
     def _every(
@@ -361,7 +347,7 @@ class FleetMonitor:
         # busy one keeps the estimate: its running requests may still be prefilling.
         if running == 0 and waiting == 0:
             load.queued_prefill_tokens = 0
-        if st.last is not None and not st.down:
+        if st.last is not None:  # down or not: a restart while down empties it too
             why = metrics_text.restarted(st.last, stats)
             if why is not None:
                 self.restarts += 1
@@ -401,10 +387,13 @@ class FleetMonitor:
         if st.successes >= self.settings.healthy_after:
             st.down = False
             st.successes = 0
-            # Down long enough to be marked so: assume a restart, an empty cache.
-            self._forget(slot)
-            st.last = None  # counters of a new process must not be compared to the old
             self.fleet.set_available(slot, True)
+            if st.last is not None:  # its next scrape tells whether it restarted
+                log.info("pod %s is back", self._name(slot))
+                return
+            # No counters to tell by, and down long enough to be marked so: assume a
+            # restart, an empty cache.
+            self._forget(slot)
             log.info("pod %s is back; its index was emptied", self._name(slot))
 
     def _forget(self, slot: int) -> None:

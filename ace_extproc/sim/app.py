@@ -470,6 +470,12 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
         },
         "Information of the LLMEngine CacheConfig",
     )
+    # vLLM's /metrics carries the process's own metrics too; a router tells a restart by it.
+    out.process_gauge(
+        "process_start_time_seconds",
+        pod.started,
+        "Start time of the process since unix epoch in seconds.",
+    )
     return web.Response(text=out.render(), headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -64,6 +64,12 @@ class Exposition:
         self._head(name, "gauge", help_text)
         self._lines.append(f"{name}{self._lbl} {_num(value)}")
 
+    def process_gauge(self, name: str, value: float, help_text: str) -> None:
+        """A process metric, without the engine's labels (as prometheus-client's
+        process collector writes ``process_start_time_seconds``)."""
+        self._head(name, "gauge", help_text)
+        self._lines.append(f"{name} {_num(value)}")
+
     def counter(self, name: str, value: float, help_text: str) -> None:
         self._head(name, "counter", help_text)
         self._lines.append(f"{name}{self._lbl} {_num(value)}")
