@@ -26,6 +26,7 @@ import yaml
 
 from ace_extproc import __version__
 from ace_extproc.config import Config, Settings, fleet_to_dict
+from ace_extproc.drains import DrainFile
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.placements import PrefixPlacements
 from ace_extproc.routing.replicas import redacted_url
@@ -88,9 +89,12 @@ class AdminServicer(pb_grpc.AdminServicer):
     """Reads and flips the state of one ``Processor``; runs on its event loop, so
     every call sees the state between two requests, never in the middle of one."""
 
-    def __init__(self, processor: Processor, admin_listen: str = "") -> None:
+    def __init__(
+        self, processor: Processor, admin_listen: str = "", drains: DrainFile | None = None
+    ) -> None:
         self.processor = processor
         self.admin_listen = admin_listen
+        self.drains = drains  # where drains are kept across restarts, if anywhere
 
     # ---------------------------------------------------------------- calls
 
@@ -133,6 +137,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         changed = self.processor.fleet.drain(slot)
         if changed:
             log.info("admin: pod %s drained", self.processor.fleet.pods[slot].key)
+            if self.drains is not None:
+                await self.drains.save()
         return pb.DrainPodResponse(
             pod=self._pod(slot),
             changed=changed,
@@ -146,6 +152,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         changed = self.processor.fleet.undrain(slot)
         if changed:
             log.info("admin: pod %s undrained", self.processor.fleet.pods[slot].key)
+            if self.drains is not None:
+                await self.drains.save()
         return pb.UndrainPodResponse(
             pod=self._pod(slot),
             changed=changed,
@@ -182,6 +190,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             healthy=fleet.is_healthy(slot),
             drained=fleet.is_drained(slot),
             available=fleet.is_available(slot),
+            ejected=fleet.is_ejected(slot),
             watched=monitor is not None and slot in monitor.watched,
             load=pb.PodLoad(
                 inflight=max(0, load.inflight),
@@ -325,7 +334,7 @@ class AdminServer:
 
 
 async def serve_admin(
-    config: Config, processor: Processor, follow: Any = None
+    config: Config, processor: Processor, follow: Any = None, drains: DrainFile | None = None
 ) -> AdminServer | None:
     """Start the admin API on ``config.settings.admin_listen`` for ``processor``, or
     nothing when it is ``off``. With ``follow`` (the ext_proc ``grpc.aio.Server``),
@@ -337,7 +346,7 @@ async def serve_admin(
     # No SO_REUSEPORT: a second process on the same port must fail, not share it and
     # answer for a random process's fleet.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    servicer = AdminServicer(processor, address)
+    servicer = AdminServicer(processor, address, drains)
     pb_grpc.add_AdminServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     try:
         port = server.add_insecure_port(address)

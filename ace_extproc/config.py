@@ -358,6 +358,8 @@ class Settings:
     require_peer_token: bool = True
     # mTLS on the ext_proc port, for an Envoy on another host (ExtProcTLS).
     ext_proc_tls: ExtProcTLS | None = None
+    # Operator drains kept across restarts (drains.py): a JSON file; "" keeps none.
+    drain_file: str = ""
     # The admin gRPC API (admin.py, ``ace-extproc ctl``): host:port, unix:/path, or "off".
     # Never the ext_proc port; no authentication, so keep it on loopback or a socket.
     admin_listen: str = "127.0.0.1:9091"
@@ -732,6 +734,7 @@ _SETTING_TYPES: dict[str, type] = {
     "uds": str,
     "require_peer_token": bool,
     "admin_listen": str,
+    "drain_file": str,
     "grpc_max_message_bytes": int,
     "shutdown_grace_s": float,
     "metrics_listen": str,

@@ -192,7 +192,9 @@ _ACTIONS: dict[str, Callable[[Any, argparse.Namespace], Awaitable[int]]] = {
 
 def _state(pod: Any) -> str:
     state = _enum_name(pb.PodState.Name(pod.state))
-    if pod.drained and not pod.healthy:
+    if pod.ejected:  # passive health's, not the health checks'
+        state += " (ejected)" if pod.drained else " (ejected: its requests failed)"
+    elif pod.drained and not pod.healthy:
         state += " (down)"
     return state
 

@@ -53,6 +53,8 @@ def to_chat(body: bytes) -> tuple[bytes, Mode | None]:
         envelope = _decode(body)
     except msgspec.DecodeError as exc:
         raise EnvelopeError("body", f"not valid JSON ({exc})") from None
+    except RecursionError:  # nested deeper than the decoder's stack allows
+        raise EnvelopeError("body", "JSON nested too deeply") from None
     if not isinstance(envelope, dict):
         raise EnvelopeError("body", "expected a JSON object")
     chat = _field(envelope, "input", dict)
@@ -111,7 +113,7 @@ def wrap(status: int, body: bytes, entry: dict[str, Any]) -> bytes:
     """The engine's answer (or Envoy's own error reply) as the envelope."""
     try:
         answer: Any = _decode(body) if body else None
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         answer = body.decode("utf-8", "replace")  # e.g. Envoy's plain-text 503
     if status < 400:
         return _encode({"output": answer, "trace": [entry]})

@@ -44,6 +44,7 @@ from ace_extproc import execute, mutate, peer, speedups
 from ace_extproc import telemetry as tm
 from ace_extproc.admin import serve_admin
 from ace_extproc.config import Config, ConfigError, ExtProcTLS, Mode
+from ace_extproc.drains import DrainFile
 from ace_extproc.envoy_config import EXT_PROC_SERVICE
 from ace_extproc.logs import configure_logging
 from ace_extproc.mutate import Answer
@@ -376,6 +377,9 @@ async def start(
     The admin API (``admin_listen``, unless ``off``) runs until the server has stopped."""
     s = config.settings
     processor = processor or Processor(config)
+    # An operator's drains, before the first request (and as discovered pods join).
+    drains = DrainFile(s.drain_file, processor.fleet)
+    drains.load()
     server = grpc.aio.server(options=grpc_options(s.grpc_max_message_bytes))
     _add_processor(ExternalProcessor(processor), server)
     health_servicer = health.aio.HealthServicer()
@@ -408,7 +412,7 @@ async def start(
         )
         await sync.start()  # connects in the background: Redis may come up later
         processor.sharing = sync
-    await serve_admin(config, processor, follow=server)  # its own port; stops after server
+    await serve_admin(config, processor, follow=server, drains=drains)  # stops after server
     for name in ("", _SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer

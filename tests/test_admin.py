@@ -449,3 +449,48 @@ def test_admin_listen_setting() -> None:
             parse_settings({"admin_listen": bad})
     args = cli.build_parser().parse_args(["serve", "--admin-listen", "unix:/tmp/a.sock"])
     assert server.load_config(args).settings.admin_listen == "unix:/tmp/a.sock"
+
+
+def test_drains_survive_a_restart(ctl: Ctl, tmp_path: Any) -> None:
+    """router.drain_file: a drain is an operator's decision, which a restart (or the
+    supervisor's restart after a crash) must not undo; nor a corrupt file stop a start."""
+    drains = tmp_path / "drains.json"
+
+    async def drain(listen: str, admin: str, processor: Processor) -> None:
+        rc, _, err = await ctl(admin, "drain", "sim/pod-1")
+        assert rc == 0, err
+
+    async def check(listen: str, admin: str, processor: Processor) -> list[str]:
+        pods = await ctl.json(admin, "pods")
+        return [p["key"] for p in pods["pods"] if p["drained"]]
+
+    listen, admin = addresses()
+    with_server(make_config(listen, admin, drain_file=str(drains)), drain)
+    assert json.loads(drains.read_text()) == {"drained": ["sim/pod-1"]}
+    listen, admin = addresses()
+    assert with_server(make_config(listen, admin, drain_file=str(drains)), check) == ["sim/pod-1"]
+
+    async def undrain(listen: str, admin: str, processor: Processor) -> None:
+        rc, _, err = await ctl(admin, "undrain", "sim/pod-1")
+        assert rc == 0, err
+
+    listen, admin = addresses()
+    with_server(make_config(listen, admin, drain_file=str(drains)), undrain)
+    listen, admin = addresses()
+    assert with_server(make_config(listen, admin, drain_file=str(drains)), check) == []
+    drains.write_text("{not json")
+    listen, admin = addresses()
+    assert with_server(make_config(listen, admin, drain_file=str(drains)), check) == []
+
+
+def test_a_drained_pod_found_later_is_drained_as_it_joins(tmp_path: Any) -> None:
+    from ace_extproc.config import Pod
+    from ace_extproc.drains import DrainFile
+    from ace_extproc.routing import FleetState
+
+    path = tmp_path / "drains.json"
+    path.write_text(json.dumps({"drained": ["sim/pod-7"]}))
+    fleet = FleetState(sim_fleet(["127.0.0.1:9001"]))
+    DrainFile(str(path), fleet).load()
+    slot = fleet.add_pod(Pod("sim", "pod-7", "10.0.0.7", 8000))
+    assert fleet.is_drained(slot) and not fleet.is_drained(0)

@@ -41,6 +41,7 @@ def test_an_envelope_becomes_a_chat_completion() -> None:
     [
         (b"not json", "body"),
         (b"[1, 2]", "body"),
+        (b'{"input": ' + b"[" * 1000 + b"]" * 1000 + b"}", "body"),  # was a RecursionError
         ({"target": {"model": "m"}}, "input"),
         ({"input": {"messages": []}, "target": {"model": "m"}}, "input.messages"),
         ({"input": {"messages": ["hi"]}, "target": {"model": "m"}}, "input.messages"),
