@@ -196,7 +196,11 @@ class Processor:
                 error = execute.EnvelopeError("body", "expected the /v1/execute envelope")
                 ctx.outcome = _invalid_envelope(s.mode, error)
                 return ctx
-        elif path not in req.ROUTABLE_PATHS:
+        routable = ctx.execute or path in req.ROUTABLE_PATHS
+        # Another path is passed on unrouted; where tenants are configured its body is
+        # salted too (vLLM takes cache_salt on its other prompt APIs, and ignores it
+        # where unused): no request body reaches an engine outside its tenant's salt.
+        if not routable and not (self._isolated and headers.get(":method") == "POST"):
             ctx.outcome = _bypass(s.mode, "unknown_path")
             return ctx
         if headers.get(":method") != "POST":
@@ -217,6 +221,8 @@ class Processor:
             ctx.outcome = _bypass(ctx.mode, "empty_body")
         elif _int(headers.get("content-length")) > s.max_body_bytes:
             ctx.outcome = self._too_large(ctx.mode)
+        elif not routable:
+            self._unrouted(ctx, "bypass_unknown_path")
         elif bad_override is not None:
             self._unrouted(ctx, bad_override)
         elif ctx.mode is Mode.OFF and not ctx.execute:  # an envelope may still turn it on
@@ -328,6 +334,14 @@ class Processor:
         destination = self.fleet.destination_for(parsed.model)
         if destination is None:
             return self._seal(ctx, _bypass(mode, "unknown_model"), body, parsed)
+        if parsed.has_router_fields and not destination.hosted:
+            # The client's cache fields go before anything is decided: that reads the
+            # body whole, where the typed parse skipped what it did not need.
+            try:
+                body = strip_router_fields(body)
+            except req.RequestError as exc:
+                return self._seal(ctx, _bypass(mode, exc.reason), body, error=exc)
+            parsed.has_router_fields = False
         s = self.settings
         parsed_at = perf_counter_ns()
         hashes = hash_prompt(
@@ -384,8 +398,7 @@ class Processor:
                 outcome.fallbacks = tuple([pods[slot] for slot in pick.fallbacks])
             fields = self._body_fields(destination, ctx, hashes, parsed, body)
             if fields:
-                strip = parsed.has_router_fields and not destination.hosted
-                outcome.body = rewrite_body(body, fields, strip)
+                outcome.body = splice(body, fields)
             rewrite_ns = perf_counter_ns() - picked_at
         else:  # shadow: decided and reported, not pinned; salted all the same
             self._seal(ctx, outcome, body, parsed, destination)
@@ -416,24 +429,21 @@ class Processor:
             return outcome
         if (destination or self.fleet.fleet.default).hosted:
             return outcome  # a hosted API takes no engine fields (see _body_fields)
-        strip = True
-        if parsed is None and error is None:
+        if parsed is None and error is None and ctx.path in req.ROUTABLE_PATHS:
             try:
                 parsed = req.parse(ctx.path, body)
             except req.RequestError as exc:
                 error = exc
-        if parsed is not None:
-            strip = parsed.has_router_fields
-        elif error is not None and error.reason not in _OBJECT_ERRORS:
-            return _reject(
-                outcome.mode,
-                f"reject_{error.reason}",
-                400,
-                f"the request body is not a JSON object ({error})",
-                "invalid_request_error",
-            )
+        if parsed is None and error is not None and error.reason not in _OBJECT_ERRORS:
+            return _not_an_object(outcome.mode, error)
         fields = f'"cache_salt":"{self.tenants.salt(ctx.tenant)}"'
-        outcome.body = rewrite_body(body, fields, strip)
+        # Another path's body, or one the typed parse stopped reading at a field it did
+        # not expect (the rest may be anything), is read whole: re-encoded, or refused.
+        strip = parsed is None or parsed.has_router_fields
+        try:
+            outcome.body = rewrite_body(body, fields, strip)
+        except req.RequestError as exc:
+            return _not_an_object(outcome.mode, exc)
         return outcome
 
     def _body_fields(
@@ -473,20 +483,29 @@ def _prompt_cache_key(body: bytes, hashes: PrefixHashes, session: str | None) ->
 
 
 def rewrite_body(body: bytes, fields: str, strip_client_fields: bool) -> bytes:
-    """The body with the router's fields (a JSON object fragment, no braces) added.
+    """The body with the router's fields (a JSON object fragment, no braces) added, the
+    client's own cache fields first stripped if it has any (``strip_router_fields``).
+    Raises ``RequestError`` on a body that is not a JSON object."""
+    return splice(strip_router_fields(body) if strip_client_fields else body, fields)
 
-    The common case splices them in after the opening brace, leaving the client's
-    bytes as they were; only a body carrying its own ``cache_salt`` or
-    ``cache_prefix_id`` (however its key is spelled: escapes, repeats) is re-encoded
-    without them, every other value's bytes kept as they were, so the client's
-    values are gone rather than shadowed by a duplicate key.
-    """
-    if strip_client_fields:
+
+def strip_router_fields(body: bytes) -> bytes:
+    """The body without the client's ``cache_salt`` and ``cache_prefix_id``, however
+    their keys are spelled (escapes, repeats), every other value's bytes as they
+    were: the client's values gone rather than shadowed by a duplicate key. Reads the
+    body whole; raises ``RequestError`` where it is not a JSON object."""
+    try:
         obj = _raw_object.decode(body)
-        for name in req.ROUTER_FIELDS:
-            obj.pop(name, None)
-        body = msgspec.json.encode(obj)
-    return splice(body, fields)
+    except msgspec.ValidationError:
+        raise req.RequestError("not_object", "body is JSON but not an object") from None
+    except msgspec.DecodeError as exc:
+        reason = "not_utf8" if "UTF-8" in str(exc) else "bad_json"
+        raise req.RequestError(reason, str(exc)) from None
+    except RecursionError:
+        raise req.RequestError("bad_json", "JSON is nested too deeply") from None
+    for name in req.ROUTER_FIELDS:
+        obj.pop(name, None)
+    return msgspec.json.encode(obj)
 
 
 # A JSON object's members, each value left as its bytes.
@@ -540,6 +559,12 @@ def _auth_failure(mode: Mode, reason: str) -> Outcome:
     # In every mode: shadow and off change how a request is routed, not who may send it.
     message = "missing API key" if reason == "missing_key" else "invalid API key"
     return _reject(mode, f"reject_{reason}", 401, message, "authentication_error")
+
+
+def _not_an_object(mode: Mode, error: req.RequestError) -> Outcome:
+    # Neither salted nor served by any engine: refused where tenants are configured.
+    message = f"the request body is not a JSON object ({error})"
+    return _reject(mode, f"reject_{error.reason}", 400, message, "invalid_request_error")
 
 
 def _reject(mode: Mode, action: str, status: int, message: str, kind: str) -> Outcome:

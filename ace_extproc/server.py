@@ -49,6 +49,7 @@ from ace_extproc.envoy_config import EXT_PROC_SERVICE
 from ace_extproc.logs import configure_logging
 from ace_extproc.mutate import Answer
 from ace_extproc.observe import Observation
+from ace_extproc.probes import Probes
 from ace_extproc.processor import Outcome, Processor, RequestContext
 from ace_extproc.procs import die_with_parent
 from ace_extproc.routing.discovery import for_destination
@@ -461,9 +462,13 @@ async def serve(config: Config) -> None:
             "salts tenants with a random one of its own, so the engines' caches split "
             "between replicas and start cold after a restart; set one shared secret"
         )
-    # Its own port and thread: a scrape never waits on, or holds up, this loop.
+    # Its own port and thread: a scrape never waits on, or holds up, this loop. The
+    # kubelet's probes ask there too: the ext_proc port need not be open to them.
+    probes = Probes()
+    probes.serving = True
+    heartbeat = asyncio.create_task(probes.beat(), name="ace-heartbeat")
     try:
-        metrics = tm.serve_metrics(s.metrics_listen, processor.telemetry)
+        metrics = tm.serve_metrics(s.metrics_listen, processor.telemetry, probes)
     except OSError as exc:  # the data path matters more than its metrics
         log.warning("metrics: cannot listen on %s (%s); running without", s.metrics_listen, exc)
         metrics = None
@@ -485,6 +490,7 @@ async def serve(config: Config) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     # Graceful: report NOT_SERVING, stop taking streams, let those in flight finish.
+    probes.serving = False
     await health_servicer.enter_graceful_shutdown()
     await stop_discovery(processor)
     if processor.monitor is not None:
@@ -492,6 +498,7 @@ async def serve(config: Config) -> None:
     await server.stop(s.shutdown_grace_s)
     if isinstance(processor.sharing, ReplicaSync):
         await processor.sharing.stop()
+    heartbeat.cancel()
     if metrics is not None:
         metrics.stop()
     log.info("ace-extproc stopped")

@@ -17,8 +17,8 @@ import argparse
 import asyncio
 import contextlib
 import os
-import shutil
 import secrets
+import shutil
 import signal
 import socket
 import sys

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import socket
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -35,7 +37,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
 
     from ace_extproc.config import Pod
     from ace_extproc.observe import Ledger
+    from ace_extproc.probes import Probes
     from ace_extproc.routing.fleet import FleetState
     from ace_extproc.routing.index import BlockIndex
     from ace_extproc.routing.monitor import FleetMonitor
@@ -713,13 +716,16 @@ class MetricsServer:
 
 
 def serve_metrics(
-    listen: str, source: Telemetry | CollectorRegistry | None = None
+    listen: str,
+    source: Telemetry | CollectorRegistry | None = None,
+    probes: Probes | None = None,
 ) -> MetricsServer | None:
     """Serve Prometheus exposition of ``source`` (a ``Telemetry`` or any registry;
     default: prometheus-client's global one) at ``http://<listen>/metrics`` from a
-    daemon thread. ``listen``: ``host:port`` (port 0: a free one, see
-    ``MetricsServer.port``) or ``"off"`` (returns None). Raises ConfigError on a bad
-    address, OSError when the port cannot be bound."""
+    daemon thread, and with ``probes`` the kubelet's ``/healthz`` and ``/readyz``.
+    ``listen``: ``host:port`` (port 0: a free one, see ``MetricsServer.port``) or
+    ``"off"`` (returns None). Raises ConfigError on a bad address, OSError when the
+    port cannot be bound."""
     if listen == "off":
         return None
     host, port = check_listen(listen, "metrics_listen", allow_off=True)
@@ -732,8 +738,28 @@ def serve_metrics(
         registry = REGISTRY
     else:
         registry = source
-    server, thread = start_http_server(port, addr=host, registry=_NameFilter(registry))
+    app = make_wsgi_app(_NameFilter(registry))
+    if probes is not None:
+        app = probes.wrap(app)
+
+    class Server(ThreadingWSGIServer):
+        """Its own class: the address family is set on it (IPv6 listens too)."""
+
+    family, _, _, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    Server.address_family = family
+    server = make_server(str(address[0]), port, app, Server, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="ace-metrics", daemon=True)
+    thread.start()
     return MetricsServer(host, int(server.server_address[1]), server, thread)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No line on stderr per scrape or probe."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
 
 class _NameFilter:

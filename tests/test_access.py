@@ -193,6 +193,22 @@ def test_every_unpinned_request_carries_its_tenant_salt_and_not_the_client_s(
     assert fields["messages"] == msgspec.json.decode(body)["messages"]
 
 
+def test_other_paths_bodies_are_salted_too() -> None:
+    """vLLM takes cache_salt on its other prompt APIs (the Responses API among them):
+    a tenant's body there goes on unrouted, salted, and never with its own salt."""
+    p = make()
+    body = msgspec.json.encode({"model": "sim-llama", "input": "hi", "cache_salt": "mine"})
+    for path in ("/v1/responses", "/v1/embeddings", "/v1/chat/completions/"):
+        out = run(p, headers(path=path, authorization="Bearer key-a"), body)
+        assert out.action == "bypass_unknown_path" and out.pod is None, path
+        assert sent(out) == {"model": "sim-llama", "input": "hi", "cache_salt": SALTS.salt("acme")}
+    assert run(p, headers(path="/v1/responses"), b"[1]").reject_status == 400
+    # A GET has no body to salt; without tenants nothing is read at all.
+    assert p.on_headers(headers(path="/v1/models", method="GET"), True).outcome is not None
+    plain = make(tenants=TenantConfig()).on_headers(headers(path="/v1/responses"), False)
+    assert plain.outcome is not None and plain.outcome.action == "bypass_unknown_path"
+
+
 def test_bypasses_of_the_body_are_salted_too() -> None:
     unknown = run(make(fleet=_unroutable_fleet()), headers(authorization="Bearer key-a"), chat())
     assert unknown.action == "bypass_unknown_model"
@@ -291,3 +307,15 @@ def test_failure_mode_defaults_to_closed_where_requests_are_checked_or_salted() 
         parse_settings({"tenants": {"api_keys": {"k": "anon"}}})
     with pytest.raises(ConfigError, match=r"tenants\.requre_key"):
         parse_settings({"tenants": {"requre_key": True}})
+
+
+def test_a_client_salt_beside_bytes_that_are_not_utf8_is_refused_not_a_crash() -> None:
+    """The typed parse skips fields it does not need, unread; stripping a client's
+    cache field reads the body whole and finds it is not JSON an engine could read
+    (found by the soak run: an internal error, before)."""
+    body = b'{"model":"sim-llama","messages":[{"role":"user","content":"hi"}],"x\xff":1,'
+    body += b'"cache_salt":"mine"}'
+    out = run(make(), headers(authorization="Bearer key-a"), body)
+    assert (out.reject_status, out.action) == (400, "reject_not_utf8")
+    plain = run(make(tenants=TenantConfig()), headers(), body)
+    assert plain.action == "bypass_not_utf8" and plain.body is None and plain.pod is None

@@ -107,6 +107,7 @@ def test_the_default_release() -> None:
     assert kinds == [
         "ConfigMap",
         "Deployment",
+        "NetworkPolicy",
         "PodDisruptionBudget",
         "Role",
         "RoleBinding",
@@ -148,7 +149,7 @@ def test_ports_volumes_and_the_secret_fit_together() -> None:
     for c in by_name.values():
         for probe in ("readinessProbe", "livenessProbe"):
             if probe in c:
-                target = c[probe].get("tcpSocket", c[probe].get("grpc"))["port"]
+                target = c[probe].get("tcpSocket", c[probe].get("httpGet"))["port"]
                 ports = {p["name"] for p in c["ports"]} | {p["containerPort"] for p in c["ports"]}
                 assert target in ports, (c["name"], probe)
     volumes = {v["name"] for v in pod["volumes"]}
@@ -161,6 +162,13 @@ def test_ports_volumes_and_the_secret_fit_together() -> None:
     # Envoy and ace-extproc share the socket directory, and the fleet file's uds is in it.
     mounts = {c: {m["mountPath"] for m in by_name[c]["volumeMounts"]} for c in by_name}
     assert "/run/ace" in mounts["envoy"] & mounts["ace-extproc"]
+    # The renderer derives Envoy's peer token from the same salt secret (peer.py).
+    (init,) = pod["initContainers"]
+    assert {e["name"]: e["valueFrom"]["secretKeyRef"] for e in init["env"]} == {
+        "ACE_SALT_SECRET": ref
+    }
+    # Drains survive a container restart: the file is on the pod's own volume.
+    assert "/var/lib/ace" in mounts["ace-extproc"]
 
 
 def test_the_pod_runs_what_this_package_accepts(tmp_path: Path) -> None:
@@ -169,7 +177,11 @@ def test_the_pod_runs_what_this_package_accepts(tmp_path: Path) -> None:
     config = cfg.load(fleet, env={})
     assert config.settings.upstream_mode == "endpoint"
     assert config.settings.uds == "/run/ace/extproc.sock"
-    assert config.settings.listen == "0.0.0.0:50051"  # the port the gRPC probes use
+    assert config.settings.listen == ""  # nothing on the network: probes go to /readyz
+    assert config.settings.drain_file == "/var/lib/ace/drains.json"
+    probes = containers(docs)["ace-extproc"]
+    assert probes["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert probes["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     args = containers(docs)["ace-extproc"]["args"]
     assert args[0] == "serve"
     parser = argparse.ArgumentParser()
@@ -291,7 +303,10 @@ def test_values_the_schema_refuses_name_the_field(values: dict[str, Any], where:
 
 
 def test_the_network_policy_admits_envoy_and_metrics_only() -> None:
-    assert not [d for d in render() if d["kind"] == "NetworkPolicy"]  # off by default
+    assert one(render(), "NetworkPolicy")  # on by default
+    assert not [
+        d for d in render({"networkPolicy": {"enabled": False}}) if d["kind"] == "NetworkPolicy"
+    ]
     apps = [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
     docs = render({"networkPolicy": {"enabled": True, "httpFrom": apps}})
     policy = one(docs, "NetworkPolicy")
@@ -300,10 +315,10 @@ def test_the_network_policy_admits_envoy_and_metrics_only() -> None:
     http, metrics = policy["spec"]["ingress"]
     assert http == {"ports": [{"port": 8080, "protocol": "TCP"}], "from": apps}
     assert metrics == {"ports": [{"port": 9090, "protocol": "TCP"}]}
-    # ace-extproc's gRPC port is declared (the probes use it) and admitted by no rule.
+    # ace-extproc's ext_proc is a unix socket: no port declared, none admitted.
     declared = {p["containerPort"] for c in containers(docs).values() for p in c.get("ports", [])}
     admitted = {port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"]}
-    assert 50051 in declared and admitted == {8080, 9090}
+    assert declared == admitted == {8080, 9090}
 
 
 def test_a_share_password_comes_from_the_named_secret(tmp_path: Path) -> None:

@@ -53,6 +53,14 @@ def test_the_compose_file_follows_the_compose_spec() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_the_renderer_and_the_server_share_the_salt_secret() -> None:
+    """Envoy's token for ace-extproc is derived from it (peer.py): were the renderer
+    without it, every stream Envoy opens would be refused."""
+    s = services()
+    assert s["envoy-config"]["environment"] == s["ace-extproc"]["environment"]
+    assert "ACE_SALT_SECRET" in s["ace-extproc"]["environment"]
+
+
 def test_every_service_runs_a_command_of_this_package() -> None:
     for name, service in services().items():
         assert service["image"] == IMAGE and service["build"] == ".", name

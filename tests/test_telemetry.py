@@ -716,3 +716,30 @@ def _access_lines(path: Path) -> list[dict[str, Any]]:
         if raw.startswith("{"):
             out.append(json.loads(raw))
     return out
+
+
+def test_the_kubelet_s_probes_answer_on_the_metrics_port() -> None:
+    """The ext_proc port stays closed to the cluster: /healthz (the event loop turns)
+    and /readyz (serving, and alive) answer beside /metrics."""
+    from ace_extproc.probes import STALE_S, Probes
+
+    now = [100.0]
+    probes = Probes(clock=lambda: now[0])
+    server = tm.serve_metrics("127.0.0.1:0", tm.Telemetry(process_metrics=False), probes)
+    assert server is not None
+
+    def status(path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}") as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        assert (status("/healthz"), status("/readyz")) == (200, 503)  # not serving yet
+        probes.serving = True
+        assert (status("/healthz"), status("/readyz"), status("/metrics")) == (200, 200, 200)
+        now[0] += STALE_S  # no heartbeat since: a stuck event loop
+        assert (status("/healthz"), status("/readyz")) == (503, 503)
+    finally:
+        server.stop()
