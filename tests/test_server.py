@@ -483,3 +483,45 @@ def test_a_bug_refuses_the_request_where_it_could_not_then_be_salted(port):
     )
     assert out[1].immediate_response.status.code == 500
     assert b"gateway failed" in out[1].immediate_response.body
+
+
+def test_mtls_admits_only_clients_the_ca_signed(port, tmp_path):
+    """router.ext_proc_tls: across hosts, only a client with a certificate the CA
+    signed gets a stream; one without, or signed by another CA, is refused."""
+    import trustme
+
+    from ace_extproc.config import ExtProcTLS
+
+    ca, other = trustme.CA(), trustme.CA()
+    server_cert = ca.issue_cert("ace-extproc.test")
+    envoy_cert, stranger = ca.issue_cert("envoy.test"), other.issue_cert("envoy.test")
+    files = {
+        "ca": ca.cert_pem,
+        "crt": server_cert.cert_chain_pems[0],
+        "key": server_cert.private_key_pem,
+    }
+    for name, blob in files.items():
+        blob.write_to_path(str(tmp_path / name))
+    tls = ExtProcTLS(str(tmp_path / "ca"), str(tmp_path / "crt"), str(tmp_path / "key"))
+    target = f"127.0.0.1:{port}"
+    overrides = (("grpc.ssl_target_name_override", "ace-extproc.test"),)
+
+    async def call(cert: Any) -> Any:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=ca.cert_pem.bytes(),
+            private_key=cert.private_key_pem.bytes() if cert else None,
+            certificate_chain=cert.cert_chain_pems[0].bytes() if cert else None,
+        )
+        async with grpc.aio.secure_channel(target, creds, options=overrides) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                return (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+
+    async def scenario():
+        return [await call(envoy_cert), await call(None), await call(stranger)]
+
+    admitted, no_cert, other_ca = with_server(config(target, ext_proc_tls=tls), scenario)
+    assert admitted == health_pb2.HealthCheckResponse.SERVING
+    assert no_cert == other_ca == grpc.StatusCode.UNAVAILABLE

@@ -470,3 +470,49 @@ def test_the_sim_refuses_https_it_cannot_serve(args: list[str], message: str) ->
         timeout=30,
     )
     assert proc.returncode == 2 and message in proc.stderr
+
+
+# ------------------------------------------------------------ mTLS to ace-extproc
+
+
+@pytest.mark.envoy
+def test_envoy_reaches_ace_extproc_over_mtls(tmp_path: Path) -> None:
+    """router.ext_proc_tls, the option for an Envoy on another host: one fleet file,
+    each side reading its own files; requests are routed (so Envoy's handshake with
+    ace-extproc's mTLS port worked), and a client without Envoy's certificate is not
+    even let in."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.test_e2e import Client, options
+
+    ca = trustme.CA()
+    server, envoy = ca.issue_cert("ace-extproc.test"), ca.issue_cert("envoy.test")
+    paths = {}
+    for name, blob in {
+        "ca_file": ca.cert_pem,
+        "cert_file": server.cert_chain_pems[0],
+        "key_file": server.private_key_pem,
+        "client_cert_file": envoy.cert_chain_pems[0],
+        "client_key_file": envoy.private_key_pem,
+    }.items():
+        paths[name] = str(tmp_path / name)
+        blob.write_to_path(paths[name])
+    tls = {**paths, "server_name": "ace-extproc.test"}
+    stack = Stack(options(router={"ext_proc_tls": tls}))
+    with running_stack(stack) as loop:
+        client = Client(stack, loop)
+        status, headers, _ = client.chat(conversation(0, "mtls"))
+        assert status == 200 and "x-ace-pinned" in headers
+
+        async def plain() -> grpc.StatusCode:
+            async with grpc.aio.insecure_channel(stack.options.ext_proc) as channel:
+                try:
+                    await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=3
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+            return grpc.StatusCode.OK
+
+        assert loop.run_until_complete(plain()) == grpc.StatusCode.UNAVAILABLE
