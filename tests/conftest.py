@@ -5,6 +5,7 @@ import os
 import random
 import socket
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -88,6 +89,26 @@ def children(pid: int) -> set[int]:
         frontier = {p for p, parent in parents.items() if parent in frontier} - found
         found |= frontier
     return found
+
+
+def memory_mib(pid: int, field: str = "VmRSS") -> float:
+    """A process's memory from /proc: ``VmRSS`` now, ``VmHWM`` its peak."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def up_command(pods: int = 2, *extra: str) -> tuple[str, list[str], dict[str, str]]:
+    """``ace-extproc up`` on free ports: its listen address, argv and environment."""
+    ports = free_ports(pods + 3)
+    listen = f"127.0.0.1:{ports[pods]}"
+    argv = [
+        sys.executable, "-m", "ace_extproc.cli", "up", "--pods", str(pods),
+        "--listen", listen, "--admin", f"127.0.0.1:{ports[pods + 1]}",
+        "--ext-proc", f"127.0.0.1:{ports[pods + 2]}", "--time-scale", "0.001", *extra,
+    ]  # fmt: skip
+    return listen, argv, {**os.environ, "ACE_STACK_FIRST_POD_PORT": str(ports[0])}
 
 
 def alive(pid: int) -> bool:

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -30,7 +29,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from ace_extproc import cli
 from ace_extproc.stack import envoy_binary
-from tests.conftest import free_ports
+from tests.conftest import memory_mib, up_command
 from tests.test_e2e import Client, conversation, options, running
 
 try:
@@ -303,20 +302,13 @@ def test_a_client_made_5xx_storm_leaves_the_pods_in() -> None:
 # ------------------------------------------------------------------ bounded memory
 
 
-def _peak_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
-
-
 def test_a_300_mb_streamed_body_stays_out_of_the_sidecar_s_memory() -> None:
     """Full-duplex mode streams bodies through ace-extproc. Past max_body_bytes it
     holds no more: the rest goes through as it comes (before, the headers waited for
     the whole body, and 300 MB took the sidecar from 61 to 565 MB)."""
     with running(options(processing_mode="full_duplex")) as client:
         pid = client.stack.procs["ace-extproc"].pid
-        before = _peak_rss_mib(pid)
+        before = memory_mib(pid, "VmHWM")
         total = 300 << 20
 
         async def send() -> int:
@@ -341,7 +333,7 @@ def test_a_300_mb_streamed_body_stays_out_of_the_sidecar_s_memory() -> None:
 
         with contextlib.suppress(aiohttp.ClientError):  # the engine may cut it at its limit
             client.run(send())
-        grown = _peak_rss_mib(pid) - before
+        grown = memory_mib(pid, "VmHWM") - before
         assert grown < 100, f"the sidecar grew {grown:.0f} MiB"
         status, headers, _ = client.chat(conversation(0, "after-300mb"))
         assert status == 200 and "x-ace-pinned" in headers  # alive, and routing
@@ -386,15 +378,7 @@ def test_up_restarts_a_dead_sidecar_while_envoy_keeps_serving(tmp_path: Path) ->
     request (Envoy fails open without tenants), it is started again and pins again;
     a killed pod is reported and started again, not fatal (before: 4,804 of 7,200
     requests failed, as up stopped everything)."""
-    ports = free_ports(7)
-    listen = f"127.0.0.1:{ports[4]}"
-    argv = [
-        sys.executable, "-m", "ace_extproc.cli", "up", "--pods", "2",
-        "--listen", listen, "--admin", f"127.0.0.1:{ports[5]}",
-        "--ext-proc", f"127.0.0.1:{ports[6]}", "--time-scale", "0.001",
-        "--metrics", "off", "--admin-api", "off",
-    ]  # fmt: skip
-    env = {**os.environ, "ACE_STACK_FIRST_POD_PORT": str(ports[0])}
+    listen, argv, env = up_command(2, "--metrics", "off", "--admin-api", "off")
     env.pop("ACE_SALT_SECRET", None)
     err = (tmp_path / "up.err").open("w")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import aiohttp
 import pytest
 from yarl import URL
 
+from tests.conftest import memory_mib
 from tests.fuzzing import KEYS, Fuzzer
 from tests.test_e2e import options, running
 
@@ -21,13 +21,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.envoy]
 
 REQUESTS = int(os.environ.get("ACE_SOAK_REQUESTS", "100000"))
 CONCURRENCY = 24
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def test_soak_fuzzed_requests_through_envoy() -> None:
@@ -62,12 +55,12 @@ def test_soak_fuzzed_requests_through_envoy() -> None:
                                 why = resp.headers.get("x-ace-trace-prefix-kv-cache", "")
                                 gateway_5xx.append(f"{resp.status} {r.method} {r.path} {why}")
                         if i % 10_000 == 0:
-                            rss.append(_rss_mib(sidecar.pid))
+                            rss.append(memory_mib(sidecar.pid))
 
                 await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
 
         client.run(soak())
-        rss.append(_rss_mib(sidecar.pid))
+        rss.append(memory_mib(sidecar.pid))
         log = (client.stack.workdir / "ace-extproc.log").read_text(errors="replace")
         print(f"statuses {sorted(statuses.items())}; sidecar RSS MiB {[round(x) for x in rss]}")
         assert sum(statuses.values()) == REQUESTS

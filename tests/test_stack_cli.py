@@ -4,7 +4,6 @@ or Ctrl-C leaves no process behind."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ace_extproc.stack import envoy_binary
-from tests.conftest import alive, children, free_ports
+from tests.conftest import alive, children, up_command
 
 try:
     envoy_binary()
@@ -27,14 +26,7 @@ pytestmark = pytest.mark.envoy
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_up_prints_ready_serves_and_stops_cleanly(sig: signal.Signals) -> None:
-    ports = free_ports(5)
-    listen = f"127.0.0.1:{ports[2]}"
-    argv = [
-        sys.executable, "-m", "ace_extproc.cli", "up", "--pods", "2",
-        "--listen", listen, "--admin", f"127.0.0.1:{ports[3]}",
-        "--ext-proc", f"127.0.0.1:{ports[4]}", "--time-scale", "0.001",
-    ]  # fmt: skip
-    env = {**os.environ, "ACE_STACK_FIRST_POD_PORT": str(ports[0])}
+    listen, argv, env = up_command()
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
