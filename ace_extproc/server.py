@@ -59,7 +59,6 @@ from ace_extproc.routing.replicas import Learner, ReplicaSync, redacted_url
 log = logging.getLogger("ace_extproc")
 
 _DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
-_SERVICE = EXT_PROC_SERVICE
 _UNASKED = {
     "response_headers": ProcessingResponse(response_headers=HeadersResponse()),
     "response_body": ProcessingResponse(response_body=BodyResponse()),
@@ -362,7 +361,7 @@ def _add_processor(servicer: ExternalProcessor, server: grpc.aio.Server) -> None
         response_serializer=mutate.serialize,
     )
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(_SERVICE, {"Process": handler}),)
+        (grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": handler}),)
     )
 
 
@@ -414,7 +413,7 @@ async def start(
         await sync.start()  # connects in the background: Redis may come up later
         processor.sharing = sync
     await serve_admin(config, processor, follow=server, drains=drains)  # stops after server
-    for name in ("", _SERVICE):
+    for name in ("", EXT_PROC_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer
 
