@@ -12,9 +12,9 @@ STAMP  := $(VENV)/.installed
 
 PROTOS := $(shell find protos -name '*.proto')
 
-# Reinstalling also recompiles protos/ into ace_extproc/_proto and rebuilds the C fast
-# path ace_extproc/*.c (setup.py).
-$(STAMP): pyproject.toml setup.py $(PROTOS) $(wildcard ace_extproc/*.c ace_extproc/*.h)
+# Reinstalling also recompiles protos/ into ace_extproc/_proto and rebuilds the native
+# code ace_extproc/native/*.c (setup.py).
+$(STAMP): pyproject.toml setup.py $(PROTOS) $(wildcard ace_extproc/native/*.c ace_extproc/native/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
@@ -30,7 +30,7 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m ''
 
-# The C fast path's tests with the extension built under AddressSanitizer and UBSan
+# The native code's tests with the extension built under AddressSanitizer and UBSan
 # (gcc's runtimes preloaded into Python); the normal build is restored afterwards.
 SANITIZE := -fsanitize=address,undefined -fno-omit-frame-pointer -g
 test-asan: $(STAMP)
@@ -38,7 +38,7 @@ test-asan: $(STAMP)
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1 \
 	  $(BIN)/python -m pytest -p no:cacheprovider tests/test_speedups.py tests/test_request.py tests/test_answer.py \
-	    tests/test_price.py tests/test_lru.py tests/test_pick.py tests/test_headers.py; \
+	    tests/test_lru.py tests/test_headers.py; \
 	  status=$$?; $(BIN)/python setup.py -q build_ext --inplace --force; exit $$status
 
 lint: $(STAMP)

@@ -120,14 +120,12 @@ class BuildPyWithProtos(build_py):
 
 
 SPEEDUPS = Extension(
-    "ace_extproc._speedups",
+    "ace_extproc.native._speedups",
     sources=[
-        "ace_extproc/_speedups.c",
-        "ace_extproc/_answer.c",
-        "ace_extproc/_price.c",
-        "ace_extproc/_lru.c",
-        "ace_extproc/_pick.c",
-        "ace_extproc/_headers.c",
+        "ace_extproc/native/_speedups.c",
+        "ace_extproc/native/_answer.c",
+        "ace_extproc/native/_lru.c",
+        "ace_extproc/native/_headers.c",
     ],
     include_dirs=["third_party/xxhash"],  # xxHash's single header, BSD-2-Clause
     extra_compile_args=["-O3"],

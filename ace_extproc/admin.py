@@ -22,11 +22,11 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import msgspec
 import yaml
 
 from ace_extproc import __version__
 from ace_extproc.config import Config, Settings, fleet_to_dict
-from ace_extproc.drains import DrainFile
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.placements import PrefixPlacements
 from ace_extproc.routing.replicas import redacted_url
@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - a checkout that was never built
     ) from exc
 
 if TYPE_CHECKING:
-    from ace_extproc.processor import Processor
+    from ace_extproc.app import App
 
 __all__ = [
     "AdminServer",
@@ -86,20 +86,18 @@ class _Refused(Exception):
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    """Reads and flips the state of one ``Processor``; runs on its event loop, so
-    every call sees the state between two requests, never in the middle of one."""
+    """Reads and flips the state of one process (``app.App``); runs on its event loop,
+    so every call sees the state between two requests, never in the middle of one."""
 
-    def __init__(
-        self, processor: Processor, admin_listen: str = "", drains: DrainFile | None = None
-    ) -> None:
-        self.processor = processor
+    def __init__(self, app: App, admin_listen: str = "") -> None:
+        self.app = app
         self.admin_listen = admin_listen
-        self.drains = drains  # where drains are kept across restarts, if anywhere
+        self.drains = app.drains  # where drains are kept across restarts, if anywhere
 
     # ---------------------------------------------------------------- calls
 
     async def ListPods(self, request: pb.ListPodsRequest, context: Any) -> pb.ListPodsResponse:
-        fleet = self.processor.fleet
+        fleet = self.app.fleet
         pods = [
             self._pod(slot)
             for slot in range(len(fleet.pods))
@@ -115,10 +113,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; this is for readers and type checkers
-        placements = self.processor.placements  # None: this processor keeps no log
+        placements = self.app.placements
         out = pb.LookupPrefixResponse(prefix_key=key, tenant=tenant)
-        if placements is None:
-            return out
         out.recording = True
         out.capacity = placements.capacity
         seen = placements.get(key)
@@ -134,9 +130,9 @@ class AdminServicer(pb_grpc.AdminServicer):
 
     async def DrainPod(self, request: pb.DrainPodRequest, context: Any) -> pb.DrainPodResponse:
         slot = await self._resolve(request.pod, context)
-        changed = self.processor.fleet.drain(slot)
+        changed = self.app.fleet.drain(slot)
         if changed:
-            log.info("admin: pod %s drained", self.processor.fleet.pods[slot].key)
+            log.info("admin: pod %s drained", self.app.fleet.pods[slot].key)
             if self.drains is not None:
                 await self.drains.save()
         return pb.DrainPodResponse(
@@ -149,9 +145,9 @@ class AdminServicer(pb_grpc.AdminServicer):
         self, request: pb.UndrainPodRequest, context: Any
     ) -> pb.UndrainPodResponse:
         slot = await self._resolve(request.pod, context)
-        changed = self.processor.fleet.undrain(slot)
+        changed = self.app.fleet.undrain(slot)
         if changed:
-            log.info("admin: pod %s undrained", self.processor.fleet.pods[slot].key)
+            log.info("admin: pod %s undrained", self.app.fleet.pods[slot].key)
             if self.drains is not None:
                 await self.drains.save()
         return pb.UndrainPodResponse(
@@ -161,24 +157,24 @@ class AdminServicer(pb_grpc.AdminServicer):
         )
 
     async def GetConfig(self, request: pb.GetConfigRequest, context: Any) -> pb.GetConfigResponse:
-        p = self.processor
-        doc = config_document(Config(p.fleet.fleet, p.settings))
+        s = self.app.config.settings
+        doc = config_document(Config(self.app.fleet.fleet, s))
         return pb.GetConfigResponse(
             version=__version__,
-            mode=p.settings.mode.value,
+            mode=s.mode.value,
             yaml=yaml.safe_dump(doc, sort_keys=False),
-            admin_listen=self.admin_listen or p.settings.admin_listen,
+            admin_listen=self.admin_listen or s.admin_listen,
         )
 
     # -------------------------------------------------------------- helpers
 
     def _pod(self, slot: int) -> pb.Pod:
-        p = self.processor
-        fleet = p.fleet
+        app = self.app
+        fleet = app.fleet
         pod = fleet.pods[slot]
         load = fleet.load[slot]
-        monitor = p.monitor
-        s = p.settings
+        monitor = app.monitor
+        s = app.config.settings
         return pb.Pod(
             key=pod.key,
             destination=pod.destination,
@@ -200,8 +196,8 @@ class AdminServicer(pb_grpc.AdminServicer):
                 queued_prefill_tokens=max(0, load.queued_prefill_tokens),
             ),
             index=pb.PodIndex(
-                blocks_held=p.index.blocks_held(slot),
-                capacity_blocks=p.index.capacity_of(slot),
+                blocks_held=app.index.blocks_held(slot),
+                capacity_blocks=app.index.capacity_of(slot),
                 kv_capacity_tokens=fleet.capacity_tokens[slot] or 0,
                 block_bytes=s.block_bytes,
             ),
@@ -209,13 +205,13 @@ class AdminServicer(pb_grpc.AdminServicer):
 
     async def _resolve(self, ref: str, context: Any) -> int:
         try:
-            return resolve_pod(self.processor.fleet, ref)
+            return resolve_pod(self.app.fleet, ref)
         except _Refused as exc:
             await context.abort(exc.code, str(exc))
             raise  # abort raises; this is for readers and type checkers
 
     def _destination_available(self, slot: int) -> int:
-        fleet = self.processor.fleet
+        fleet = self.app.fleet
         name = fleet.pods[slot].destination
         for dest in fleet.fleet.destinations:
             if dest.id == name:
@@ -280,6 +276,8 @@ def config_document(config: Config) -> dict[str, Any]:
             value = redacted_url(value)
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
             value = dataclasses.asdict(value)  # passive_health, ext_proc_tls
+        elif isinstance(value, msgspec.Struct):
+            value = {k: v for k, v in msgspec.to_builtins(value).items() if v is not None}
         elif isinstance(value, tuple):
             value = list(value)  # allow_mode_override's tenants
         if value is not None:
@@ -333,20 +331,18 @@ class AdminServer:
         ext_proc.stop = stop
 
 
-async def serve_admin(
-    config: Config, processor: Processor, follow: Any = None, drains: DrainFile | None = None
-) -> AdminServer | None:
-    """Start the admin API on ``config.settings.admin_listen`` for ``processor``, or
+async def serve_admin(app: App, follow: Any = None) -> AdminServer | None:
+    """Start the admin API on ``admin_listen`` for ``app``, or
     nothing when it is ``off``. With ``follow`` (the ext_proc ``grpc.aio.Server``),
     stopping that server stops it too. A failure to listen is logged, not raised: the
     admin API must never cost the data path."""
-    address = config.settings.admin_listen
+    address = app.config.settings.admin_listen
     if address == "off":
         return None
     # No SO_REUSEPORT: a second process on the same port must fail, not share it and
     # answer for a random process's fleet.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    servicer = AdminServicer(processor, address, drains)
+    servicer = AdminServicer(app, address)
     pb_grpc.add_AdminServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     try:
         port = server.add_insecure_port(address)

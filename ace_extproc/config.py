@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
 import yaml
 
 from ace_extproc.latency import DEFAULT_MODEL, TTFTModel, get_model
@@ -272,6 +273,31 @@ class ExtProcTLS:
     server_name: str = ""
 
 
+class PluginSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One plug-in of ``router.pipeline`` (routing/plugins.py): a built-in's name or a
+    ``module:Class`` import path, the keyword arguments it is made with, and for a
+    scorer, how much its milliseconds count."""
+
+    name: str
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+    weight: float = 1.0
+
+
+class PipelineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``router.pipeline``: the cost policy's plug-ins; each part unset is the default's."""
+
+    filters: tuple[PluginSpec, ...] | None = None
+    scorers: tuple[PluginSpec, ...] | None = None
+    picker: PluginSpec | None = None
+
+
+def _pipeline(raw: Any) -> PipelineConfig:
+    try:
+        return msgspec.convert(raw if raw is not None else {}, PipelineConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"router.pipeline: {exc}".replace("`$.", "`")) from None
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     mode: Mode = Mode.PROD
@@ -375,6 +401,7 @@ class Settings:
     metrics_tenant_label: bool = False
     metrics_max_tenants: int = 100
     log_format: str = "json"  # "json": one JSON object a line; "text": for people
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     @property
     def fails_closed(self) -> bool:
@@ -756,6 +783,7 @@ _PARSED_APART = frozenset(
         "failure_mode",
         "ext_proc_tls",
         "passive_health",
+        "pipeline",
     }
 )
 
@@ -830,6 +858,7 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
     values["failure_mode"] = failure_mode
     values["ext_proc_tls"] = _ext_proc_tls(raw.get("ext_proc_tls"))
     values["passive_health"] = _passive_health(raw.get("passive_health"))
+    values["pipeline"] = _pipeline(raw.get("pipeline"))
     values["salt_secret"], values["salt_secret_generated"] = _salt_secret(raw, env)
     values["share_password"] = env.get(str(raw.get("share_password_env", "ACE_SHARE_PASSWORD")), "")
     settings = Settings(**values)

@@ -25,9 +25,8 @@ import yaml
 
 from ace_extproc import config as cfg
 from ace_extproc import peer
+from ace_extproc.outcome import UPSTREAM_HEADER
 
-# The header ext_proc sets to pin a pod; its value is a ``Pod.cluster`` name.
-UPSTREAM_HEADER = "x-ace-upstream"
 # Headers only ace-extproc or Envoy may set: a client-supplied copy is removed before
 # routing (early header mutation), or a client could pin any pod while ext_proc is down.
 STRIPPED_REQUEST_HEADERS = (UPSTREAM_HEADER, "x-ace-served-by", "x-gateway-destination-endpoint")

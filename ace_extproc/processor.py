@@ -15,65 +15,27 @@ from typing import TYPE_CHECKING
 import msgspec
 import xxhash
 
-from ace_extproc import execute
+from ace_extproc import execute, native
 from ace_extproc import request as req
-from ace_extproc.config import Config, ConfigError, Destination, Mode, Pod, ttft_models
-from ace_extproc.observe import Observer
+from ace_extproc.config import ConfigError, Destination, Mode, Settings
+from ace_extproc.latency import TTFTModel
+from ace_extproc.outcome import UPSTREAM_HEADER, Outcome
 from ace_extproc.prefix import PrefixHashes, cache_prefix_id, hash_prompt, scope_seed
-from ace_extproc.routing import BlockIndex, FleetState, Picker, RoutingRequest, policies
-from ace_extproc.routing.fleet import ADDED, RETIRED
-from ace_extproc.routing.outlier import OutlierDetector
+from ace_extproc.routing import FleetState, Picker, RoutingRequest
+from ace_extproc.routing.load import LoadAccounting
 from ace_extproc.routing.placements import PrefixPlacements
-from ace_extproc.routing.policies import PickerFactory
-from ace_extproc.speedups import native
 from ace_extproc.telemetry import Telemetry
 from ace_extproc.tenants import MissingKey, Tenants, UnknownKey
 
 if TYPE_CHECKING:
-    from ace_extproc.routing.discovery import Discovery
-    from ace_extproc.routing.monitor import FleetMonitor
     from ace_extproc.routing.replicas import PlacementSink
 
 log = logging.getLogger("ace_extproc")
 
-UPSTREAM_HEADER = "x-ace-upstream"
 OVERRIDE_HEADER = "x-ace-skill-override"
 SKILL = "prefix_kv_cache"
 
 _xxh3 = xxhash.xxh3_64_intdigest
-
-
-@dataclass(slots=True)
-class Outcome:
-    """The decision for one request, and everything Envoy must be told about it."""
-
-    mode: Mode
-    action: str
-    prefix_key: str = "-"
-    pod: Pod | None = None  # pinned only in prod
-    would_pick: Pod | None = None  # the decision, in any mode
-    saved_tokens: int = 0
-    speedup: float = 1.0  # estimated: cold TTFT over warm (calibrated TTFT model)
-    saved_ms: float = 0.0  # estimated: cold TTFT less warm, for the metrics
-    body: bytes | None = None  # the rewritten body (prod)
-    reject_status: int = 0  # answer the client directly with this status
-    reject_body: bytes = b""
-    fallbacks: tuple[Pod, ...] = ()  # next-best pods for Envoy's retries (endpoint mode)
-    endpoint: bool = False  # name pods by ip:port (router.upstream_mode: endpoint)
-    path: str | None = None  # a new :path (the native API's request becomes a chat)
-    slot: int = -1  # the picked pod's slot (any mode), for the metrics
-    prompt_tokens: int = 0  # estimated from the canonical prompt
-    # The pinned destination's own ``authorization`` (its api_key_env), for the client's.
-    upstream_auth: bytes | None = None
-    # For the metrics: the routed steps' times (parse, hash, pick, rewrite; ns).
-    steps_ns: tuple[int, int, int, int] | None = None
-
-    @property
-    def trace(self) -> str:
-        return (
-            f"mode={self.mode},action={self.action},prefix_key={self.prefix_key},"
-            f"saved_prefill_tokens={self.saved_tokens},speedup={self.speedup:.2f}"
-        )
 
 
 @dataclass(slots=True)
@@ -97,68 +59,43 @@ def _bypass(mode: Mode, reason: str) -> Outcome:
 
 
 class Processor:
-    def __init__(self, config: Config, picker: PickerFactory | None = None) -> None:
-        """``picker`` overrides the policy the settings name (the benchmark's baselines)."""
-        self.settings = config.settings
-        self.fleet = FleetState(config.fleet)
-        self.index = BlockIndex(config.settings.index_blocks_per_pod)
-        factory = picker or policies.build(config.settings)
-        self.picker: Picker = factory(self.fleet, self.index)
-        self.tenants = Tenants(config.settings.tenants, config.settings.salt_secret)
-        # Each destination's TTFT model, for the estimate the trace and metrics report.
-        self.ttft = ttft_models(config.fleet, config.settings)
-        # Set by server.start: keeps fleet.load and fleet.available fresh.
-        self.monitor: FleetMonitor | None = None
-        # What became of the requests (the observe-only filter's reports), and the pods
-        # taken out for failing them.
-        self.outliers = OutlierDetector(self.fleet, config.settings.passive_health)
-        self.observer = Observer(self.fleet, self.outliers)
-        # Decisions and step times, read by the metrics endpoint (telemetry.py).
-        self.telemetry = Telemetry(config.settings, self.fleet, self.index, lambda: self.monitor)
-        self.telemetry.ledger = self.observer.ledger
-        # Where each recent prefix was sent: the admin API's LookupPrefix.
-        self.placements: PrefixPlacements | None = PrefixPlacements()
-        # Set by server.start: the loops that add and remove pods at run time.
-        self.discoveries: list[Discovery] = []
-        # Set by server.start when router.share_url is: this replica's placements go to
-        # the other replicas, and theirs come into this one's index and load view.
-        self.sharing: PlacementSink | None = None
-        self.telemetry.sharing = lambda: self.sharing
-        self.fleet.on_change.append(self._fleet_changed)
-        # A destination's configured KV size bounds its pods' index until they report one.
-        tokens_per_block = config.settings.block_bytes / config.settings.bytes_per_token
-        self._configured_blocks = {
-            d.id: max(1, int(d.kv_capacity_tokens / tokens_per_block))
-            for d in config.fleet.destinations
-            if d.kv_capacity_tokens
-        }
-        for slot in range(len(self.fleet.pods)):
-            self._bound_index(slot)
-        self._endpoint = config.settings.upstream_mode == "endpoint"
+    """The decision for each request. Built by the composition root (``app.py``),
+    which hands it what it reads (the fleet's state, through the picker the index)
+    and what its picks go to (the load accounting, the placement log, the sharing
+    queue, the metrics); nothing it holds does I/O."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: FleetState,
+        picker: Picker,
+        tenants: Tenants,
+        telemetry: Telemetry,
+        load: LoadAccounting,
+        ttft: Mapping[str, TTFTModel],
+        *,
+        placements: PrefixPlacements | None = None,
+        sharing: PlacementSink | None = None,
+    ) -> None:
+        """``ttft``: each destination's TTFT model, for the estimate the trace and the
+        metrics report. ``placements``: where recent prefixes went, for the admin
+        API. ``sharing``: this replica's placements, queued for the other replicas."""
+        self.settings = settings
+        self.fleet = fleet
+        self.picker = picker
+        self.tenants = tenants
+        self.telemetry = telemetry
+        self.load = load
+        self.ttft = ttft
+        self.placements = placements
+        self.sharing = sharing
+        self._endpoint = settings.upstream_mode == "endpoint"
         # Tenants configured: no request reaches an engine without its tenant's salt.
-        self._isolated = config.settings.tenants.isolated
+        self._isolated = settings.tenants.isolated
         # Each destination's own key, as the header it goes in (made once, not per request).
         self._upstream_auth = {
-            d.id: f"Bearer {d.api_key}".encode() for d in config.fleet.destinations if d.api_key
+            d.id: f"Bearer {d.api_key}".encode() for d in fleet.fleet.destinations if d.api_key
         }
-
-    def _bound_index(self, slot: int) -> None:
-        """Size the slot's index from its destination's configured KV size, unless its
-        engine already reported one."""
-        if self.fleet.capacity_tokens[slot] is None:
-            blocks = self._configured_blocks.get(self.fleet.pods[slot].destination)
-            if blocks is not None:
-                self.index.set_capacity(slot, blocks)
-
-    def _fleet_changed(self, slot: int, change: str) -> None:
-        if change == ADDED:
-            self._bound_index(slot)
-        if change == RETIRED:  # another pod takes the slot: forget the one that left
-            self.index.retire_pod(slot)
-            self.telemetry.retire_slot(slot)
-            self.observer.ledger.by_pod.pop(self.fleet.pods[slot].key, None)
-            if self.placements is not None:
-                self.placements.forget_slot(slot)
 
     # ------------------------------------------------------------ header phase
 
@@ -353,24 +290,14 @@ class Processor:
         routing = RoutingRequest(
             hashes, parsed.prompt, prompt_tokens, ctx.tenant, parsed.model, ctx.session
         )
-        if self.monitor is not None:
-            self.monitor.drain()
+        self.load.drain()
         pick = self.picker.pick(routing, self.fleet.candidates(destination))
         if pick is None:
             return self._seal(ctx, _bypass(mode, "no_pod"), body, parsed, destination)
         if self.placements is not None:
             self.placements.note(hashes.prefix_key, pick.slot)
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
-        if self.monitor is not None:
-            # What this replica sent since the pods' last scrape, and the prefill it
-            # adds ahead of the next request there: an engine prefills its running
-            # requests' prompts in turn (vLLM's chunked prefill shares each step's token
-            # budget among them), so a new one waits behind them whether or not the
-            # engine reports a waiting queue (the simulation keeps these figures exact).
-            # The monitor drains the estimate, and drops it when the engine is idle.
-            load = self.fleet.load[pick.slot]
-            load.inflight += 1
-            load.queued_prefill_tokens += prompt_tokens - saved
+        self.load.sent(pick.slot, prompt_tokens - saved)
         if self.sharing is not None:  # queued for the other replicas; no I/O here
             self.sharing.note(
                 pick.pod.key, hashes.blocks, ctx.tenant, ctx.session, prompt_tokens - saved
@@ -399,7 +326,7 @@ class Processor:
                 outcome.fallbacks = tuple([pods[slot] for slot in pick.fallbacks])
             fields = self._body_fields(destination, ctx, hashes, parsed, body)
             if fields:
-                outcome.body = splice(body, fields)
+                outcome.body = native.splice(body, fields)
             rewrite_ns = perf_counter_ns() - picked_at
         else:  # shadow: decided and reported, not pinned; salted all the same
             self._seal(ctx, outcome, body, parsed, destination)
@@ -487,7 +414,7 @@ def rewrite_body(body: bytes, fields: str, strip_client_fields: bool) -> bytes:
     """The body with the router's fields (a JSON object fragment, no braces) added, the
     client's own cache fields first stripped if it has any (``strip_router_fields``).
     Raises ``RequestError`` on a body that is not a JSON object."""
-    return splice(strip_router_fields(body) if strip_client_fields else body, fields)
+    return native.splice(strip_router_fields(body) if strip_client_fields else body, fields)
 
 
 def strip_router_fields(body: bytes) -> bytes:
@@ -511,22 +438,6 @@ def strip_router_fields(body: bytes) -> bytes:
 
 # A JSON object's members, each value left as its bytes.
 _raw_object = msgspec.json.Decoder(dict[str, msgspec.Raw])
-
-
-def splice_pure(body: bytes, fields: str) -> bytes:
-    """``fields`` inserted after the body's opening brace (``splice`` in Python alone)."""
-    start = body.index(b"{") + 1
-    first = start
-    while body[first : first + 1] in _JSON_SPACE:
-        first += 1
-    sep = b"" if body[first : first + 1] == b"}" else b","
-    # One copy of the client's bytes (join reads the memoryview in place).
-    return b"".join((body[:start], fields.encode(), sep, memoryview(body)[start:]))
-
-
-_JSON_SPACE = (b" ", b"\t", b"\r", b"\n")
-# One C call, the body copied once, where the extension was built (speedups.py).
-splice = native.splice if native is not None else splice_pure
 
 
 class _BadOverride(Exception):

@@ -22,7 +22,7 @@ from urllib.parse import unquote
 
 import msgspec
 
-from ace_extproc.speedups import native
+from ace_extproc import native
 
 # Separators: record (message), unit (field), group (tools / extras).
 _MSG = b"\x1e"
@@ -135,10 +135,10 @@ class ParsedRequest:
     stream_options: bool = False  # the client chose its own stream_options
 
 
-# The C parsers by path, where the extension was built (speedups.py).
+# The C parsers by path, where the ``prompt`` piece is native (native/__init__.py).
 _native_parsers = (
     {CHAT_PATH: native.chat_prompt, COMPLETIONS_PATH: native.completion_prompt}
-    if native is not None
+    if native.chat_prompt is not None and native.completion_prompt is not None
     else {}
 )
 

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TypeAlias
 
 import grpc
-from envoy.config.core.v3.base_pb2 import HeaderMap
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
@@ -40,21 +39,21 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ace_extproc import config as config_mod
-from ace_extproc import execute, mutate, peer, speedups
+from ace_extproc import execute, mutate, native, peer
 from ace_extproc import telemetry as tm
 from ace_extproc.admin import serve_admin
+from ace_extproc.app import App, build
 from ace_extproc.config import Config, ConfigError, ExtProcTLS, Mode
-from ace_extproc.drains import DrainFile
 from ace_extproc.envoy_config import EXT_PROC_SERVICE
 from ace_extproc.logs import configure_logging
 from ace_extproc.mutate import Answer
-from ace_extproc.observe import Observation
+from ace_extproc.native import wire
+from ace_extproc.observe import Observation, Observer
+from ace_extproc.outcome import Outcome
 from ace_extproc.probes import Probes
-from ace_extproc.processor import Outcome, Processor, RequestContext
+from ace_extproc.processor import Processor, RequestContext
 from ace_extproc.procs import die_with_parent
-from ace_extproc.routing.discovery import for_destination
-from ace_extproc.routing.monitor import FleetMonitor
-from ace_extproc.routing.replicas import Learner, ReplicaSync, redacted_url
+from ace_extproc.routing.replicas import redacted_url
 
 log = logging.getLogger("ace_extproc")
 
@@ -75,8 +74,10 @@ def _receive(data: bytes) -> Received:
 
 
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, processor: Processor) -> None:
+    def __init__(self, processor: Processor, observer: Observer) -> None:
+        """``observer``: where the observe-only filter's streams report."""
         self.processor = processor
+        self.observer = observer
         self.token = peer.token(processor.settings)
         self._refused_logged_at = -60.0
 
@@ -88,7 +89,7 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         ):
             self._refused(context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not Envoy's stream")
-        stream = _Stream(self.processor)
+        stream = _Stream(self.processor, self.observer)
         try:
             async for message, raw in request_iterator:
                 for response in stream.on_message(message, raw):
@@ -124,14 +125,16 @@ class _Stream:
         "has_body",
         "observed",
         "observed_all",
+        "observer",
         "outcome",
         "passing",
         "processor",
         "status",
     )
 
-    def __init__(self, processor: Processor) -> None:
+    def __init__(self, processor: Processor, observer: Observer) -> None:
         self.processor = processor
+        self.observer = observer
         self.ctx: RequestContext | None = None
         self.duplex = False
         self.chunks: list[bytes] = []  # full-duplex: the body so far, while deciding
@@ -283,7 +286,7 @@ class _Stream:
         observed, self.observed = self.observed, None
         if observed is not None:
             try:
-                self.processor.observer.finish(observed)
+                self.observer.finish(observed)
             except Exception:
                 log.exception("observe: failed to record a response")
 
@@ -312,22 +315,16 @@ class _Stream:
 _REQUEST_PHASES = frozenset({"request_headers", "request_body", "request_trailers"})
 
 
-def header_map_pure(headers: HeaderMap) -> dict[str, str]:
-    """Envoy's request headers as a dict: each key to its ``raw_value`` (where Envoy
-    1.40 puts values) decoded as latin-1, the last of a repeated key kept."""
-    return {h.key: h.raw_value.decode("latin-1") for h in headers.headers}
-
-
 def request_headers(msg: ProcessingRequest, raw: bytes | None) -> dict[str, str]:
-    """``header_map_pure`` of a request-headers message; where the extension was built,
-    read from its wire bytes in one C pass (``native.header_map``): reading the parsed
-    message field by field from Python cost more than the rest of the header phase."""
-    if speedups.native is None or raw is None:
-        return header_map_pure(msg.request_headers.headers)
+    """A request-headers message's headers as a dict; where the ``headers`` piece is
+    native, read from its wire bytes in one C pass (``native.header_map``), else
+    field by field from upb's message (``native.wire.header_map``)."""
+    if native.header_map is None or raw is None:
+        return wire.header_map(msg.request_headers.headers)
     try:
-        headers: dict[str, str] = speedups.native.header_map(raw)
+        headers: dict[str, str] = native.header_map(raw)
     except ValueError:  # wire forms Envoy never sends (groups) but upb accepted: its reading
-        return header_map_pure(msg.request_headers.headers)
+        return wire.header_map(msg.request_headers.headers)
     return headers
 
 
@@ -365,23 +362,13 @@ def _add_processor(servicer: ExternalProcessor, server: grpc.aio.Server) -> None
     )
 
 
-async def start(
-    config: Config, processor: Processor | None = None
-) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """Serve ``processor`` (a new one when None) and, unless ``probe_interval_s <= 0``,
-    watch its pods: the monitor is ``processor.monitor``, for the caller to stop.
-    Destinations with ``discovery:`` get a discovery loop each
-    (``processor.discoveries``), stopped by ``stop_discovery(processor)``. With
-    ``share_url`` the replica shares its placements (``processor.sharing``, a
-    ``ReplicaSync`` for the caller to stop).
-    The admin API (``admin_listen``, unless ``off``) runs until the server has stopped."""
-    s = config.settings
-    processor = processor or Processor(config)
-    # An operator's drains, before the first request (and as discovered pods join).
-    drains = DrainFile(s.drain_file, processor.fleet)
-    drains.load()
+async def start(app: App) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """Serve ``app``'s processor and start what it runs in the background (the caller
+    stops it: ``app.stop()``). The admin API (``admin_listen``, unless ``off``) runs
+    until the server has stopped."""
+    s = app.config.settings
     server = grpc.aio.server(options=grpc_options(s.grpc_max_message_bytes))
-    _add_processor(ExternalProcessor(processor), server)
+    _add_processor(ExternalProcessor(app.processor, app.observer), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if s.listen and _add_port(server, s.listen, s.ext_proc_tls) == 0:
@@ -389,30 +376,8 @@ async def start(
     if s.uds:
         server.add_insecure_port(f"unix:{s.uds}")
     await server.start()
-    if s.probe_interval_s > 0 and processor.monitor is None:
-        processor.monitor = FleetMonitor(processor.fleet, processor.index, s)
-        await processor.monitor.start()
-    if not processor.discoveries:
-        # After the monitor, which follows the pods discovery adds and removes.
-        processor.discoveries = [
-            for_destination(processor.fleet, processor.index, d)
-            for d in config.fleet.destinations
-            if d.discovery is not None
-        ]
-        for discovery in processor.discoveries:
-            await discovery.start()
-    if s.share_url and processor.sharing is None:
-        remember = getattr(processor.picker, "remember", None)
-        sync = ReplicaSync(
-            Learner(processor.fleet, processor.index, remember),
-            s.share_url,
-            s.block_bytes,
-            s.share_channel,
-            password=s.share_password,
-        )
-        await sync.start()  # connects in the background: Redis may come up later
-        processor.sharing = sync
-    await serve_admin(config, processor, follow=server, drains=drains)  # stops after server
+    await app.start()
+    await serve_admin(app, follow=server)  # stops after server
     for name in ("", EXT_PROC_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer
@@ -437,13 +402,6 @@ def _add_port(server: grpc.aio.Server, address: str, tls: ExtProcTLS | None) -> 
     return port
 
 
-async def stop_discovery(processor: Processor) -> None:
-    """Stop the processor's discovery loops; the pods they found stay as they are."""
-    running, processor.discoveries = processor.discoveries, []
-    for discovery in running:
-        await discovery.stop()
-
-
 def tune_gc() -> None:
     """Move everything alive at start-up out of the collector's way, so a collection
     scans only per-request garbage: shorter pauses, a lower p99."""
@@ -452,8 +410,8 @@ def tune_gc() -> None:
 
 
 async def serve(config: Config) -> None:
-    processor = Processor(config)
-    server, health_servicer = await start(config, processor)
+    app = build(config)
+    server, health_servicer = await start(app)
     s = config.settings
     if s.salt_secret_generated:
         log.warning(
@@ -467,7 +425,7 @@ async def serve(config: Config) -> None:
     probes.serving = True
     heartbeat = asyncio.create_task(probes.beat(), name="ace-heartbeat")
     try:
-        metrics = tm.serve_metrics(s.metrics_listen, processor.telemetry, probes)
+        metrics = tm.serve_metrics(s.metrics_listen, app.telemetry, probes)
     except OSError as exc:  # the data path matters more than its metrics
         log.warning("metrics: cannot listen on %s (%s); running without", s.metrics_listen, exc)
         metrics = None
@@ -479,8 +437,7 @@ async def serve(config: Config) -> None:
         where += f"; sharing placements on {s.share_channel} at {redacted_url(s.share_url)}"
     # One write: worker processes share stdout, and a pipe keeps a short write whole.
     sys.stdout.write(
-        f"ace-extproc serving ext_proc on {where} "
-        f"(mode={s.mode.value}, fast path: {speedups.describe()})\n"
+        f"ace-extproc serving ext_proc on {where} (mode={s.mode.value}, {native.describe()})\n"
     )
     sys.stdout.flush()
     stop = asyncio.Event()
@@ -491,12 +448,8 @@ async def serve(config: Config) -> None:
     # Graceful: report NOT_SERVING, stop taking streams, let those in flight finish.
     probes.serving = False
     await health_servicer.enter_graceful_shutdown()
-    await stop_discovery(processor)
-    if processor.monitor is not None:
-        await processor.monitor.stop()
     await server.stop(s.shutdown_grace_s)
-    if isinstance(processor.sharing, ReplicaSync):
-        await processor.sharing.stop()
+    await app.stop()
     heartbeat.cancel()
     if metrics is not None:
         metrics.stop()

@@ -113,25 +113,25 @@ class _Tally:
 
 class Telemetry(Collector):
     """Tallies of the router's decisions, and a collector exposing them with the
-    fleet's state. One per processor; ``registry`` is what ``serve_metrics`` serves.
-
-    ``monitor`` may be the ``FleetMonitor`` or a callable returning it (or None):
-    the server sets ``processor.monitor`` after the processor exists, so pass
-    ``lambda: processor.monitor``."""
+    fleet's state. One per process (``app.py``); ``registry`` is what
+    ``serve_metrics`` serves. ``ledger``: what became of the responses
+    (``observe.Ledger``); ``sharing``: this replica's placement sharing, for its stats."""
 
     def __init__(
         self,
         settings: Settings | None = None,
         fleet: FleetState | None = None,
         index: BlockIndex | None = None,
-        monitor: FleetMonitor | Callable[[], FleetMonitor | None] | None = None,
+        monitor: FleetMonitor | None = None,
         *,
+        ledger: Ledger | None = None,
+        sharing: object = None,
         process_metrics: bool = True,
     ) -> None:
         s = settings or Settings()
         self.fleet = fleet
         self.index = index
-        self._monitor = monitor
+        self.monitor = monitor
         self.by_tenant = s.metrics_tenant_label
         self.max_tenants = s.metrics_max_tenants
         # Tenant -> label. The configuration's tenants always have their own.
@@ -143,11 +143,8 @@ class Telemetry(Collector):
         self._hist_sum: list[int] = [0] * (len(STEPS) + 1)
         self._decision_log = logging.getLogger("ace_extproc.decision")
         self._anomalies = RateLimit(ANOMALY_BURST, 1.0)
-        # What became of the requests (observe.Ledger): set by the processor.
-        self.ledger: Ledger | None = None
-        # This replica's placement sharing (routing/replicas.py): set by the processor,
-        # a callable returning it, since the server starts it after the processor exists.
-        self.sharing: Callable[[], object] = lambda: None
+        self.ledger = ledger
+        self.sharing = sharing
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         if process_metrics:
@@ -286,11 +283,6 @@ class Telemetry(Collector):
 
     # ------------------------------------------------------------- scrape time
 
-    @property
-    def monitor(self) -> FleetMonitor | None:
-        m = self._monitor
-        return m() if callable(m) else m
-
     def pod_name(self, slot: int) -> str:
         """``destination/pod`` of a slot ("" for none)."""
         if slot < 0:
@@ -308,7 +300,7 @@ class Telemetry(Collector):
             yield from self._index_families(self.index)
         if self.ledger is not None:
             yield from self._response_families(self.ledger)
-        stats = getattr(self.sharing(), "stats", None)
+        stats = getattr(self.sharing, "stats", None)
         if stats is not None:
             yield from self._sharing_families(stats())
 

@@ -5,10 +5,11 @@
 Steps, timed in turn within each iteration on the same requests: parse (body to
 canonical prompt), hash (chained block hashes), pick (index lookup and placement),
 rewrite (body splice and the Envoy protobuf answer, serialized: by the C fast path's
-encoder, or by upb on pure Python); "total" times the whole header + body phase as the
+encoder where the ``answer`` piece is native, or by upb); "total" times the whole
+header + body phase as the
 server runs it, up to the answer's wire bytes (also in endpoint mode, beside cluster mode
-in a loop of their own); "native_steps" times the C calls alone,
-back to back (the floor the fast path sets). Prompts of 1K/4K/16K/32K tokens (~4 bytes a
+in a loop of their own). A diagnostic: end-to-end figures (``bench.overhead``) decide;
+the in-process target this once had is retired. Prompts of 1K/4K/16K/32K tokens (~4 bytes a
 token), as multi-turn chats whose prefixes are already indexed, so picks are warm hits
 (checked: ``hit_share``). Writes bench/results/decision.json. Also compares the C chat
 parser with JSON decoders on the same bodies, the parse step on the workloads' own
@@ -38,18 +39,16 @@ import msgspec
 import orjson
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
-from ace_extproc import mutate, server, speedups
+from ace_extproc import mutate, native, server
 from ace_extproc import request as req
+from ace_extproc.app import App, build
 from ace_extproc.config import Config, Settings, sim_fleet
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.processor import Processor, rewrite_body
 from ace_extproc.routing import RoutingRequest
-from ace_extproc.routing.monitor import FleetMonitor
-from ace_extproc.routing.pipeline import Pipeline
 from bench import workloads
 
 SIZES = (1024, 4096, 16384, 32768)  # prompt tokens
-TARGETS_US = {4096: 30.0, 32768: 200.0}  # total p50 targets from the issue
 HEADERS = {
     ":path": req.CHAT_PATH,
     ":method": "POST",
@@ -98,28 +97,27 @@ def measure(fn: Any, iterations: int) -> list[float]:
     return out
 
 
-def warm_processor(
-    tokens: int, pods: int, upstream_mode: str = "cluster"
-) -> tuple[Processor, list[bytes]]:
-    """A processor whose index has seen 16 conversations of ``tokens`` tokens (returned)
+def warm_app(tokens: int, pods: int, upstream_mode: str = "cluster") -> tuple[App, list[bytes]]:
+    """A process's parts, its index having seen 16 conversations of ``tokens`` tokens (returned)
     and unrelated traffic; the same for the same arguments."""
     rng = random.Random(tokens)
     fleet = sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(pods)])
-    proc = Processor(Config(fleet, Settings(salt_secret=b"bench", upstream_mode=upstream_mode)))
-    # As the server has one (not started: no probes or scrapes here): its queue drain
-    # and the load accounting run on every pick.
-    proc.monitor = FleetMonitor(proc.fleet, proc.index, proc.settings)
+    # As the server builds it (its monitor not started: no probes or scrapes here): the
+    # queue drain and the load accounting run on every pick.
+    app = build(Config(fleet, Settings(salt_secret=b"bench", upstream_mode=upstream_mode)))
+    proc = app.processor
     bodies = [chat_body(rng, tokens) for _ in range(16)]
     for b in bodies:
         proc.on_body(proc.on_headers(HEADERS, False), b)
     for i in range(2000):
         filler = hash_prompt(rng.randbytes(4096), None, proc.settings.block_bytes, i)
         proc.picker.pick(RoutingRequest(filler, b"", 1024, "anon", "m"), proc.fleet.available)
-    return proc, bodies
+    return app, bodies
 
 
 def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
-    proc, bodies = warm_processor(tokens, pods)
+    app, bodies = warm_app(tokens, pods)
+    proc = app.processor
     s = proc.settings
     parsed = [req.parse(req.CHAT_PATH, b) for b in bodies]
     seed = scope_seed("anon", "sim-llama")
@@ -147,7 +145,7 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
     # Endpoint mode (large and dynamic fleets): x-ace-upstream is the pod's ip:port,
     # with Envoy's fallback list and the endpoint-picker metadata; on a processor of
     # its own, warmed alike.
-    endpoint = warm_processor(tokens, pods, "endpoint")[0]
+    endpoint = warm_app(tokens, pods, "endpoint")[0].processor
 
     def rewrite(k: int) -> None:
         outcome.body = rewrite_body(bodies[k], fields, False)
@@ -162,16 +160,6 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
         "rewrite": rewrite,
         "total": lambda k: total_on(proc, k),
     }
-    if speedups.native is not None:
-        # On processors of their own, warmed alike: their records must not change what
-        # the others' index holds.
-        timed["native_steps"] = native_steps(warm_processor(tokens, pods)[0], bodies, outcome, seed)
-        # The pick as it was before it became one C call (native.pick): the C steps
-        # (match, price, record) with the pipeline's Python between them, the reference.
-        stepwise = warm_processor(tokens, pods)[0].picker
-        if isinstance(stepwise, Pipeline) and stepwise._fused:
-            stepwise._fused = False
-            timed["pick_stepwise"] = lambda k: stepwise.pick(hashes[k], proc.fleet.available)
     # Each iteration times every step in turn, so each runs with the caches the others
     # leave, as on the request path; timed in tight loops of their own they measured
     # up to 2x faster and summed to well under the total.
@@ -200,7 +188,7 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
     typed = msgspec.json.Decoder(req.ChatBody)
     json_cmp = {
         "c_chat_prompt": statistics.median(measure(lambda: chat_prompt(bodies[0]), iterations))
-        if (chat_prompt := speedups.native and speedups.native.chat_prompt)
+        if (chat_prompt := native.chat_prompt)
         else float("nan"),
         "msgspec_typed": statistics.median(measure(lambda: typed.decode(bodies[0]), iterations)),
         "orjson_dict": statistics.median(measure(lambda: orjson.loads(bodies[0]), iterations)),
@@ -216,16 +204,6 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
         "json_decode_p50_us": {k: round(v, 2) for k, v in json_cmp.items()},
         "hit_share": actions.count("hit") / len(actions),
         "total_by_mode_p50_us": {m: round(percentile(v, 0.5), 2) for m, v in by_mode.items()},
-        # The C calls alone, back to back: what the decision would cost with no Python
-        # around them (None on pure Python).
-        "native_steps_p50_us": round(percentile(steps["native_steps"], 0.5), 2)
-        if "native_steps" in steps
-        else None,
-        # The pick step by step (the C calls with Python between), timed alongside the
-        # pick in one call, on the same requests.
-        "pick_stepwise_p50_us": round(percentile(steps["pick_stepwise"], 0.5), 2)
-        if "pick_stepwise" in steps
-        else None,
         # What the total holds besides the four steps: the header phase, metrics, the
         # outcome and its trace, the pick log (p50s subtracted: an estimate).
         "other_p50_us": round(
@@ -234,35 +212,6 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
             2,
         ),
     }
-
-
-def native_steps(
-    proc: Processor, bodies: list[bytes], outcome: Any, seed: int
-) -> Callable[[int], object]:
-    """The decision's C calls alone, back to back on the same requests: parse, the
-    block hashes and prefix key, the pick (match, price, choose, record), the body
-    splice and the answer's bytes, with only the Python that passes one's result to
-    the next. The floor the C fast path sets; the total's excess over it is the Python
-    around the steps."""
-    native = speedups.native
-    assert native is not None
-    picker = proc.picker
-    assert isinstance(picker, Pipeline)
-    index, fleet, s = proc.index, proc.fleet, proc.settings
-    fields = '"cache_prefix_id":"ace-kv-anon-0123456789abcdef","cache_salt":"' + "a" * 64 + '"'
-    slots = tuple(range(len(fleet.pods)))
-
-    def run(k: int) -> object:
-        _, prompt, end, *_ = native.chat_prompt(bodies[k])
-        blocks, _ = native.prefix_hashes(prompt, end, s.block_bytes, seed)
-        native.pick(
-            blocks, slots, index.room_view(), index.roots, fleet.load, fleet.seeds,
-            picker.params, picker.fallbacks, 0.97, len(prompt) // 4, blocks[0], -1, 0.1, True,
-        )  # fmt: skip
-        outcome.body = native.splice(bodies[k], fields)
-        return native.outcome_answer(outcome, False)
-
-    return run
 
 
 # A request's headers as Envoy sends them to ext_proc (what an OpenAI client and Envoy
@@ -286,7 +235,7 @@ def header_map_costs(iterations: int) -> dict[str, float]:
         msg.request_headers.headers.headers.add(key=key, raw_value=value.encode())
     data = msg.SerializeToString()
     out: dict[str, float] = {}
-    ways = {"python": None, "c": data} if speedups.native is not None else {"python": None}
+    ways = {"python": None, "c": data} if native.header_map is not None else {"python": None}
     for name, raw in ways.items():
         times = []
         for _ in range(iterations):
@@ -376,8 +325,6 @@ def compare_paths(
     for i, row in enumerate(first):
         cells: dict[str, dict[str, float]] = {}
         for step in row["steps_us"]:
-            if any(step not in r[i]["steps_us"] for r in runs["pure"]):
-                continue  # native_steps: C only
             c, pure = (
                 statistics.mean(r[i]["steps_us"][step]["p50"] for r in runs[path])
                 for path in ("c", "pure")
@@ -402,23 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     names = ["parse", "hash", "pick", "rewrite", "total"]
     print(
         f"decision cost in microseconds, p50 / p99 ({args.iterations} iterations, "
-        f"{args.pods} pods, {speedups.describe()} path)"
+        f"{args.pods} pods, {native.describe()})"
     )
-    print(
-        f"{'tokens':>7} {'blocks':>6} "
-        + " ".join(f"{n:>15}" for n in names)
-        + "   target(total p50)"
-    )
+    print(f"{'tokens':>7} {'blocks':>6} " + " ".join(f"{n:>15}" for n in names))
     for r in rows:
         cells = " ".join(
             f"{r['steps_us'][n]['p50']:>7.1f}/{r['steps_us'][n]['p99']:<7.1f}" for n in names
         )
-        target = TARGETS_US.get(r["tokens"])
-        verdict = ""
-        if target is not None:
-            ok = r["steps_us"]["total"]["p50"] <= target
-            verdict = f"   <= {target:.0f} us: {'met' if ok else 'MISSED'}"
-        print(f"{r['tokens']:>7} {r['blocks']:>6} {cells}{verdict}")
+        print(f"{r['tokens']:>7} {r['blocks']:>6} {cells}")
     print(
         "total p50 minus the four steps' p50s (header phase, metrics, outcome, pick log):",
         ", ".join(f"{r['tokens']}: {r['other_p50_us']:.1f} us" for r in rows),
@@ -432,22 +370,6 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows
         ),
     )
-    if rows[0]["native_steps_p50_us"] is not None:
-        print(
-            "the C calls alone, back to back, p50 (the floor the fast path sets; the rest of "
-            "the total is Python around them):",
-            ", ".join(f"{r['tokens']}: {r['native_steps_p50_us']:.1f} us" for r in rows),
-        )
-    if rows[0]["pick_stepwise_p50_us"] is not None:
-        print(
-            "pick p50, one C call (native.pick) vs its C steps with the pipeline's Python "
-            "between (Pipeline._choose):",
-            ", ".join(
-                f"{r['tokens']}: {r['steps_us']['pick']['p50']:.1f} vs "
-                f"{r['pick_stepwise_p50_us']:.1f} us"
-                for r in rows
-            ),
-        )
     print(
         "chat body decode p50 us (C chat_prompt to canonical bytes vs msgspec typed vs orjson "
         "to dict):",
@@ -478,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     paths = None
-    if not args.no_compare and speedups.native is not None:
+    if not args.no_compare and native.used:
         paths = compare_paths(rows, args.iterations, args.pods)
         print("C fast path vs pure Python, p50 us (mean of 2 alternating runs each), pure / C:")
         for tokens, by_step in paths.items():
@@ -494,10 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.decision",
         "python": platform.python_version(),
         "machine": platform.machine(),
-        "path": speedups.describe(),
+        "path": native.describe(),
         "iterations": args.iterations,
         "pods": args.pods,
-        "targets_total_p50_us": {str(k): v for k, v in TARGETS_US.items()},
         "sizes": rows,
         "hash_32k_by_block_bytes": blocks,
         "parse_by_family_p50_us": families,

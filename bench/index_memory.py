@@ -26,7 +26,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from ace_extproc import speedups
+from ace_extproc import native
 from ace_extproc.routing import BlockIndex
 
 TARGET_BYTES = 80
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         print(json.dumps(measure(args.blocks, args.pods, args.only == "python")))
         return 0
-    kinds = ["python"] if speedups.native is None else ["c", "python"]
+    kinds = ["c", "python"] if "lru" in native.used else ["python"]
     # Each in a fresh process: resident growth is read off the process, and memory one
     # structure freed would be reused by the next rather than shown.
     sizes = ["--blocks", str(args.blocks), "--pods", str(args.pods)]

@@ -32,7 +32,7 @@ from ace_extproc.config import Pod
 from ace_extproc.processor import Processor
 from ace_extproc.routing.discovery import Discovery
 from bench import record
-from bench.decision import HEADERS, chat_body, warm_processor
+from bench.decision import HEADERS, chat_body, warm_app
 
 TOKENS = 4096
 REQUESTS_PER_VISIT = 9  # while an extra pod is in: about one lands on it (1 in 9 pods)
@@ -42,11 +42,12 @@ ROUNDS = 5  # timing rounds, the variants alternating
 class Variant:
     def __init__(self, name: str, reuse: bool) -> None:
         self.name = name
-        self.proc, self.bodies = warm_processor(TOKENS, 8)
+        app, self.bodies = warm_app(TOKENS, 8)
+        self.proc = app.processor
         if not reuse:
             self.proc.fleet.free_slots_kept = sys.maxsize
         dest = self.proc.fleet.pods[0].destination
-        self.discovery = Discovery(self.proc.fleet, self.proc.index, dest)
+        self.discovery = Discovery(app.fleet, app.index, dest)
         self.dest = dest
         self.departed = 0
         self.rng = random.Random(1)

@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ace_extproc import speedups
+from ace_extproc import native
+from ace_extproc.app import App, build
 from ace_extproc.config import Config, Settings, sim_fleet
-from ace_extproc.processor import Processor
 from ace_extproc.routing.replicas import Learner, Placement, ReplicaSync, decode, encode
 from bench import record
 
@@ -35,8 +35,8 @@ BATCH = 16  # placements a message
 REPLICAS = (3, 10)  # the simulation's three; the chart's autoscaler's default maximum
 
 
-def processor() -> Processor:
-    return Processor(Config(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(8)]), Settings()))
+def processor() -> App:
+    return build(Config(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(8)]), Settings()))
 
 
 def placements(tokens: int, count: int, pods: list[str]) -> list[Placement]:
@@ -57,7 +57,8 @@ def measure(tokens: int, count: int, rounds: int) -> dict[str, float]:
     pods = [p.key for p in sender.fleet.pods]
     batch = placements(tokens, count, pods)
     sync = ReplicaSync(Learner(sender.fleet, sender.index, None), "redis://unused", 512)
-    learner = Learner(receiver.fleet, receiver.index, getattr(receiver.picker, "remember", None))
+    remember = getattr(receiver.picker, "remember", None)
+    learner = Learner(receiver.fleet, receiver.index, remember, receiver.load)
     messages = [encode("r", 512, batch[i : i + BATCH]) for i in range(0, count, BATCH)]
     received = [decode(m)[2] for m in messages]  # as the subscriber applies them
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, Any] = {}
     print(
         f"sharing placements: ns per placement, best of {args.rounds} rounds "
-        f"({speedups.describe()} path)"
+        f"({native.describe()} path)"
     )
     print(f"{'tokens':>7}{'blocks':>7}{'note':>9}{'encode':>9}{'decode':>9}{'apply':>9}"
           + "".join(f"{f'a request, {n} replicas':>24}" for n in REPLICAS))  # fmt: skip
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "command": record.command("bench.sharing_cost", argv),
         "python": platform.python_version(),
-        "path": speedups.describe(),
+        "path": native.describe(),
         "rounds": args.rounds,
         "placements": args.placements,
         "batch": BATCH,

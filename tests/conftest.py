@@ -15,6 +15,10 @@ import pytest
 from aiohttp import web
 
 if TYPE_CHECKING:
+    from ace_extproc.app import App
+    from ace_extproc.config import Config
+    from ace_extproc.processor import Processor
+    from ace_extproc.routing.policies import PickerFactory
     from ace_extproc.stack import Stack
 
 # gRPC's fork handlers restart its threads in each child this process forks, and a
@@ -120,6 +124,26 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def make_app(
+    config: "Config", picker: "PickerFactory | None" = None, *, watch: bool = False
+) -> "App":
+    """The composition root's parts for ``config``; without ``watch``, as a process with
+    no probes builds them (no monitor, so no load accounting: a test sets load itself)."""
+    from dataclasses import replace
+
+    from ace_extproc.app import build
+    from ace_extproc.config import Config
+
+    if not watch:
+        config = Config(config.fleet, replace(config.settings, probe_interval_s=0))
+    return build(config, picker)
+
+
+def make_processor(config: "Config", picker: "PickerFactory | None" = None) -> "Processor":
+    """``make_app(config, picker).processor``: the decision alone."""
+    return make_app(config, picker).processor
+
+
 def load_speedups() -> ModuleType:
     """The C extension. A pure-Python build opts out explicitly
     (``ACE_EXTPROC_PURE_PYTHON=1``: its tests skip); anywhere else a missing
@@ -127,8 +151,8 @@ def load_speedups() -> ModuleType:
     if os.environ.get("ACE_EXTPROC_PURE_PYTHON") == "1":
         # Even where the extension was built: the request path runs without it, so
         # tests of what it sends (mutate.body_answer's bytes) would see upb instead.
-        pytest.skip("ACE_EXTPROC_PURE_PYTHON=1: the C fast path is off", allow_module_level=True)
-    return importlib.import_module("ace_extproc._speedups")
+        pytest.skip("ACE_EXTPROC_PURE_PYTHON=1: the native code is off", allow_module_level=True)
+    return importlib.import_module("ace_extproc.native._speedups")
 
 
 def envoy_validate(path: Path) -> None:

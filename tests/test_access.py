@@ -26,6 +26,7 @@ from ace_extproc.config import (
 )
 from ace_extproc.processor import Outcome, Processor
 from ace_extproc.tenants import Tenants
+from tests.conftest import make_processor
 
 CHAT = "/v1/chat/completions"
 KEYS = {hashlib.sha256(b"key-a").digest(): "acme", hashlib.sha256(b"key-b").digest(): "globex"}
@@ -35,7 +36,7 @@ SALTS = Tenants(TenantConfig(), b"secret")
 def make(mode: Mode = Mode.PROD, fleet: Any = None, **settings: Any) -> Processor:
     fleet = fleet or sim_fleet([f"127.0.0.1:{8001 + i}" for i in range(4)])
     settings.setdefault("tenants", TenantConfig(key_digests=KEYS))
-    return Processor(Config(fleet, Settings(mode=mode, salt_secret=b"secret", **settings)))
+    return make_processor(Config(fleet, Settings(mode=mode, salt_secret=b"secret", **settings)))
 
 
 def headers(path: str = CHAT, method: str = "POST", **extra: str) -> dict[str, str]:

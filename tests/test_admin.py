@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
 from ace_extproc import cli, server
 from ace_extproc.admin import parse_prefix_ref, resolve_pod
+from ace_extproc.app import App, build
 from ace_extproc.config import (
     Config,
     ConfigError,
@@ -31,16 +32,9 @@ from ace_extproc.config import (
     parse_settings,
     sim_fleet,
 )
-from ace_extproc.processor import Processor
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.placements import PrefixPlacements
 from tests.conftest import free_port, peer_metadata
-
-
-class NotRecording(Processor):
-    def __init__(self, config: Config) -> None:
-        super().__init__(config)
-        self.placements = None
 
 
 def make_config(listen: str, admin: str, pods: int = 3, **kw: Any) -> Config:
@@ -92,18 +86,19 @@ async def route(target: str, body: bytes) -> tuple[str, str, str]:
     return f"{dest}/{pod}", fields["prefix_key"].string_value, rewritten["cache_prefix_id"]
 
 
-Scenario = Callable[[str, str, Processor], Awaitable[Any]]
+Scenario = Callable[[str, str, App], Awaitable[Any]]
 
 
-def with_server(cfg: Config, scenario: Scenario, processor: Processor | None = None) -> Any:
-    processor = processor or Processor(cfg)
+def with_server(cfg: Config, scenario: Scenario) -> Any:
+    app = build(cfg)
 
     async def main() -> Any:
-        srv, _health = await server.start(cfg, processor)
+        srv, _health = await server.start(app)
         try:
-            return await scenario(cfg.settings.listen, cfg.settings.admin_listen, processor)
+            return await scenario(cfg.settings.listen, cfg.settings.admin_listen, app)
         finally:
             await srv.stop(0)
+            await app.stop()
 
     return asyncio.run(main())
 
@@ -142,7 +137,7 @@ def addresses() -> tuple[str, str]:
 def test_pods_and_drain_stop_new_picks_until_undrained(ctl: Ctl) -> None:
     listen, admin = addresses()
 
-    async def scenario(listen: str, admin: str, processor: Processor) -> None:
+    async def scenario(listen: str, admin: str, processor: App) -> None:
         rc, out, _ = await ctl(admin, "pods")
         assert rc == 0
         lines = out.splitlines()
@@ -191,7 +186,7 @@ def test_pods_and_drain_stop_new_picks_until_undrained(ctl: Ctl) -> None:
 def test_drain_accepts_a_pod_id_or_address_and_warns_when_none_is_left(ctl: Ctl) -> None:
     listen, admin = addresses()
 
-    async def scenario(listen: str, admin: str, processor: Processor) -> None:
+    async def scenario(listen: str, admin: str, processor: App) -> None:
         resp = await ctl.json(admin, "drain", "pod-0")
         assert resp["pod"]["key"] == "sim/pod-0" and resp["changed"] is True
         assert resp["destination_available"] == 1
@@ -221,7 +216,7 @@ def test_drain_accepts_a_pod_id_or_address_and_warns_when_none_is_left(ctl: Ctl)
 def test_lookup_by_prefix_key_and_cache_prefix_id(ctl: Ctl) -> None:
     listen, admin = addresses()
 
-    async def scenario(listen: str, admin: str, processor: Processor) -> None:
+    async def scenario(listen: str, admin: str, processor: App) -> None:
         pod, key, cache_prefix_id = await route(listen, chat("lookup"))
         await route(listen, chat("lookup"))
         assert cache_prefix_id == f"ace-kv-anon-{key}"
@@ -250,22 +245,11 @@ def test_lookup_by_prefix_key_and_cache_prefix_id(ctl: Ctl) -> None:
     with_server(make_config(listen, admin), scenario)
 
 
-def test_lookup_without_recording(ctl: Ctl) -> None:
-    listen, admin = addresses()
-    cfg = make_config(listen, admin)
-
-    async def scenario(listen: str, admin: str, processor: Processor) -> None:
-        rc, out, _ = await ctl(admin, "lookup", "0123456789abcdef")
-        assert rc == 1 and "does not record its picks" in out
-
-    with_server(cfg, scenario, NotRecording(cfg))
-
-
 def test_config_reads_back_as_the_running_configuration(ctl: Ctl) -> None:
     listen, admin = addresses()
     cfg = make_config(listen, admin, mode=parse_settings({"mode": "shadow"}).mode)
 
-    async def scenario(listen: str, admin: str, processor: Processor) -> None:
+    async def scenario(listen: str, admin: str, processor: App) -> None:
         rc, out, _ = await ctl(admin, "config")
         assert rc == 0 and out.startswith(f"# ace-extproc 0.1.0, mode shadow, admin API on {admin}")
         doc = yaml.safe_load(out)
@@ -286,7 +270,7 @@ def test_config_reads_back_as_the_running_configuration(ctl: Ctl) -> None:
 def test_unknown_pod_and_malformed_key_are_one_line_errors(ctl: Ctl) -> None:
     listen, admin = addresses()
 
-    async def scenario(listen: str, admin: str, processor: Processor) -> None:
+    async def scenario(listen: str, admin: str, processor: App) -> None:
         for argv in (["drain", "nope"], ["undrain", "sim/pod-9"]):
             rc, out, err = await ctl(admin, *argv)
             assert rc == 1 and out == ""
@@ -303,7 +287,7 @@ def test_admin_off_listens_nowhere(ctl: Ctl) -> None:
     listen = f"127.0.0.1:{free_port()}"
     admin = f"127.0.0.1:{free_port()}"
 
-    async def scenario(listen: str, _admin: str, processor: Processor) -> None:
+    async def scenario(listen: str, _admin: str, processor: App) -> None:
         assert (await route(listen, chat("off")))[0].startswith("sim/")
         rc, out, err = await ctl(admin, "pods")
         assert rc == 3 and out == "" and err.count("\n") == 1
@@ -334,7 +318,7 @@ def test_subprocess_ctl_against_the_running_server() -> None:
         assert proc.returncode is not None
         return proc.returncode, out.decode(), err.decode()
 
-    async def scenario(listen: str, admin: str, processor: Processor) -> None:
+    async def scenario(listen: str, admin: str, processor: App) -> None:
         rc, out, err = await run("pods", "--json")
         assert rc == 0, err
         assert [p["key"] for p in json.loads(out)["pods"]] == [
@@ -362,7 +346,7 @@ def _bindable(address: str) -> bool:
 def test_the_admin_api_stops_with_the_server_and_serves_a_unix_socket(ctl: Ctl, tmp_path) -> None:
     listen, admin = addresses()
 
-    async def scenario(listen: str, admin: str, processor: Processor) -> None:
+    async def scenario(listen: str, admin: str, processor: App) -> None:
         assert not _bindable(admin)
         rc, _, _ = await ctl(admin, "pods")
         assert rc == 0
@@ -372,7 +356,7 @@ def test_the_admin_api_stops_with_the_server_and_serves_a_unix_socket(ctl: Ctl, 
 
     sock = f"unix:{tmp_path / 'admin.sock'}"
 
-    async def over_unix(listen: str, admin: str, processor: Processor) -> None:
+    async def over_unix(listen: str, admin: str, processor: App) -> None:
         resp = await ctl.json(admin, "config")
         assert resp["admin_listen"] == sock
 
@@ -385,10 +369,10 @@ def test_a_taken_admin_port_costs_only_the_admin_api(ctl: Ctl, caplog) -> None:
     caplog.set_level(logging.WARNING, "ace_extproc.admin")
 
     async def main() -> None:
-        first, _ = await server.start(make_config(first_listen, admin))
+        first, _ = await server.start(build(make_config(first_listen, admin)))
         # A second server on the same admin port must not share it (SO_REUSEPORT would
         # let the kernel hand each call to either process): it runs without one.
-        second, _ = await server.start(make_config(second_listen, admin))
+        second, _ = await server.start(build(make_config(second_listen, admin)))
         try:
             assert f"cannot listen on {admin}" in caplog.text
             assert (await route(second_listen, chat("taken")))[0].startswith("sim/")
@@ -456,11 +440,11 @@ def test_drains_survive_a_restart(ctl: Ctl, tmp_path: Any) -> None:
     supervisor's restart after a crash) must not undo; nor a corrupt file stop a start."""
     drains = tmp_path / "drains.json"
 
-    async def drain(listen: str, admin: str, processor: Processor) -> None:
+    async def drain(listen: str, admin: str, processor: App) -> None:
         rc, _, err = await ctl(admin, "drain", "sim/pod-1")
         assert rc == 0, err
 
-    async def check(listen: str, admin: str, processor: Processor) -> list[str]:
+    async def check(listen: str, admin: str, processor: App) -> list[str]:
         pods = await ctl.json(admin, "pods")
         return [p["key"] for p in pods["pods"] if p["drained"]]
 
@@ -470,7 +454,7 @@ def test_drains_survive_a_restart(ctl: Ctl, tmp_path: Any) -> None:
     listen, admin = addresses()
     assert with_server(make_config(listen, admin, drain_file=str(drains)), check) == ["sim/pod-1"]
 
-    async def undrain(listen: str, admin: str, processor: Processor) -> None:
+    async def undrain(listen: str, admin: str, processor: App) -> None:
         rc, _, err = await ctl(admin, "undrain", "sim/pod-1")
         assert rc == 0, err
 

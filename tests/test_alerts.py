@@ -177,12 +177,19 @@ class Fleet:
     def __init__(self, config: FleetConfig | None = None) -> None:
         self.state = FleetState(config or sim_fleet(["127.0.0.1:9001", "127.0.0.1:9002"]))
         index = BlockIndex(100)
-        self.telemetry = tm.Telemetry(Settings(), self.state, index, None)
         self.ledger = Ledger()
-        self.telemetry.ledger = self.ledger
-        self.sharing: dict[str, int] | None = None
-        self.telemetry.sharing = lambda: None if self.sharing is None else _Stats(self.sharing)
+        self.telemetry = tm.Telemetry(Settings(), self.state, index, None, ledger=self.ledger)
         self.clock = 0.0
+
+    @property
+    def sharing(self) -> dict[str, int] | None:
+        stats = self.telemetry.sharing
+        return stats._stats if isinstance(stats, _Stats) else None
+
+    @sharing.setter
+    def sharing(self, stats: dict[str, int] | None) -> None:
+        """This replica starts (or stops) sharing, with these figures."""
+        self.telemetry.sharing = None if stats is None else _Stats(stats)
 
     def decide(self, action: str, count: int, latency_ns: int = 0) -> None:
         slot = 0 if action == "hit" else -1

@@ -1,5 +1,6 @@
-"""The body answer the server sends: ``mutate.body_answer`` (serialized in C,
-``_answer.c``) against ``mutate.body_decided`` (built in upb), the reference.
+"""The ``answer`` piece: the body answer the server sends, ``mutate.body_answer``
+(serialized in C, ``native/_answer.c``, from ``changes`` and ``metadata``) against
+``mutate.body_decided`` (built in upb), the reference; and the body splice.
 
 Its contract: for every outcome, the bytes parse to exactly the message the reference
 builds (map entries may come in another order, as protobuf allows); the server's
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 from ace_extproc import mutate
 from ace_extproc.config import Mode, Pod, sim_fleet
+from ace_extproc.native.wire import splice as splice_pure
 from ace_extproc.processor import Outcome
 from tests.conftest import load_speedups
 
@@ -225,16 +227,12 @@ def test_pods_with_any_key_encode() -> None:
     fields=st.text(max_size=40),
 )
 def test_splice_is_the_reference_splice(body: bytes, fields: str) -> None:
-    """The body's rewrite (processor.rewrite_body): the same bytes as ``splice_pure``,
+    """The body's rewrite (processor.rewrite_body): the same bytes as the reference,
     whatever precedes the brace or follows it, any text in the fields."""
-    from ace_extproc.processor import splice_pure
-
     assert speedups.splice(body, fields) == splice_pure(body, fields)
 
 
 def test_splice_refuses_what_it_cannot_splice() -> None:
-    from ace_extproc.processor import splice_pure
-
     for splice in (speedups.splice, splice_pure):
         with pytest.raises(ValueError):
             splice(b'"no object"', '"k":1')
@@ -262,7 +260,7 @@ def test_splice_refuses_what_it_cannot_splice() -> None:
     endpoint=st.booleans(),
     fallbacks=st.lists(st.sampled_from(PODS), max_size=3).map(tuple),
 )
-def test_the_outcome_encoder_writes_what_upb_would(
+def test_any_outcome_is_written_as_upb_would(
     mode: Mode,
     action: str,
     prefix_key: str,
@@ -277,10 +275,10 @@ def test_the_outcome_encoder_writes_what_upb_would(
     endpoint: bool,
     fallbacks: tuple[Pod, ...],
 ) -> None:
-    """The answer read straight from the outcome (``outcome_answer``), in cluster or
-    endpoint mode (the pod and its fallbacks by ip:port, the pod among them or not, an
-    IPv6 host, a name): the message upb builds from ``changes`` and ``metadata``, the
-    trace formatted alike for any speedup (nan, inf, -0.0) and any text."""
+    """The answer for any outcome, in cluster or endpoint mode (the pod and its
+    fallbacks by ip:port, the pod among them or not, an IPv6 host, a name), any speedup
+    (nan, inf, -0.0) and any text: the message upb builds from ``changes`` and
+    ``metadata``."""
     out = Outcome(
         mode,
         action,
@@ -295,27 +293,6 @@ def test_the_outcome_encoder_writes_what_upb_would(
         endpoint=endpoint,
     )
     out.upstream_auth = auth
-    sent = speedups.outcome_answer(out, client_upstream)
+    sent = mutate.body_answer(out, client_upstream)
+    assert isinstance(sent, bytes)
     assert ProcessingResponse.FromString(sent) == mutate.body_decided(out, client_upstream)
-    assert mutate.body_answer(out, client_upstream) == sent
-
-
-def test_the_outcome_encoder_leaves_rejections_to_the_reference() -> None:
-    with pytest.raises(ValueError):
-        speedups.outcome_answer(outcome(reject_status=401), False)
-    with pytest.raises(TypeError):  # fallbacks: a tuple of pods
-        speedups.outcome_answer(outcome(endpoint=True, fallbacks=[PODS[0]]), False)
-    with pytest.raises(AttributeError):
-        speedups.outcome_answer(outcome(endpoint=True, fallbacks=(object(),)), False)
-    with pytest.raises(ValueError):  # more than an answer names
-        speedups.outcome_answer(outcome(endpoint=True, fallbacks=PODS * 2), False)
-    with pytest.raises(TypeError):
-        speedups.outcome_answer(outcome(), 0)  # client_upstream: a bool
-    with pytest.raises(AttributeError):
-        speedups.outcome_answer(object(), False)
-    with pytest.raises(TypeError):
-        speedups.outcome_answer(outcome(body="text"), False)
-    with pytest.raises(TypeError):
-        speedups.outcome_answer(outcome(speedup="fast"), False)
-    with pytest.raises(OverflowError):  # beyond what the trace can say
-        speedups.outcome_answer(outcome(saved_tokens=2**64), False)

@@ -8,7 +8,6 @@ import pytest
 
 from ace_extproc.config import Config, Settings, sim_fleet
 from ace_extproc.prefix import hash_prompt, scope_seed
-from ace_extproc.processor import Processor
 from ace_extproc.routing import BlockIndex, FleetState, PrefixAffinityPicker, RoutingRequest
 from ace_extproc.routing.pipeline import Pipeline
 from bench.baselines import POLICIES, SIMULATION_SETTINGS
@@ -21,6 +20,7 @@ from bench.baselines.round_robin import RoundRobinPicker
 from bench.baselines.session_hash import SessionHashPicker
 from bench.baselines.sglang_cache_aware import SGLangCacheAwarePicker
 from bench.baselines.vllm_cache_aware import VLLMCacheAwarePicker
+from tests.conftest import make_processor
 
 ALL = 0b1111
 
@@ -104,7 +104,7 @@ def test_registry_names_and_special_settings():
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_policy_runs_through_the_processor(name):
     fl = sim_fleet([f"127.0.0.1:{8001 + i}" for i in range(4)])
-    p = Processor(Config(fl, Settings(salt_secret=b"s")), picker=POLICIES[name])
+    p = make_processor(Config(fl, Settings(salt_secret=b"s")), picker=POLICIES[name])
     system = {"role": "system", "content": text("sys", 4000)}
     headers = {":path": "/v1/chat/completions", ":method": "POST", "x-session-id": "abc"}
     for turn in range(3):

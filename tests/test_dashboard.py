@@ -76,19 +76,18 @@ def exported_names() -> tuple[set[str], set[str]]:
             'vllm:cache_config_info{block_size="16",num_gpu_blocks="8"} 1\n'
         ),
     )
-    t = tm.Telemetry(settings, fleet, index, monitor)  # with the process collectors
+    ledger = Ledger()
+    # With the process collectors.
+    t = tm.Telemetry(settings, fleet, index, monitor, ledger=ledger, sharing=_Sharing())
     t.decision("prod", "hit", "acme", 0, 100, 50, 2.0, 30_000)
     t.decision("prod", "bypass_bad_json", "acme")
     t.steps_ns(1, 2, 3, 4)
-    ledger = Ledger()
     seen = Observation(mode="shadow", saved_tokens=40, status=200)
     seen.on_body(
         b'{"usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 60}}}'
     )
     seen.read_usage()
     ledger.add(seen, fleet.pods[0].key)
-    t.ledger = ledger
-    t.sharing = lambda: _Sharing()
     samples: set[str] = set()
     families: set[str] = set()
     for family in text_string_to_metric_families(generate_latest(t.registry).decode()):

@@ -164,5 +164,5 @@ def test_the_wheel_builds_from_exactly_what_the_dockerfile_copies(tmp_path: Path
     names = subprocess.run(
         [sys.executable, "-m", "zipfile", "-l", str(wheel)], capture_output=True, text=True
     ).stdout
-    assert "ace_extproc/_speedups" in names  # the C fast path was compiled
+    assert "ace_extproc/native/_speedups" in names  # the native code was compiled
     assert "ace_extproc/_proto/" in names  # and the protos

@@ -22,12 +22,11 @@ from ace_extproc.config import (
 )
 from ace_extproc.latency import DEFAULT_MODEL, get_model
 from ace_extproc.prefix import hash_prompt
-from ace_extproc.processor import Processor
 from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.routing.pipeline import Pipeline
 from ace_extproc.routing.policies import cost_policy
-from ace_extproc.speedups import native
+from tests.conftest import make_app, make_processor
 
 SMALL = "llama-3.1-8b-fp8"
 
@@ -71,18 +70,13 @@ def test_a_destination_names_its_own_model_and_the_router_s_is_the_default() -> 
         parse_fleet(fleet_doc(8))
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["one-c-call", "reference"])
-def test_each_destination_is_priced_with_its_own_model(fused: bool) -> None:
+def test_each_destination_is_priced_with_its_own_model() -> None:
     """The same warm pod and queue in each destination: 5,000 queued tokens cost a 70B
     pod more than a cold 4K-token prefill elsewhere (it spills), and an 8B pod, whose
     per-token cost is lower and attention term larger, less (it keeps the prefix)."""
-    if fused and native is None:
-        pytest.skip("the C extension is not built")
     fleet = FleetState(parse_fleet(fleet_doc()))
     picker = cost_policy(Settings())(fleet, BlockIndex(10_000))
     assert isinstance(picker, Pipeline)
-    picker._fused = fused and picker._fused
-    assert picker._fused == fused
     prompt = bytes(range(256)) * 64  # 16 KB: 32 blocks, 4,096 tokens
     hashes = hash_prompt(prompt, None, 512, 1)
     request = RoutingRequest(hashes, prompt, 4096, "t", "m", None)
@@ -100,11 +94,11 @@ def test_queued_prefill_drains_at_each_destination_s_rate() -> None:
     fleet = FleetState(parse_fleet(fleet_doc()))
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
     start = time.monotonic() + 0.01
-    monitor.drain(start)
+    monitor.load.drain(start)
     for load in fleet.load:
         load.queued_prefill_tokens = 10_000
     for i in range(1, 51):  # 100 ms in steps of 2 ms: the fractions carry per destination
-        monitor.drain(start + i * 0.002)
+        monitor.load.drain(start + i * 0.002)
     big, small = get_model(DEFAULT_MODEL), get_model(SMALL)
     for slot, pod in enumerate(fleet.pods):
         rate = (big if pod.destination == "big" else small).prefill_tokens_per_s
@@ -112,17 +106,17 @@ def test_queued_prefill_drains_at_each_destination_s_rate() -> None:
     # The router's prefill_tokens_per_s, where set, is every pod's rate.
     fleet = FleetState(parse_fleet(fleet_doc()))
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings(prefill_tokens_per_s=20_000))
-    monitor.drain(start)
+    monitor.load.drain(start)
     for load in fleet.load:
         load.queued_prefill_tokens = 10_000
-    monitor.drain(start + 0.1)
+    monitor.load.drain(start + 0.1)
     assert [load.queued_prefill_tokens for load in fleet.load] == [8_000] * 4
 
 
 def test_the_reported_estimate_is_the_destination_s() -> None:
     """The trace's speedup and the saved milliseconds come from the model of the
     destination the request went to."""
-    p = Processor(Config(parse_fleet(fleet_doc()), Settings(salt_secret=b"s")))
+    p = make_processor(Config(parse_fleet(fleet_doc()), Settings(salt_secret=b"s")))
     system = "You are a helpful assistant. " * 200
     for model, ttft in (("llama-70b", get_model(DEFAULT_MODEL)), ("llama-8b", get_model(SMALL))):
         for turn in ("first", "second"):
@@ -142,7 +136,7 @@ def test_a_configured_kv_size_bounds_the_index_until_the_engine_reports_one() ->
     fleet = parse_fleet(fleet_doc(kv_capacity_tokens=12_800))  # 100 blocks of 128 tokens
     assert parse_fleet(fleet_to_dict(fleet)) == fleet
     settings = Settings(salt_secret=b"s", index_blocks_per_pod=5_000)
-    p = Processor(Config(fleet, settings))
+    p = make_app(Config(fleet, settings))
     by_pod = {pod.key: p.index.capacity_of(slot) for slot, pod in enumerate(p.fleet.pods)}
     assert by_pod == {"big/b0": 5_000, "big/b1": 5_000, "small/s0": 100, "small/s1": 100}
     # A pod discovered later gets it too.

@@ -526,25 +526,25 @@ def test_config_bad_discovery_names_the_field(discovery: Any, field: str) -> Non
 
 def test_server_start_runs_discovery_and_stops_it(port: int) -> None:
     from ace_extproc import server
+    from ace_extproc.app import build
     from ace_extproc.config import Config
-    from ace_extproc.processor import Processor
 
     fleet = parse_fleet(
         _doc({"type": "dns", "hostname": "localhost", "port": 8000, "interval_s": 0.05})
     )
     cfg = Config(fleet, Settings(listen=f"127.0.0.1:{port}", probe_interval_s=0))
-    processor = Processor(cfg)
+    app = build(cfg)
 
     async def main() -> None:
-        srv, _health = await server.start(cfg, processor)
+        srv, _health = await server.start(app)
         try:
-            [d] = processor.discoveries
+            [d] = app.discoveries
             assert isinstance(d, DnsDiscovery)
-            await _until(lambda: processor.fleet.members != 0)
-            await server.stop_discovery(processor)
-            assert processor.discoveries == []
+            await _until(lambda: app.fleet.members != 0)
+            await app.stop()
+            assert d._task is None  # stopped
         finally:
             await srv.stop(None)
 
     _run(main())
-    assert processor.fleet.pods[0].port == 8000
+    assert app.fleet.pods[0].port == 8000

@@ -13,6 +13,7 @@ import pytest
 
 from ace_extproc.config import Config, Mode, Settings, TenantConfig, sim_fleet
 from ace_extproc.processor import Processor
+from tests.conftest import make_processor
 from tests.fuzzing import KEYS, Fuzzer
 
 
@@ -20,7 +21,7 @@ def _processor(mode: Mode) -> Processor:
     digests = {hashlib.sha256(k.encode()).digest(): t for k, t in KEYS.items()}
     tenants = TenantConfig(key_digests=digests, header="x-tenant-id")
     fleet = sim_fleet([f"127.0.0.1:{8001 + i}" for i in range(4)])
-    return Processor(Config(fleet, Settings(mode=mode, salt_secret=b"fuzz", tenants=tenants)))
+    return make_processor(Config(fleet, Settings(mode=mode, salt_secret=b"fuzz", tenants=tenants)))
 
 
 def _members(body: bytes) -> list[tuple[str, Any]]:

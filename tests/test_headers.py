@@ -1,5 +1,5 @@
 """Envoy's request headers read from the message's wire bytes: ``native.header_map``
-(``_headers.c``) against ``server.header_map_pure`` on the parsed message, the
+(``_headers.c``) against ``native.wire.header_map`` on the parsed message, the
 reference.
 
 Its contract: for any ProcessingRequest, the same dict (the last of a repeated key
@@ -14,7 +14,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ace_extproc.server import header_map_pure, request_headers
+from ace_extproc.native.wire import header_map as header_map_pure
+from ace_extproc.server import request_headers
 from tests.conftest import load_speedups
 
 speedups = load_speedups()

@@ -2,8 +2,9 @@
 
 Its contract: a ``BlockLRU`` holds the same hashes in the same recency order as the
 reference dict after any sequence of the index's operations, and ``record``, ``evict``
-and ``match`` on it leave the roots and return the depths that ``record_pure``,
-``evict_pure`` and ``match_pure`` do on the dict; a ``BlockIndex`` on C structures
+and ``match`` on it leave the roots and return the depths that the reference's
+``record``, ``evict`` and ``match`` (``native/lru.py``) do on the dict; a ``BlockIndex``
+on C structures
 answers every query as one on the Python ones.
 """
 
@@ -17,8 +18,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ace_extproc.prefix import chain
-from ace_extproc.routing.index import BlockIndex, evict_pure, match_pure, record_pure
+from ace_extproc.native import chain
+from ace_extproc.native.lru import evict as evict_pure
+from ace_extproc.native.lru import match as match_pure
+from ace_extproc.native.lru import record as record_pure
+from ace_extproc.routing.index import BlockIndex
 from tests.conftest import load_speedups
 
 speedups = load_speedups()

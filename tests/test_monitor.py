@@ -17,8 +17,8 @@ import pytest
 from aiohttp import web
 
 from ace_extproc import server
+from ace_extproc.app import build
 from ace_extproc.config import Config, Destination, Fleet, Pod, Settings, sim_fleet
-from ace_extproc.processor import Processor
 from ace_extproc.routing import BlockIndex, FleetState
 from ace_extproc.routing.metrics_text import EngineStats, parse, restarted
 from ace_extproc.routing.monitor import FleetMonitor
@@ -375,9 +375,10 @@ def test_the_server_runs_a_monitor_and_counts_picks(port: int) -> None:
                 sim_fleet([f"127.0.0.1:{pod.port}"]),
                 dataclasses.replace(FAST, listen=f"127.0.0.1:{port}"),
             )
-            processor = Processor(cfg)
-            srv, _health = await server.start(cfg, processor)
-            monitor = processor.monitor
+            app = build(cfg)
+            processor = app.processor
+            srv, _health = await server.start(app)
+            monitor = app.monitor
             assert monitor is not None
             try:
                 await until(lambda: monitor.stats(0) is not None)
@@ -390,7 +391,7 @@ def test_the_server_runs_a_monitor_and_counts_picks(port: int) -> None:
                     processor.on_body(processor.on_headers(headers, False), body)
                 assert processor.fleet.load[0].inflight == 2
             finally:
-                await monitor.stop()
+                await app.stop()
                 await srv.stop(0)
 
     run(go)
@@ -399,7 +400,8 @@ def test_the_server_runs_a_monitor_and_counts_picks(port: int) -> None:
 def test_no_monitor_no_count() -> None:
     # Without a monitor nothing would ever reset the count (the fleet simulator keeps
     # its own, exact one), so the processor leaves it alone.
-    p = Processor(Config(sim_fleet(["127.0.0.1:1"]), Settings(salt_secret=b"s")))
+    settings = Settings(salt_secret=b"s", probe_interval_s=0)
+    p = build(Config(sim_fleet(["127.0.0.1:1"]), settings)).processor
     body = msgspec.json.encode({"model": "m", "prompt": "y" * 2000})
     p.on_body(p.on_headers({":path": "/v1/completions", ":method": "POST"}, False), body)
     assert p.fleet.load[0].inflight == 0
@@ -413,9 +415,9 @@ def test_queued_prefill_drains_at_the_model_rate_and_clears_when_the_engine_is_i
     # after it. Past the drain's 1 ms step, so this call does take that time (under it,
     # the call would leave it to the next: 0.04 ms of it, one token, failed a CI run).
     start = time.monotonic() + 0.01
-    monitor.drain(start)
+    monitor.load.drain(start)
     load.queued_prefill_tokens = 10_000  # as picks left it
-    monitor.drain(start + 0.1)
+    monitor.load.drain(start + 0.1)
     # 100 ms of prefill at the model's rate drains 100 / a_ms tokens (2,500 at 0.04 ms).
     assert load.queued_prefill_tokens == 7500
     monitor.apply(0, EngineStats(engine="vllm", running=3, waiting=2, kv_usage=0.5))
@@ -435,9 +437,9 @@ def test_queued_prefill_drains_at_the_configured_prefill_rate() -> None:
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings(prefill_tokens_per_s=2_500_000))
     load = fleet.load[0]
     start = time.monotonic() + 0.01  # the clock's own time: a fresh machine's is small
-    monitor.drain(start)
+    monitor.load.drain(start)
     load.queued_prefill_tokens = 10_000
-    monitor.drain(start + 0.002)  # 2 ms at 2,500 tokens a millisecond (the model's: 50)
+    monitor.load.drain(start + 0.002)  # 2 ms at 2,500 tokens a millisecond (the model's: 50)
     assert abs(load.queued_prefill_tokens - 5000) <= 1
 
 
@@ -448,13 +450,13 @@ def test_many_short_drains_drain_as_much_as_one_long_one() -> None:
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
     load = fleet.load[0]
     start = time.monotonic() + 0.01
-    monitor.drain(start)
+    monitor.load.drain(start)
     load.queued_prefill_tokens = 10_000
     for i in range(1, 1001):
-        monitor.drain(start + i * 0.0001)  # 1,000 intervals of 0.1 ms: 100 ms in all
+        monitor.load.drain(start + i * 0.0001)  # 1,000 intervals of 0.1 ms: 100 ms in all
     # It drains at most once a millisecond: up to the last one's worth may be pending...
     assert 7500 <= load.queued_prefill_tokens <= 7500 + 25
-    monitor.drain(start + 0.101)
+    monitor.load.drain(start + 0.101)
     # ... and is drained by the next call: 101 ms in all, 2,525 tokens.
     assert abs(load.queued_prefill_tokens - 7475) <= 1
 
@@ -496,18 +498,17 @@ def test_drains_closer_than_a_millisecond_apart_leave_the_queue_for_the_next() -
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
     load = fleet.load[0]
     start = time.monotonic() + 0.01
-    monitor.drain(start)
+    monitor.load.drain(start)
     load.queued_prefill_tokens = 10_000
-    monitor.drain(start + 0.0005)
+    monitor.load.drain(start + 0.0005)
     assert load.queued_prefill_tokens == 10_000  # half a millisecond: not yet
-    monitor.drain(start + 0.002)
+    monitor.load.drain(start + 0.002)
     assert abs(load.queued_prefill_tokens - 9950) <= 1  # all 2 ms, at 0.04 ms a token
 
 
 def test_picks_add_their_uncached_prompt_to_the_queue_when_monitored() -> None:
     cfg = Config(sim_fleet(["127.0.0.1:1"]), Settings(salt_secret=b"s"))
-    proc = Processor(cfg)
-    proc.monitor = FleetMonitor(proc.fleet, proc.index, cfg.settings)
+    proc = build(cfg).processor  # a monitor, not started: the accounting is on
     proc.fleet.load[0].running = 3  # busy, with nothing waiting, at its last scrape
     body = msgspec.json.encode(
         {"model": "m", "messages": [{"role": "user", "content": "x" * 4000}]}

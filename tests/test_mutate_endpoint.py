@@ -15,8 +15,9 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 
 from ace_extproc import envoy_config, mutate
 from ace_extproc.config import Config, Destination, Fleet, Mode, Pod, Settings, sim_fleet
-from ace_extproc.processor import Outcome, Processor
+from ace_extproc.processor import Outcome
 from ace_extproc.routing import BlockIndex, FleetState, Pick, PrefixAffinityPicker, RoutingRequest
+from tests.conftest import make_processor
 
 FLEET = sim_fleet([f"10.0.0.{i + 1}:8000" for i in range(4)])
 PODS = FLEET.pods
@@ -150,7 +151,7 @@ HEADERS = {":path": "/v1/chat/completions", ":method": "POST", "content-type": "
 @pytest.mark.parametrize("upstream_mode", ["cluster", "endpoint"])
 def test_processor_fills_fallbacks_and_the_mode_when_pinning(upstream_mode: str) -> None:
     settings = Settings(salt_secret=b"s", upstream_mode=upstream_mode)
-    proc = Processor(Config(FLEET, settings), picker=_NextSlotFallbacks)
+    proc = make_processor(Config(FLEET, settings), picker=_NextSlotFallbacks)
     outcome = proc.on_body(proc.on_headers(HEADERS, False), BODY)
     assert outcome.pod is not None
     slot = PODS.index(outcome.pod)
@@ -165,6 +166,6 @@ def test_processor_fills_fallbacks_and_the_mode_when_pinning(upstream_mode: str)
 
 def test_shadow_pins_nothing_in_endpoint_mode() -> None:
     settings = Settings(salt_secret=b"s", upstream_mode="endpoint", mode=Mode.SHADOW)
-    proc = Processor(Config(FLEET, settings), picker=_NextSlotFallbacks)
+    proc = make_processor(Config(FLEET, settings), picker=_NextSlotFallbacks)
     outcome = proc.on_body(proc.on_headers(HEADERS, False), BODY)
     assert outcome.pod is None and outcome.fallbacks == () and not outcome.endpoint

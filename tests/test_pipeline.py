@@ -6,7 +6,7 @@ from ace_extproc.config import ConfigError, Settings, parse_settings, sim_fleet
 from ace_extproc.latency import get_model
 from ace_extproc.prefix import hash_prompt
 from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, policies, rendezvous
-from ace_extproc.routing.pipeline import EstimatedTTFT
+from ace_extproc.routing.pipeline import Candidates, PrefillCost, QueueCost
 
 PROMPT = bytes(range(256)) * 64  # 16 KB: 32 blocks, ~4K tokens
 
@@ -122,11 +122,15 @@ def test_fallbacks_are_the_next_cheapest_and_candidates_are_respected() -> None:
 def test_the_price_is_queue_plus_uncached_prefill() -> None:
     fleet, _, _ = setup(1)
     model = get_model(Settings().ttft_model)
-    score = EstimatedTTFT(model, 128)
     r = request()
     fleet.load[0].queued_prefill_tokens = 2000
-    assert score(r, 0, 0, fleet) == model.a_ms * 2000 + model.prefill_ms(4096, 0)
-    assert score(r, 0, 10, fleet) == model.a_ms * 2000 + model.prefill_ms(4096 - 1280, 1280)
+
+    def price(depth: int) -> float:
+        c = Candidates(r, (0,), {0: depth}, fleet, BlockIndex(100), model, 128, 0, -1)
+        return QueueCost()(c)[0] + PrefillCost()(c)[0]
+
+    assert price(0) == model.a_ms * 2000 + model.prefill_ms(4096, 0)
+    assert price(10) == model.a_ms * 2000 + model.prefill_ms(4096 - 1280, 1280)
 
 
 def test_a_full_pod_is_priced_for_what_it_would_evict() -> None:

@@ -1,6 +1,7 @@
 import os
 
-from ace_extproc.prefix import cache_prefix_id, chain, hash_prompt, scope_seed
+from ace_extproc.native import chain
+from ace_extproc.prefix import cache_prefix_id, hash_prompt, scope_seed
 
 
 def test_prompts_share_exactly_the_full_blocks_they_share_in_text():

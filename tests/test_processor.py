@@ -5,7 +5,8 @@ import msgspec
 import pytest
 
 from ace_extproc.config import Config, Mode, Settings, TenantConfig, sim_fleet
-from ace_extproc.processor import Processor, rewrite_body
+from ace_extproc.processor import rewrite_body
+from tests.conftest import make_processor
 
 CHAT = "/v1/chat/completions"
 
@@ -13,7 +14,7 @@ CHAT = "/v1/chat/completions"
 def make(mode=Mode.PROD, **settings):
     fleet = sim_fleet([f"127.0.0.1:{8001 + i}" for i in range(4)])
     base = Settings(mode=mode, salt_secret=b"secret", **settings)
-    return Processor(Config(fleet, base))
+    return make_processor(Config(fleet, base))
 
 
 def headers(path=CHAT, method="POST", **extra):
@@ -124,7 +125,7 @@ def test_body_over_limit_and_unknown_model_bypass():
     )
     fleet = sim_fleet(["127.0.0.1:8001"])
     dest = dataclasses.replace(fleet.destinations[0], models=("only-this",))
-    p2 = Processor(Config(dataclasses.replace(fleet, destinations=(dest,)), Settings()))
+    p2 = make_processor(Config(dataclasses.replace(fleet, destinations=(dest,)), Settings()))
     assert (
         run(p2, headers(), body([{"role": "user", "content": "x"}])).action
         == "bypass_unknown_model"
@@ -226,7 +227,7 @@ def test_a_hosted_api_is_pinned_and_told_what_shares_a_prefix_not_sent_engine_fi
 
     doc = {"destinations": [{"id": "gpt", "provider": "openai", "base_url": "https://api.x/v1"}]}
     settings = Settings(salt_secret=b"s", usage_capture=True)
-    p = Processor(Config(parse_fleet(doc), settings))
+    p = make_processor(Config(parse_fleet(doc), settings))
 
     def sent(messages, session=None, **extra):
         h = headers(**({"x_session_id": session} if session else {}))
@@ -274,7 +275,7 @@ def test_a_pinned_request_carries_its_destination_s_key_not_the_client_s():
         (Mode.PROD, "b", None),  # no key of its own: the client's goes as sent
         (Mode.SHADOW, "a", None),  # shadow changes nothing
     ):
-        p = Processor(Config(fleet, Settings(mode=mode, salt_secret=b"s")))
+        p = make_processor(Config(fleet, Settings(mode=mode, salt_secret=b"s")))
         msg = msgspec.json.encode({"model": model, "messages": [{"role": "user", "content": LONG}]})
         out = run(p, headers(authorization="Bearer client"), msg)
         assert out.upstream_auth == expected

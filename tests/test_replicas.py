@@ -22,20 +22,21 @@ from prometheus_client import generate_latest
 
 from ace_extproc import server, stack
 from ace_extproc.admin import config_document
+from ace_extproc.app import App, build
 from ace_extproc.config import Config, ConfigError, Settings, parse_settings, sim_fleet
-from ace_extproc.processor import Processor
 from ace_extproc.routing import replicas
+from ace_extproc.routing.load import LoadAccounting
 from ace_extproc.routing.replicas import Learner, Placement, ReplicaSync, decode, encode
-from tests.conftest import free_port, free_ports, peer_metadata
+from tests.conftest import free_port, free_ports, make_app, peer_metadata
 
 CHAT = "/v1/chat/completions"
 HEADERS = {":path": CHAT, ":method": "POST", "content-type": "application/json"}
 SYSTEM = "You are a careful assistant for the repository. " * 60  # ~3 KB: several blocks
 
 
-def processor(**settings: object) -> Processor:
+def processor(**settings: object) -> App:
     fleet = sim_fleet([f"127.0.0.1:{8001 + i}" for i in range(4)])
-    return Processor(Config(fleet, Settings(salt_secret=b"s", **settings)))  # type: ignore[arg-type]
+    return make_app(Config(fleet, Settings(salt_secret=b"s", **settings)))  # type: ignore[arg-type]
 
 
 def chat(*turns: str, system: str = SYSTEM) -> bytes:
@@ -46,14 +47,15 @@ def chat(*turns: str, system: str = SYSTEM) -> bytes:
     return msgspec.json.encode({"model": "sim-llama", "messages": messages})
 
 
-def route(p: Processor, body: bytes, session: str | None = None) -> tuple[int, str]:
+def route(p: App, body: bytes, session: str | None = None) -> tuple[int, str]:
     headers = dict(HEADERS, **({"x-session-id": session} if session else {}))
-    outcome = p.on_body(p.on_headers(headers, False), body)
+    outcome = p.processor.on_body(p.processor.on_headers(headers, False), body)
     return outcome.slot, outcome.action
 
 
-def learner_of(p: Processor, **kw: bool) -> Learner:
-    return Learner(p.fleet, p.index, getattr(p.picker, "remember", None), **kw)
+def learner_of(p: App, count_load: bool = True) -> Learner:
+    load = LoadAccounting(p.fleet, p.config.settings) if count_load else None
+    return Learner(p.fleet, p.index, getattr(p.picker, "remember", None), load)
 
 
 class Recorder:
@@ -119,7 +121,7 @@ def test_negative_queued_tokens_count_as_none() -> None:
 
 def test_the_processor_reports_each_placement() -> None:
     p = processor()
-    p.sharing = sink = Recorder()
+    p.processor.sharing = sink = Recorder()
     slot, _ = route(p, chat("hello"), session="s1")
     [placed] = sink.placements
     assert placed.pod == p.fleet.pods[slot].key
@@ -132,7 +134,7 @@ def test_the_processor_reports_each_placement() -> None:
 
 def test_a_learned_placement_steers_like_an_own_one() -> None:
     a, b = processor(), processor()
-    a.sharing = sink = Recorder()
+    a.processor.sharing = sink = Recorder()
     # A sends a new prefix to its second choice (its first is down, as A sees it), so
     # B, healthy view and all, would place it elsewhere unless it learns where it went.
     first, _ = route(processor(), chat("q1"))
@@ -150,7 +152,7 @@ def test_a_learned_placement_steers_like_an_own_one() -> None:
 
 def test_a_learned_session_stays_where_it_went() -> None:
     a, b = processor(), processor()
-    a.sharing = sink = Recorder()
+    a.processor.sharing = sink = Recorder()
     home = route(processor(), chat("x"), session="conv")[0]
     a.fleet.set_available(home, False)  # A placed the session away from its own pod
     placed, _ = route(a, chat("x"), session="conv")
@@ -296,9 +298,9 @@ def run_async(test: Callable[[], Coroutine[None, None, None]], timeout: float = 
     asyncio.run(asyncio.wait_for(test(), timeout))
 
 
-def syncing(p: Processor, url: str, password: str = "") -> ReplicaSync:
-    sync = ReplicaSync(learner_of(p), url, p.settings.block_bytes, password=password)
-    p.sharing = sync
+def syncing(p: App, url: str, password: str = "") -> ReplicaSync:
+    sync = ReplicaSync(learner_of(p), url, p.config.settings.block_bytes, password=password)
+    p.processor.sharing = sync
     return sync
 
 
@@ -403,8 +405,8 @@ def test_the_server_shares_when_configured_to(redis_server: RedisServer) -> None
             probe_interval_s=0,
         )
         cfg = Config(sim_fleet([f"127.0.0.1:{8001 + i}" for i in range(4)]), settings)
-        p = Processor(cfg)
-        srv, _ = await server.start(cfg, p)
+        p = build(cfg)
+        srv, _ = await server.start(p)
         sync = p.sharing
         try:
             assert isinstance(sync, ReplicaSync)
@@ -417,9 +419,8 @@ def test_the_server_shares_when_configured_to(redis_server: RedisServer) -> None
             assert "ace_share_learned_placements_total 0.0" in metrics
         finally:
             await srv.stop(0)
-            if isinstance(sync, ReplicaSync):
-                await sync.stop()
-        assert not sync.subscribed.is_set()
+            await p.stop()
+        assert sync is not None and not sync.subscribed.is_set()
 
     run_async(test)
 
@@ -428,7 +429,7 @@ def test_no_share_metrics_without_sharing() -> None:
     p = processor()
     route(p, chat("q"))
     assert "ace_share_" not in generate_latest(p.telemetry.registry).decode()
-    p.sharing = Recorder()  # a sink without stats (the simulation's): still none
+    p.processor.sharing = Recorder()  # a sink without stats (the simulation's): still none
     assert "ace_share_" not in generate_latest(p.telemetry.registry).decode()
 
 

@@ -70,7 +70,7 @@ def test_seeds_runs_every_policy_on_each_seeds_workload(tmp_path: Path) -> None:
 def test_policy_spec_builds_ours_with_those_router_settings() -> None:
     from ace_extproc.config import default_fleet
     from ace_extproc.routing import BlockIndex, FleetState, PrefixAffinityPicker
-    from ace_extproc.routing.pipeline import Pipeline
+    from ace_extproc.routing.pipeline import NearBest, Pipeline
     from bench.baselines import POLICIES, resolve
 
     def build(spec: str) -> object:
@@ -79,16 +79,20 @@ def test_policy_spec_builds_ours_with_those_router_settings() -> None:
     assert resolve("ace") is POLICIES["ace"]
     tuned = build("ace@min_match=0.3@place_sessions=false")
     assert isinstance(tuned, Pipeline)
-    assert tuned.min_match == 0.3 and tuned.place_sessions is False and not tuned.balance_new
+    assert tuned.min_match == 0.3 and tuned.place_sessions is False
+    assert isinstance(tuned.picker, NearBest) and not tuned.picker.balance_new
     default = build("ace")
     assert isinstance(default, Pipeline) and default.min_match == 0.1 and default.place_sessions
     balanced = build("ace@policy=cost-balanced")
-    assert isinstance(balanced, Pipeline) and balanced.balance_new
+    assert isinstance(balanced, Pipeline) and isinstance(balanced.picker, NearBest)
+    assert balanced.picker.balance_new
     assert isinstance(build("ace@policy=affinity"), PrefixAffinityPicker)
     assert isinstance(build("ace@min_match=0"), Pipeline)  # YAML's int, as fleet.yaml takes it
     wide = build("ace@affinity_slack=0.5@affinity_slack_ms=20")
-    assert isinstance(wide, Pipeline) and wide.params.slack_ratio == 0.5
-    assert wide.params.slack_ms == 20.0 and default.params.slack_ratio == 0.1
+    assert isinstance(wide, Pipeline) and isinstance(wide.picker, NearBest)
+    assert wide.picker.slack_ratio == 0.5 and wide.picker.slack_ms == 20.0
+    assert isinstance(default, Pipeline) and isinstance(default.picker, NearBest)
+    assert default.picker.slack_ratio == 0.1
 
 
 @pytest.mark.parametrize(

@@ -104,7 +104,7 @@ def test_match_depths_equal_a_linear_scan_of_an_exact_lru_model():
     import random
     from collections import OrderedDict
 
-    from ace_extproc.prefix import chain
+    from ace_extproc.native import chain
 
     rng = random.Random(7)
     pods, capacity = 4, 60

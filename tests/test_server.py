@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ace_extproc import server
+from ace_extproc.app import build
 from ace_extproc.config import Config, Settings, sim_fleet
 from ace_extproc.processor import Processor
 from tests.conftest import alive, children, peer_metadata
@@ -76,13 +77,16 @@ async def exchange(target: str, messages, expect: int):
         return out
 
 
-def with_server(cfg: Config, coro_fn, processor=None):
+def with_server(cfg: Config, coro_fn):
+    app = build(cfg)
+
     async def main():
-        srv, _health = await server.start(cfg, processor)
+        srv, _health = await server.start(app)
         try:
             return await coro_fn()
         finally:
             await srv.stop(0)
+            await app.stop()
 
     return asyncio.run(main())
 
@@ -178,17 +182,17 @@ def test_unknown_key_is_an_immediate_401(port):
     assert b"bad" not in out.immediate_response.body
 
 
-class Exploding(Processor):
+def explode(monkeypatch):
     def on_body(self, ctx, body):
         raise RuntimeError("bug")
 
+    monkeypatch.setattr(Processor, "on_body", on_body)
 
-def test_a_bug_costs_the_decision_not_the_request(port):
+
+def test_a_bug_costs_the_decision_not_the_request(port, monkeypatch):
     target = f"127.0.0.1:{port}"
-    cfg = config(target)
-    out = with_server(
-        cfg, lambda: exchange(target, [headers_msg(), body_msg(CHAT)], 2), Exploding(cfg)
-    )
+    explode(monkeypatch)
+    out = with_server(config(target), lambda: exchange(target, [headers_msg(), body_msg(CHAT)], 2))
     assert out[1].WhichOneof("response") == "request_body"
     common = out[1].request_body.response
     assert not common.HasField("body_mutation") and not common.HasField("header_mutation")
@@ -216,7 +220,7 @@ def test_graceful_stop_finishes_streams_in_flight(port):
     target = f"127.0.0.1:{port}"
 
     async def main():
-        srv, health = await server.start(config(target))
+        srv, health = await server.start(build(config(target)))
         async with grpc.aio.insecure_channel(target) as channel:
             call = pb_grpc.ExternalProcessorStub(channel).Process(metadata=ENVOY)
             await call.write(headers_msg())
@@ -443,11 +447,8 @@ def test_full_duplex_refuses_a_body_past_the_limit_where_it_must_be_salted(port)
     assert out[0].immediate_response.status.code == 413
 
 
-class ExplodingOnResponses(Processor):
-    """The native API asks for the response: a bug there must answer that phase."""
-
-
 def test_a_bug_in_the_response_phase_is_answered_in_that_phase(port, monkeypatch):
+    """The native API asks for the response: a bug there must answer that phase."""
     target = f"127.0.0.1:{port}"
     envelope = msgspec.json.encode(
         {"input": {"messages": [{"role": "user", "content": "hi"}]}, "target": {"model": "m"}}
@@ -475,12 +476,11 @@ def test_a_bug_in_the_response_phase_is_answered_in_that_phase(port, monkeypatch
     ]
 
 
-def test_a_bug_refuses_the_request_where_it_could_not_then_be_salted(port):
+def test_a_bug_refuses_the_request_where_it_could_not_then_be_salted(port, monkeypatch):
     target = f"127.0.0.1:{port}"
     cfg = config(target, tenants=_keyed(header="x-tenant"))
-    out = with_server(
-        cfg, lambda: exchange(target, [headers_msg(), body_msg(CHAT)], 2), Exploding(cfg)
-    )
+    explode(monkeypatch)
+    out = with_server(cfg, lambda: exchange(target, [headers_msg(), body_msg(CHAT)], 2))
     assert out[1].immediate_response.status.code == 500
     assert b"gateway failed" in out[1].immediate_response.body
 

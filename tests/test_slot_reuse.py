@@ -9,15 +9,16 @@ import pytest
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from ace_extproc.app import App
 from ace_extproc.config import Config, Destination, Fleet, PassiveHealth, Pod, Settings, sim_fleet
 from ace_extproc.observe import Observation, Observer
-from ace_extproc.processor import Outcome, Processor
+from ace_extproc.outcome import Outcome
 from ace_extproc.routing import fleet as fleet_module
 from ace_extproc.routing.fleet import FREE_SLOTS_KEPT, FleetState
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.routing.outlier import OutlierDetector
-from tests.conftest import serving
+from tests.conftest import make_app, serving
 
 HEADERS = {":path": "/v1/chat/completions", ":method": "POST", "content-type": "application/json"}
 
@@ -106,10 +107,10 @@ def test_the_observer_never_credits_a_gone_pod_to_its_successor(
     assert observer.slot_at(new.address) == 1
 
 
-def _processor(monkeypatch: pytest.MonkeyPatch) -> Processor:
+def _processor(monkeypatch: pytest.MonkeyPatch) -> App:
     monkeypatch.setattr(fleet_module, "FREE_SLOTS_KEPT", 0)
     fleet = sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(2)])
-    return Processor(Config(fleet, Settings(salt_secret=b"s", metrics_listen="off")))
+    return make_app(Config(fleet, Settings(salt_secret=b"s", metrics_listen="off")))
 
 
 def _body(text: str) -> bytes:
@@ -120,14 +121,14 @@ def _body(text: str) -> bytes:
     )
 
 
-def _route(proc: Processor, body: bytes, session: str | None = None) -> Outcome:
+def _route(proc: App, body: bytes, session: str | None = None) -> Outcome:
     headers = dict(HEADERS, **({"x-session-id": session} if session else {}))
-    out = proc.on_body(proc.on_headers(headers, False), body)
+    out = proc.processor.on_body(proc.processor.on_headers(headers, False), body)
     assert out.would_pick is not None, out.action
     return out
 
 
-def _swap(proc: Processor, slot: int) -> Pod:
+def _swap(proc: App, slot: int) -> Pod:
     """The pod in ``slot`` leaves (as discovery removes it) and a new one takes the slot."""
     fleet, index = proc.fleet, proc.index
     fleet.remove_pod(slot)
@@ -138,7 +139,7 @@ def _swap(proc: Processor, slot: int) -> Pod:
     return new
 
 
-def _series(proc: Processor, name: str) -> dict[str, float]:
+def _series(proc: App, name: str) -> dict[str, float]:
     out = {}
     for line in generate_latest(proc.telemetry.registry).decode().splitlines():
         if line.startswith(name + "{"):
@@ -156,7 +157,7 @@ def test_a_successor_inherits_nothing_of_the_pod_that_left(
     slot, key = first.slot, first.prefix_key
     gone = proc.fleet.pods[slot]
     proc.index.set_capacity(slot, 7)  # learned from the old engine's KV size
-    assert proc.placements is not None and proc.placements.get(key) is not None
+    assert proc.placements.get(key) is not None
     proc.observer.finish(Observation(mode="prod", upstream=gone.address, status=200))
     assert any(
         f'pod="{gone.id}"' in k for k in _series(proc, "ace_pod_response_prompt_tokens_total")

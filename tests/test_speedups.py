@@ -1,6 +1,6 @@
-"""The native fast path (``ace_extproc._speedups``) against the pure-Python reference.
+"""The ``prompt`` piece (``ace_extproc.native._speedups``) against its Python reference.
 
-Its contract: ``chain`` equals ``prefix.chain_pure`` exactly, and for ANY bytes
+Its contract: ``chain`` equals ``native.hashing.chain`` exactly, and for ANY bytes
 ``chat_prompt`` returns either None (the pure path decides) or exactly the fields
 ``request.parse_pure`` returns, never accepting what the pure path rejects; so does
 ``completion_prompt`` for /v1/completions bodies. Both must also accept the plain
@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ace_extproc import request
-from ace_extproc.prefix import chain_pure, prefix_hashes_pure
+from ace_extproc.native.hashing import chain as chain_pure
+from ace_extproc.native.hashing import prefix_hashes as prefix_hashes_pure
 from ace_extproc.request import CHAT_PATH, COMPLETIONS_PATH, RequestError, parse_pure
 from tests.conftest import load_speedups
 
@@ -151,7 +152,7 @@ def test_chain_property(data: bytes, block: int, seed: int) -> None:
 )
 def test_prefix_hashes_property(data: bytes, block: int, seed: int, end: float | None) -> None:
     """The blocks and the prefix key (the chain at the prefix's last full block,
-    extended by its partial tail) exactly as ``prefix_hashes_pure`` gives them."""
+    extended by its partial tail) exactly as the reference gives them."""
     cacheable_end = None if end is None else int(len(data) * end)
     blocks, key = speedups.prefix_hashes(data, cacheable_end, block, seed)
     assert (blocks, key) == prefix_hashes_pure(data, cacheable_end, block, seed)
@@ -1676,10 +1677,10 @@ def test_escape_fragments_in_completion_strings_keep_the_invariant(data: bytes) 
 
 
 def test_the_request_path_loads_the_extension() -> None:
-    from ace_extproc.speedups import native
+    from ace_extproc import native
 
     pure_only = os.environ.get("ACE_EXTPROC_PURE_PYTHON") == "1"
-    assert native is (None if pure_only else speedups)
+    assert native.extension is (None if pure_only else speedups)
 
 
 CHAT_PUBLIC = (
@@ -1721,7 +1722,14 @@ def test_the_type_stub_matches_the_extension() -> None:
     """``_speedups.pyi`` names exactly the functions the built module has, with their
     arguments (mypy's stubtest): a function renamed or added in C fails here."""
     run = subprocess.run(
-        [sys.executable, "-m", "mypy.stubtest", "ace_extproc._speedups"],
+        [
+            sys.executable,
+            "-m",
+            "mypy.stubtest",
+            "--mypy-config-file",
+            "pyproject.toml",
+            "ace_extproc.native._speedups",
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -20,7 +20,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ace_extproc import logs, request, speedups
+from ace_extproc import logs, request
+from ace_extproc import native as native_code
 from ace_extproc import telemetry as tm
 from ace_extproc.config import ConfigError, Settings, TenantConfig, parse_settings, sim_fleet
 from ace_extproc.routing import BlockIndex, FleetState
@@ -48,7 +49,7 @@ class Fixture:
             self.index.add_pod(slot)
         self.monitor = FleetMonitor(self.fleet, self.index, self.settings)
         self.telemetry = tm.Telemetry(
-            self.settings, self.fleet, self.index, lambda: self.monitor, process_metrics=False
+            self.settings, self.fleet, self.index, self.monitor, process_metrics=False
         )
 
     def samples(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -218,7 +219,7 @@ def test_parsed_bodies_by_parser(fx: Fixture) -> None:
     request.parse(request.CHAT_PATH, image)  # an image part: the Python parser's
     with pytest.raises(request.RequestError):
         request.parse(request.CHAT_PATH, b"{")  # invalid: handed over too
-    if speedups.native is not None:
+    if native_code.chat_prompt is not None:
         assert counts() == (native + 1, python + 2)
     else:
         assert counts() == (native, python + 3)

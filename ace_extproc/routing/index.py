@@ -17,14 +17,14 @@ only pods holding the prompt's first block need one: a small map from first bloc
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
-from itertools import islice
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
-from ace_extproc.speedups import native
+from ace_extproc import native
+from ace_extproc.native import lru as reference
 
 if TYPE_CHECKING:
-    from ace_extproc._speedups import BlockLRU
+    from ace_extproc.native._speedups import BlockLRU
 
 # The bytes a tracked block's hash int object takes (64-bit values need 3 digits).
 _INT_BYTES = sys.getsizeof(2**63)
@@ -33,86 +33,9 @@ _INT_BYTES = sys.getsizeof(2**63)
 LRU: TypeAlias = "BlockLRU | dict[int, None]"
 
 
-def record_pure(
-    lru: dict[int, None], blocks: Sequence[int], roots: dict[int, int], bit: int, capacity: int
-) -> None:
-    """The pod whose LRU is ``lru`` (its bit in ``roots`` masks: ``bit``) now holds
-    ``blocks``: they move to the most recent end, the tail first so the head ends most
-    recent (like the engine, evict a conversation's newest blocks before the prefix
-    every later turn needs); the first block's holders gain the pod; past ``capacity``
-    its least recently used blocks are forgotten."""
-    if not blocks:
-        return
-    pop = lru.pop
-    for h in reversed(blocks):
-        pop(h, None)
-        lru[h] = None  # re-inserted: now the most recent
-    root = blocks[0]
-    roots[root] = roots.get(root, 0) | bit
-    if (excess := len(lru) - capacity) > 0:
-        evict_pure(lru, roots, bit, excess)
-
-
-def evict_pure(lru: dict[int, None], roots: dict[int, int], bit: int, count: int) -> None:
-    """Forget the ``count`` least recently used blocks of the pod whose bit is ``bit``."""
-    for h in list(islice(lru, count)):
-        del lru[h]
-        if h in roots:  # a chain's head goes last, so its holders stay exact
-            if mask := roots[h] & ~bit:
-                roots[h] = mask
-            else:
-                del roots[h]
-
-
-def match_pure(
-    lrus: dict[int, dict[int, None]], blocks: Sequence[int], holders: int
-) -> dict[int, int]:
-    """How many leading ``blocks`` each pod of the ``holders`` bitmask holds (each holds
-    the first): the length of its held run, by binary search on the chain."""
-    depths: dict[int, int] = {}
-    n = len(blocks)
-    last = blocks[n - 1]
-    while holders:
-        low = holders & -holders
-        holders ^= low
-        slot = low.bit_length() - 1
-        lru = lrus[slot]
-        if last in lru:
-            depths[slot] = n
-            continue
-        lo, hi = 1, n - 1  # blocks[:lo] held, blocks[:hi + 1] not
-        while lo < hi:
-            mid = (lo + hi + 1) >> 1
-            if blocks[mid - 1] in lru:
-                lo = mid
-            else:
-                hi = mid - 1
-        depths[slot] = lo
-    return depths
-
-
 # What ``BlockIndex.room`` reads, for pricing every candidate in one call:
 # (slot -> LRU, slot -> capacity where known, the default capacity).
 RoomView: TypeAlias = tuple[dict[int, LRU], dict[int, int], int]
-
-
-class Structures(NamedTuple):
-    """One implementation of the index's per-pod LRU and its operations."""
-
-    new_lru: Callable[[], Any]
-    record: Callable[[Any, Sequence[int], dict[int, int], int, int], None]
-    evict: Callable[[Any, dict[int, int], int, int], None]
-    match: Callable[[dict[int, Any], Sequence[int], int], dict[int, int]]
-    ints_per_block: bool  # each held block keeps its hash's int object alive
-
-
-PURE = Structures(dict, record_pure, evict_pure, match_pure, True)
-# One C call for the whole prompt, on C structures, where the extension was built.
-NATIVE = (
-    Structures(native.BlockLRU, native.record, native.evict, native.match, False)
-    if native is not None
-    else PURE
-)
 
 
 class BlockIndex:
@@ -121,14 +44,14 @@ class BlockIndex:
         built (tests compare the two)."""
         self.capacity = capacity_per_pod  # until a pod's own is known (set_capacity)
         self._capacity: dict[int, int] = {}  # slot -> blocks, from the engine's KV size
-        self._ops = PURE if pure else NATIVE
+        self._ops = reference.REFERENCE if pure else native.LRU_OPS
         self._lru: dict[int, LRU] = {}  # slot -> block hashes, least recently used first
         self._roots: dict[int, int] = {}  # first block of a prompt -> bitmask of holders
 
     @property
     def native(self) -> bool:
         """Whether the LRUs are the C ``BlockLRU`` (not the reference dicts)."""
-        return self._ops is not PURE
+        return self._ops is not reference.REFERENCE
 
     @property
     def roots(self) -> dict[int, int]:
@@ -203,8 +126,8 @@ class BlockIndex:
         return self._capacity.get(slot, self.capacity) - (len(lru) if lru is not None else 0)
 
     def room_view(self) -> RoomView:
-        """What ``room`` reads for every slot at once (live, not a copy): the pipeline
-        prices all candidates in one C call (``pipeline.price``)."""
+        """What ``room`` reads for every slot at once (live, not a copy), for pricing
+        every candidate in one pass."""
         return self._lru, self._capacity, self.capacity
 
     def approx_bytes(self) -> int:

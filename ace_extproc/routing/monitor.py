@@ -43,18 +43,17 @@ import asyncio
 import functools
 import logging
 import ssl
-import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from ace_extproc.config import Pod, Settings, ttft_models
-from ace_extproc.latency import get_model
+from ace_extproc.config import Pod, Settings
 from ace_extproc.routing import metrics_text
 from ace_extproc.routing.fleet import ADDED, REMOVED, FleetState
 from ace_extproc.routing.index import BlockIndex
+from ace_extproc.routing.load import LoadAccounting
 from ace_extproc.routing.metrics_text import EngineStats
 
 log = logging.getLogger("ace_extproc.monitor")
@@ -64,8 +63,6 @@ log = logging.getLogger("ace_extproc.monitor")
 _METRICS_HEADERS = {"Accept": "text/plain", "Accept-Encoding": "identity"}
 # Far above a real exposition (~100-300 KB); parsing runs on the serving loop.
 MAX_METRICS_BYTES = 16 * 1024 * 1024
-# The queued-prefill estimate drains at most this often (``FleetMonitor.drain``).
-DRAIN_EVERY_MS = 1.0
 
 
 @dataclass(slots=True)
@@ -77,39 +74,20 @@ class _PodState:
     complaint: str = ""  # the last scrape problem logged, so each is logged once
 
 
-class _DrainRate:
-    """Prefill drained at ``tokens_per_s``, in whole tokens. ``drain`` runs before every
-    pick, so the intervals are short: the fraction of a token is carried to the next
-    call, or at a few thousand picks a second most of the drain would be rounded away."""
-
-    __slots__ = ("carry", "ms_per_token")
-
-    def __init__(self, tokens_per_s: float) -> None:
-        self.ms_per_token = 1000.0 / tokens_per_s
-        self.carry = 0.0
-
-    def tokens(self, elapsed_ms: float) -> int:
-        due = elapsed_ms / self.ms_per_token + self.carry
-        whole = int(due + 1e-9)  # 2,499.9999 tokens of float error is 2,500
-        self.carry = max(0.0, due - whole)
-        return whole
-
-
 class FleetMonitor:
-    def __init__(self, fleet: FleetState, index: BlockIndex, settings: Settings) -> None:
+    def __init__(
+        self,
+        fleet: FleetState,
+        index: BlockIndex,
+        settings: Settings,
+        load: LoadAccounting | None = None,
+    ) -> None:
+        """``load``: the accounting each scrape corrects (the process's one; a test's
+        own where None)."""
         self.fleet = fleet
         self.index = index
         self.settings = settings
-        # How fast the prefill this replica sent drains: the pods' prefill rate (the
-        # setting, else their destination's TTFT model).
-        rate = settings.prefill_tokens_per_s or get_model(settings.ttft_model).prefill_tokens_per_s
-        self._drain = _DrainRate(rate)
-        self._drain_by_destination: dict[str, _DrainRate] = {}  # those of another model
-        if not settings.prefill_tokens_per_s:
-            for dest, model in ttft_models(fleet.fleet, settings).items():
-                if model.prefill_tokens_per_s != rate:
-                    self._drain_by_destination[dest] = _DrainRate(model.prefill_tokens_per_s)
-        self._drained_at = time.monotonic()
+        self.load = load if load is not None else LoadAccounting(fleet, settings)
         self._destinations = {d.id: d for d in fleet.fleet.destinations}
         # A destination's own key (api_key_env) goes with its probes and scrapes too: an
         # engine run with an API key may guard /health and /metrics as well as /v1;
@@ -295,35 +273,6 @@ class FleetMonitor:
 
     # ------------------------------------------------------------- bookkeeping
 
-    def drain(self, now: float | None = None) -> None:
-        """Let the prefill this replica queued (added per pick) drain at the pods'
-        prefill rate (``prefill_tokens_per_s``, else the TTFT model's) since it was last
-        looked at; called before each pick."""
-        now = time.monotonic() if now is None else now
-        elapsed_ms = (now - self._drained_at) * 1000
-        # At most once a millisecond (~25 tokens at the model's rate): at thousands of
-        # picks a second a loop over the fleet per pick would cost more than the drain
-        # is worth. The time skipped is drained by the next call, nothing is lost.
-        # (Less a nanosecond: a millisecond measured between two float clock readings
-        # can come out a hair short, and the drain would then wait another whole one.)
-        if elapsed_ms < DRAIN_EVERY_MS - 1e-6:
-            if elapsed_ms < 0:  # a clock the monitor has not seen: start from it
-                self._drained_at = now
-            return
-        self._drained_at = now
-        done = self._drain.tokens(elapsed_ms)
-        if not self._drain_by_destination:  # every pod at the router's rate
-            for load in self.fleet.load:
-                if load.queued_prefill_tokens:
-                    load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - done)
-            return
-        done_by = {d: rate.tokens(elapsed_ms) for d, rate in self._drain_by_destination.items()}
-        pods = self.fleet.pods
-        for slot, load in enumerate(self.fleet.load):
-            if load.queued_prefill_tokens:
-                drained = done_by.get(pods[slot].destination, done)
-                load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - drained)
-
     def apply(self, slot: int, stats: EngineStats) -> None:
         """Take one scrape's figures for a pod (public so it can be fed directly)."""
         st = self._state[slot]
@@ -338,15 +287,7 @@ class FleetMonitor:
         load = self.fleet.load[slot]
         running = stats.running if stats.running is not None else load.running
         waiting = stats.waiting if stats.waiting is not None else load.waiting
-        load.running, load.waiting = running, waiting
-        if stats.kv_usage is not None:
-            load.kv_usage = stats.kv_usage
-        load.inflight = running + waiting  # picks since this scrape are added on top
-        # An idle engine has no prefill left: whatever the estimate still holds (a pod
-        # faster than the drain rate, prompts more cached than believed) is dropped. A
-        # busy one keeps the estimate: its running requests may still be prefilling.
-        if running == 0 and waiting == 0:
-            load.queued_prefill_tokens = 0
+        self.load.observed(slot, running, waiting, stats.kv_usage)
         if st.last is not None:  # down or not: a restart while down empties it too
             why = metrics_text.restarted(st.last, stats)
             if why is not None:

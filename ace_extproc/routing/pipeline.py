@@ -1,33 +1,52 @@
 """A picking pipeline in the spirit of the Gateway API Inference Extension: filters
-narrow the candidates, a scorer prices each one, a chooser picks.
+narrow the candidates, scorers price each one, a picker chooses. Each is a small
+plug-in, composed by configuration (``plugins.py``), and what is configured is what
+runs: there is one path.
 
-Unlike GIE's weighted sum of unrelated scores, the default scorer prices every pod
-in one unit, the milliseconds until this request's first token there: the prefill
-already queued on the pod, plus this request's own prefill of the tokens the pod
-does not hold warm, both from the calibrated TTFT model. A warm pod wins while its
-queue costs less than the prefill it saves; when it saturates, the request spills
-to the cheapest other pod, which warms up too (the hot prefix is replicated). A full
-pod is also charged for the prefixes its new blocks would evict.
+Unlike GIE's weighted sum of unrelated scores, every scorer here speaks one unit, the
+milliseconds it adds to this request's time to first token on a pod, so their sum is
+a price (weights stay, to tune one against the others). The default scorers, from the
+calibrated TTFT model: this request's own prefill of the tokens the pod does not hold
+warm (``PrefillCost``), what its new blocks would evict from a full pod
+(``EvictionCost``), and the prefill already queued there (``QueueCost``). A warm pod
+wins while its queue costs less than the prefill it saves; when it saturates, the
+request spills to the cheapest other pod, which warms up too (the hot prefix is
+replicated).
 
-Among pods priced within a small slack of the cheapest, the deepest match wins, then
-the pod a session last went to, then the prefix's rendezvous order, so replicas still
-agree on where new prefixes go and a conversation does not flap between two nearly equal
-pods. A session's first request is placed by its session: a warm match is then some
-other session's prefix, and following it would pile sessions onto one pod.
+Among pods priced within a small slack of the cheapest, the default picker
+(``NearBest``) takes the deepest match, then the pod a session last went to, then the
+prefix's rendezvous order, so replicas still agree on where new prefixes go and a
+conversation does not flap between two nearly equal pods. A session's first request
+is placed by its session: a warm match is then some other session's prefix, and
+following it would pile sessions onto one pod.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from ace_extproc.latency import TTFTModel
 from ace_extproc.routing import rendezvous
-from ace_extproc.routing.fleet import RETIRED, FleetState, PodLoad
-from ace_extproc.routing.index import BlockIndex, RoomView
+from ace_extproc.routing.fleet import RETIRED, FleetState
+from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.picker import Pick, RoutingRequest
-from ace_extproc.speedups import native
+
+
+@dataclass(slots=True)
+class Candidates:
+    """One request's candidates, as the scorers and the picker see them."""
+
+    request: RoutingRequest
+    slots: tuple[int, ...]  # the filtered candidates, ascending
+    depths: dict[int, int]  # leading blocks each holds warm that may steer (slot -> depth)
+    fleet: FleetState
+    index: BlockIndex
+    model: TTFTModel  # the candidates' destination's
+    tokens_per_block: float
+    route_key: int  # places a new prefix (rendezvous)
+    home: int  # the pod the request's session last went to; -1: none
 
 
 class Filter(Protocol):
@@ -37,10 +56,19 @@ class Filter(Protocol):
 
 
 class Scorer(Protocol):
-    def __call__(self, request: RoutingRequest, slot: int, depth: int, fleet: FleetState) -> float:
-        """The price of sending the request to ``slot``, which holds ``depth`` leading
-        blocks of it warm; lower is better."""
+    def __call__(self, c: Candidates) -> Sequence[float]:
+        """Milliseconds this adds to the request's TTFT on each of ``c.slots``, in order."""
         ...
+
+
+class Picker(Protocol):
+    def __call__(self, c: Candidates, prices: list[float]) -> tuple[int, tuple[int, ...]]:
+        """The chosen slot among ``c.slots``, priced ``prices``, and the fallbacks for
+        Envoy's retries, best first."""
+        ...
+
+
+# ------------------------------------------------------------------ filters
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,114 +85,132 @@ class NotSaturated:
         return candidates
 
 
+# ------------------------------------------------------------------ scorers
+
+
 @dataclass(frozen=True, slots=True)
-class EstimatedTTFT:
-    """Milliseconds until the first token: queued prefill ahead, then this prefill.
+class PrefillCost:
+    """This request's prefill past the blocks the pod holds warm."""
 
-    The queue is ``PodLoad.queued_prefill_tokens``: exact in the fleet simulation;
-    in production it must be kept by the load accounting (requests sent since the
-    last scrape, corrected by each scrape), which the pipeline only reads."""
-
-    model: TTFTModel
-    tokens_per_block: float  # router block bytes / bytes per token
-
-    def prefill_ms(self, request: RoutingRequest, depth: int) -> float:
-        tokens = request.prompt_tokens
-        cached = min(int(depth * self.tokens_per_block), tokens - 1) if depth else 0
-        return self.model.prefill_ms(tokens - cached, cached)
-
-    def queue_ms(self, load: PodLoad) -> float:
-        queued = load.queued_prefill_tokens
-        return self.model.a_ms * queued if queued > 0 else 0.0
-
-    def __call__(self, request: RoutingRequest, slot: int, depth: int, fleet: FleetState) -> float:
-        return self.queue_ms(fleet.load[slot]) + self.prefill_ms(request, depth)
+    def __call__(self, c: Candidates) -> list[float]:
+        tokens, tpb, depths = c.request.prompt_tokens, c.tokens_per_block, c.depths
+        a_ms, b_ms, t_step_ms = c.model.a_ms, c.model.b_ms, c.model.t_step_ms
+        out = []
+        for slot in c.slots:
+            depth = depths.get(slot, 0)
+            cached = min(int(depth * tpb), tokens - 1) if depth else 0
+            new = max(tokens - cached, 0)
+            out.append(max(t_step_ms, a_ms * new + b_ms * new * (cached + new / 2)))
+        return out
 
 
-class PriceParams(NamedTuple):
-    """The constants of ``price``: the TTFT model's, and how the pipeline reads prices."""
+@dataclass(frozen=True, slots=True)
+class EvictionCost:
+    """Placing new blocks on a full pod costs later: the prefixes they evict must be
+    prefilled again by whoever comes back for them, counted at ``weight`` of their
+    prefill (not all of them come back)."""
 
-    tokens_per_block: float
-    a_ms: float
-    b_ms: float
-    t_step_ms: float
-    evict_ms: float  # charged per block a full pod would evict (0: not charged)
-    slack_ratio: float
-    slack_ms: float
+    weight: float = 0.5
 
-
-def price_pure(
-    slots: Sequence[int],
-    depths: Mapping[int, int],
-    rooms: RoomView,
-    load: Sequence[PodLoad],
-    n: int,
-    tokens: int,
-    params: PriceParams,
-    keep: int,
-) -> tuple[int, int, tuple[int, ...]]:
-    """Price each candidate slot as ``EstimatedTTFT`` does (its queued prefill, then
-    this request's prefill past the ``depths`` blocks it holds), plus the eviction
-    charge, all candidates in one call.
-
-    Returns ``(near, deepest, order)``: the bitmask of the near-best (priced within
-    the slack of the cheapest) holding the deepest match among them, that depth, and
-    the ``keep`` cheapest slots, cheapest first (ties by slot), for fallbacks. ``n`` is
-    the prompt's blocks, ``tokens`` its tokens. The C version (``native.price``) gives
-    the same without sorting every candidate.
-    """
-    if keep < 1:
-        raise ValueError("price: keep must be at least 1")
-    tpb, a_ms, b_ms, t_step_ms, evict_ms, slack_ratio, slack_ms = params
-    lrus, capacities, default_capacity = rooms
-    priced = []
-    for slot in slots:
-        depth = depths.get(slot, 0)
-        cached = min(int(depth * tpb), tokens - 1) if depth else 0
-        new = max(tokens - cached, 0)
-        cost = max(t_step_ms, a_ms * new + b_ms * new * (cached + new / 2))
-        if evict_ms:
-            lru = lrus.get(slot)
-            room = capacities.get(slot, default_capacity) - (len(lru) if lru is not None else 0)
-            if (overflow := n - depth - room) > 0:
-                cost += evict_ms * min(overflow, n - depth)
-        queued = load[slot].queued_prefill_tokens
-        if queued > 0:
-            cost += a_ms * queued
-        priced.append((cost, slot))
-    priced.sort()
-    limit = priced[0][0] * (1 + slack_ratio) + slack_ms
-    deepest, near = -1, 0
-    for cost, slot in priced:
-        if cost > limit:
-            break
-        depth = depths.get(slot, 0)
-        if depth > deepest:
-            deepest, near = depth, 1 << slot
-        elif depth == deepest:
-            near |= 1 << slot
-    return near, deepest, tuple([slot for _, slot in priced[:keep]])
+    def __call__(self, c: Candidates) -> list[float]:
+        per_block = self.weight * c.model.a_ms * c.tokens_per_block
+        n, depths, index = len(c.request.hashes.blocks), c.depths, c.index
+        out = []
+        for slot in c.slots:
+            depth = depths.get(slot, 0)
+            overflow = n - depth - index.room(slot) if per_block else 0
+            out.append(per_block * min(overflow, n - depth) if overflow > 0 else 0.0)
+        return out
 
 
-# One C call for all candidates where the extension was built (speedups.py).
-price = native.price if native is not None else price_pure
+@dataclass(frozen=True, slots=True)
+class QueueCost:
+    """The prefill already queued on the pod, ahead of this request. Kept by the load
+    accounting (``fleet.py``: requests sent since the last scrape, corrected by each
+    scrape); exact in the fleet simulation."""
+
+    def __call__(self, c: Candidates) -> list[float]:
+        a_ms, load = c.model.a_ms, c.fleet.load
+        return [
+            a_ms * queued if (queued := load[slot].queued_prefill_tokens) > 0 else 0.0
+            for slot in c.slots
+        ]
+
+
+# ------------------------------------------------------------------ picker
+
+
+@dataclass(frozen=True, slots=True)
+class NearBest:
+    """Among the pods priced within the slack of the cheapest, the deepest match; then
+    the session's pod; then, with ``balance_new``, the least busy for a new prefix
+    (better balanced with one replica, but replicas then disagree, so off by default);
+    then rendezvous order."""
+
+    slack_ratio: float = 0.10
+    slack_ms: float = 5.0
+    fallbacks: int = 2
+    balance_new: bool = False
+
+    def __call__(self, c: Candidates, prices: list[float]) -> tuple[int, tuple[int, ...]]:
+        priced = sorted(zip(prices, c.slots, strict=True))
+        limit = priced[0][0] * (1 + self.slack_ratio) + self.slack_ms
+        depths = c.depths
+        deepest, near = -1, 0
+        for price, slot in priced:
+            if price > limit:
+                break
+            depth = depths.get(slot, 0)
+            if depth > deepest:
+                deepest, near = depth, 1 << slot
+            elif depth == deepest:
+                near |= 1 << slot
+        home = c.home
+        if home >= 0 and (near >> home) & 1:
+            near = 1 << home  # a session stays on its pod among equals
+        elif not deepest and self.balance_new:  # a new prefix: the least busy first
+            load = c.fleet.load
+            slots = [slot for slot in c.slots if (near >> slot) & 1]
+            least = min(load[slot].inflight for slot in slots)
+            near = sum(1 << slot for slot in slots if load[slot].inflight == least)
+        chosen = (
+            near.bit_length() - 1
+            if not near & (near - 1)
+            else rendezvous.best(c.route_key, c.fleet.seeds, near)
+        )
+        keep = self.fallbacks
+        backups = tuple([slot for _, slot in priced[: keep + 1] if slot != chosen][:keep])
+        return chosen, backups
+
+
+# ------------------------------------------------------------------ the pipeline
+
+
+@dataclass(frozen=True, slots=True)
+class Weighted:
+    """A scorer and how much its milliseconds count."""
+
+    scorer: Scorer
+    weight: float = 1.0
+
+
+DEFAULT_SCORERS = (Weighted(PrefillCost()), Weighted(EvictionCost()), Weighted(QueueCost()))
 
 
 class Pipeline:
-    """A ``Picker``: filters, then the cheapest pod by ``scorer``, affinity on near-ties."""
+    """A ``routing.Picker``: filters, then scorers, then the picker; sessions and
+    shallow matches decide what may steer before any of them runs."""
 
     def __init__(
         self,
         fleet: FleetState,
         index: BlockIndex,
-        filters: Sequence[Filter],
-        scorer: EstimatedTTFT,
+        model: TTFTModel,
+        tokens_per_block: float,
         *,
-        slack_ratio: float = 0.10,
-        slack_ms: float = 5.0,
-        fallbacks: int = 2,
-        balance_new: bool = False,
-        eviction_weight: float = 0.5,
+        filters: Sequence[Filter] = (NotSaturated(),),
+        scorers: Sequence[Weighted] = DEFAULT_SCORERS,
+        picker: Picker | None = None,
         min_match: float = 0.0,
         place_sessions: bool = False,
         sessions_remembered: int = 65_536,
@@ -172,13 +218,11 @@ class Pipeline:
     ) -> None:
         self.fleet = fleet
         self.index = index
+        self.model = model
+        self.tokens_per_block = tokens_per_block
         self.filters = tuple(filters)
-        self.scorer = scorer
-        self.fallbacks = fallbacks
-        # Place a new prefix on the least busy near-best pod instead of its rendezvous
-        # pod: better balanced with one replica, but replicas then disagree (measured in
-        # bench/RESULTS.md), so it is off by default.
-        self.balance_new = balance_new
+        self.scorers = tuple(scorers)
+        self.picker: Picker = picker if picker is not None else NearBest()
         # A match covering less than this share of the prompt (a system prompt that many
         # conversations share) neither lowers a pod's price nor steers the pick: the
         # request is placed as new, by its own key, so conversations that share only a
@@ -198,38 +242,12 @@ class Pipeline:
         self._sessions: dict[tuple[str, str], int] = {}
         self._sessions_remembered = sessions_remembered
         self._slot_lists: dict[int, tuple[int, ...]] = {}
-        self._eviction_weight = eviction_weight
-        self._slack = slack_ratio, slack_ms
-        self.params = self._price_params(scorer.model)
-        # Destinations whose pods run another TTFT model than the scorer's (a request's
-        # candidates are all of one destination): priced with their own constants.
-        self._params_by_destination = {
-            dest: self._price_params(model)
-            for dest, model in (destination_models or {}).items()
-            if model != scorer.model
-        }
+        # Destinations whose pods run another TTFT model (a request's candidates are
+        # all of one destination): priced with their own.
+        self._models = {d: m for d, m in (destination_models or {}).items() if m != model}
         for slot in range(len(fleet.pods)):
             index.add_pod(slot)
         fleet.on_change.append(self._fleet_changed)
-        # The whole choice in one C call (``native.pick``) where the extension was built,
-        # for the default filters on the C index; ``_choose`` otherwise (the reference).
-        saturated = [f for f in self.filters if isinstance(f, NotSaturated)]
-        self._fused = (
-            native is not None
-            and index.native
-            and not balance_new
-            and len(saturated) == len(self.filters) == 1
-        )
-        self._max_kv_usage = saturated[0].max_kv_usage if saturated else 1.0
-
-    def _price_params(self, model: TTFTModel) -> PriceParams:
-        """What ``price`` reads: the TTFT model's constants, this charge, the slack.
-        Placing new blocks on a full pod costs later: the prefixes they evict must be
-        prefilled again by whoever comes back for them, counted at eviction_weight of
-        their prefill (not all of them come back)."""
-        tpb = self.scorer.tokens_per_block
-        evict_ms = self._eviction_weight * model.a_ms * tpb
-        return PriceParams(tpb, model.a_ms, model.b_ms, model.t_step_ms, evict_ms, *self._slack)
 
     def _fleet_changed(self, slot: int, change: str) -> None:
         if change == RETIRED:  # its sessions' home is gone; the slot's next pod is not it
@@ -254,72 +272,28 @@ class Pipeline:
             del sessions[next(iter(sessions))]
 
     def pick(self, request: RoutingRequest, candidates: int) -> Pick | None:
+        """The pod for the request among ``candidates``, recorded as holding its blocks;
+        the pick says what steered and the next cheapest pods, for Envoy's retries."""
         if not candidates:
             return None
+        fleet, index = self.fleet, self.index
         sid = request.session if self.place_sessions else None
         session = None if sid is None else (request.tenant, sid)
         home = -1 if session is None else self._sessions.get(session, -1)
+        steer, route_key = True, request.hashes.route_key
         if sid is not None and home < 0:
             # A session this replica never routed: placed by its own key, no match steers.
             steer, route_key = False, rendezvous.key_of(sid)
-        else:
-            steer, route_key = True, request.hashes.route_key
-        params = self.params
-        if self._params_by_destination:  # the candidates' destination, by any one of them
-            pod = self.fleet.pods[candidates.bit_length() - 1]
-            params = self._params_by_destination.get(pod.destination, params)
-        if self._fused:
-            index, fleet = self.index, self.fleet
-            chosen, depth, action, backups = native.pick(  # type: ignore[union-attr]
-                request.hashes.blocks,
-                self._slots(candidates),
-                index.room_view(),
-                index.roots,
-                fleet.load,
-                fleet.seeds,
-                params,
-                self.fallbacks,
-                self._max_kv_usage,
-                request.prompt_tokens,
-                route_key,
-                home,
-                self.min_match,
-                steer,
-            )
-        else:
-            chosen, depth, action, backups = self._choose(
-                request, candidates, route_key, home, steer, params
-            )
-        if session is not None:
-            self.remember(session, chosen)
-        return Pick(self.fleet.pods[chosen], chosen, depth, action, backups)
-
-    def _choose(
-        self,
-        request: RoutingRequest,
-        candidates: int,
-        route_key: int,
-        home: int,
-        steer: bool,
-        params: PriceParams,
-    ) -> tuple[int, int, str, tuple[int, ...]]:
-        """The pod for the request among ``candidates``, recorded as holding its blocks.
-
-        ``route_key`` places a new prefix; ``home`` is the session's pod (-1: none);
-        ``steer`` False means no warm match steers (a session's first request here);
-        ``params``, the candidates' destination's pricing.
-        Returns ``(chosen, held, action, backups)``: the chosen slot, the blocks it
-        holds, what steered, and the next cheapest slots (``fallbacks`` of them) for
-        Envoy's retries. The C version (``native.pick``) does the same in one call for
-        the default filters."""
-        fleet = self.fleet
+        model = self.model
+        if self._models:  # the candidates' destination, by any one of them
+            pod = fleet.pods[candidates.bit_length() - 1]
+            model = self._models.get(pod.destination, model)
         for keep in self.filters:
             candidates = keep(request, candidates, fleet) or candidates
         blocks = request.hashes.blocks
         n = len(blocks)
-        index = self.index
-        depths = index.match_depths(blocks, candidates)
-        held = depths  # what the pods hold; ``depths`` is what may steer
+        held = index.match_depths(blocks, candidates)  # what the pods hold
+        depths = held  # what may steer
         if not steer:
             depths = {}
         elif self.min_match and depths:
@@ -331,32 +305,36 @@ class Pipeline:
                 # prefix, the same for every turn of a conversation, so a replica that has
                 # not seen the earlier turns still places it where they went.
                 route_key = blocks[min(max(held.values()), n - 1)]
-        load = fleet.load
-        near_mask, deepest, order = price(
+        c = Candidates(
+            request,
             self._slots(candidates),
             depths,
-            index.room_view(),
-            load,
-            n,
-            request.prompt_tokens,
-            params,
-            self.fallbacks + 1,  # the chosen pod may be among them
+            fleet,
+            index,
+            model,
+            self.tokens_per_block,
+            route_key,
+            home,
         )
-        if home >= 0 and (near_mask >> home) & 1:
-            near_mask = 1 << home  # a session stays on its pod among equals
-        elif not deepest and self.balance_new:  # a new prefix: the least busy first
-            near = self._slots(near_mask)
-            least = min(load[slot].inflight for slot in near)
-            near_mask = sum(1 << slot for slot in near if load[slot].inflight == least)
-        chosen = (
-            near_mask.bit_length() - 1
-            if not near_mask & (near_mask - 1)
-            else rendezvous.best(route_key, fleet.seeds, near_mask)
-        )
+        prices = self._price(c)
+        chosen, backups = self.picker(c, prices)
         index.record(chosen, blocks)
+        if session is not None:
+            self.remember(session, chosen)
         # The action names what steered: a shallow match placed as new is a miss. The
         # depth reported is what the chosen pod really holds (the saved-prefill estimate).
         best = max(depths.values(), default=0)
         action = "miss" if not best else ("hit" if depths.get(chosen, 0) == best else "spill")
-        backups = tuple([slot for slot in order if slot != chosen][: self.fallbacks])
-        return chosen, held.get(chosen, 0), action, backups
+        return Pick(fleet.pods[chosen], chosen, held.get(chosen, 0), action, backups)
+
+    def _price(self, c: Candidates) -> list[float]:
+        """Every scorer's milliseconds for each candidate, summed in scorer order."""
+        first, *rest = self.scorers
+        prices = list(first.scorer(c))
+        if first.weight != 1.0:
+            prices = [first.weight * p for p in prices]
+        for weighted in rest:
+            w = weighted.weight
+            for i, ms in enumerate(weighted.scorer(c)):
+                prices[i] += w * ms
+        return prices

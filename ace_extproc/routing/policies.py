@@ -1,7 +1,8 @@
 """The policies a fleet can name in ``router.policy``.
 
-- ``cost`` (default): the pipeline of ``pipeline.py``, pricing each pod by its
-  estimated time to first token (queued prefill + uncached prefill).
+- ``cost`` (default): the pipeline of ``pipeline.py`` as ``router.pipeline`` composes
+  it (``plugins.py``); by default, pricing each pod by its estimated time to first
+  token (uncached prefill + evictions + queued prefill).
 - ``cost-balanced``: the same, but a new prefix goes to the least busy of the
   near-best pods rather than its rendezvous pod (for a single replica).
 - ``affinity``: the first version, longest warm prefix else rendezvous, no load
@@ -14,10 +15,11 @@ from collections.abc import Callable
 
 from ace_extproc.config import ConfigError, Settings, ttft_models
 from ace_extproc.latency import get_model
+from ace_extproc.routing import plugins
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.picker import Picker, PrefixAffinityPicker
-from ace_extproc.routing.pipeline import EstimatedTTFT, NotSaturated, Pipeline
+from ace_extproc.routing.pipeline import Pipeline
 
 PickerFactory = Callable[[FleetState, BlockIndex], Picker]
 
@@ -29,24 +31,26 @@ def cost_policy(
     min_match: float | None = None,
     place_sessions: bool | None = None,
 ) -> PickerFactory:
-    """The cost pipeline; ``min_match`` and ``place_sessions`` override the settings'."""
+    """The cost pipeline; ``min_match`` and ``place_sessions`` override the settings'.
+    Its plug-ins are made once, here: a configuration error shows at start-up."""
     share = settings.min_match if min_match is None else min_match
     by_session = settings.place_sessions if place_sessions is None else place_sessions
-    scorer = EstimatedTTFT(
-        get_model(settings.ttft_model), settings.block_bytes / settings.bytes_per_token
-    )
+    model = get_model(settings.ttft_model)
+    filters = plugins.filters(settings)
+    scorers = plugins.scorers(settings)
+    picker = plugins.picker(settings, balance_new=balance_new)
 
     def build(fleet: FleetState, index: BlockIndex) -> Picker:
         return Pipeline(
             fleet,
             index,
-            [NotSaturated()],
-            scorer,
-            balance_new=balance_new,
+            model,
+            settings.block_bytes / settings.bytes_per_token,
+            filters=filters,
+            scorers=scorers,
+            picker=picker,
             min_match=share,
             place_sessions=by_session,
-            slack_ratio=settings.affinity_slack,
-            slack_ms=settings.affinity_slack_ms,
             destination_models=ttft_models(fleet.fleet, settings),
         )
 

@@ -32,6 +32,7 @@ import msgspec
 
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.index import BlockIndex
+from ace_extproc.routing.load import LoadAccounting
 
 log = logging.getLogger("ace_extproc.replicas")
 
@@ -124,16 +125,15 @@ class Learner:
         fleet: FleetState,
         index: BlockIndex,
         remember: Callable[[tuple[str, str], int], None] | None,
-        *,
-        count_load: bool = True,
+        load: LoadAccounting | None = None,
     ) -> None:
         """``remember``: the picker's session map (``Pipeline.remember``), if it has one.
-        ``count_load``: add the placement to the pod's in-flight count and queued
-        prefill (off where the load view is kept some other way: the simulation's)."""
+        ``load``: the accounting each placement adds to (None where the load view is
+        kept some other way: the simulation's)."""
         self.fleet = fleet
         self.index = index
         self.remember = remember
-        self.count_load = count_load
+        self.load = load
         self.applied = 0  # placements learned, for tests and the log
         self.skipped = 0  # for pods this replica does not route to (not, or no longer)
 
@@ -148,11 +148,8 @@ class Learner:
             if remember is not None and p.session is not None:
                 remember((p.tenant, p.session), slot)
             self.applied += 1
-            if not self.count_load:
-                continue
-            load = fleet.load[slot]
-            load.inflight += 1
-            load.queued_prefill_tokens += p.queued_tokens
+            if self.load is not None:
+                self.load.sent(slot, p.queued_tokens)
 
 
 class ReplicaSync:

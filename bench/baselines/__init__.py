@@ -1,5 +1,5 @@
 """The other routers' policies, each a ``Picker`` the benchmark runs through the
-production ``Processor`` (``Processor(config, picker=POLICIES[name])``), exactly as the
+production ``Processor`` (``app.build(config, POLICIES[name])``), exactly as the
 ext_proc server calls ours. Each module's docstring says which published description it
 follows (``/work/shared/reference/peers.md`` first) and where it approximates.
 

@@ -7,7 +7,8 @@
 Everything runs in simulated time; thousands of requests take seconds.
 
 **Routing** is the production code, called as the ext_proc server calls it: a real
-``Processor(Config(sim_fleet, Settings(mode, salt_secret, tenants)), picker)``, then
+``Processor`` built by the composition root, ``app.build(Config(sim_fleet,
+Settings(mode, salt_secret, tenants, probe_interval_s=0)), picker)``, then
 ``on_headers({":path", ":method": "POST", "content-type", "content-length",
 **request.headers}, False)`` and ``on_body(ctx, body)``.  The pod is
 ``outcome.pod``.  When there is none (a bypass, or modes ``shadow``/``off``) the
@@ -16,7 +17,7 @@ fewest requests in flight (all pods compared, ties round-robin, so runs are
 deterministic); these are counted in ``RunResult.bypassed``.  A 401 is counted in
 ``rejected``.  Tenants: one per distinct bearer token in the workload (a key map,
 as an operator configures ``router.tenants.api_keys``); no token is anonymous.
-``replicas=N`` builds N independent Processors and sends request ``i`` to
+``replicas=N`` builds N independent processes' parts and sends request ``i`` to
 replica ``i % N``; each replica's index learns only from what it routed, unless
 ``share_delay_s`` is set: then they share their placements as ``router.share_url``
 makes them (``routing/replicas.py``'s ``Learner``), each reaching the others that

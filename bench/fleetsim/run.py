@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ace_extproc.app import App, build
 from ace_extproc.config import Config, Mode, Settings, TenantConfig, default_fleet
 from ace_extproc.latency import get_model
-from ace_extproc.processor import Processor
 from ace_extproc.routing.policies import PickerFactory
 from ace_extproc.routing.replicas import Learner, Placement
 from ace_extproc.sim.kvcache import PrefixCache
@@ -120,9 +120,11 @@ class _Run:
                 salt_secret=salt_secret,
                 tenants=tenant_config(workload),
                 ttft_model=settings.ttft_model,
+                probe_interval_s=0,
             ),
         )
-        self.procs = [Processor(config, picker) for _ in range(replicas)]
+        # No monitor (probe_interval_s 0): the simulation keeps the load view exact itself.
+        self.procs = [build(config, picker) for _ in range(replicas)]
         self.learners: list[Learner] = []  # set by share()
         self.load_shared = False
         if not settings.unbounded_cache:
@@ -236,8 +238,8 @@ class _Run:
         for replica, proc in enumerate(self.procs):
             proc.fleet.load = load
             remember = getattr(proc.picker, "remember", None)
-            self.learners.append(Learner(proc.fleet, proc.index, remember, count_load=False))
-            proc.sharing = _Shared(self, replica, delay_s)
+            self.learners.append(Learner(proc.fleet, proc.index, remember))
+            proc.processor.sharing = _Shared(self, replica, delay_s)
         self.load_shared = True
 
     # -- routing ----------------------------------------------------------------------
@@ -255,8 +257,8 @@ class _Run:
             "content-length": str(len(r.body)),
             **r.headers,
         }
-        ctx = proc.on_headers(headers, False)
-        outcome = proc.on_body(ctx, r.body)
+        ctx = proc.processor.on_headers(headers, False)
+        outcome = proc.processor.on_body(ctx, r.body)
         if outcome.reject_status:
             self._reject()
             return
@@ -298,7 +300,7 @@ class _Run:
         load.queued_prefill_tokens += job.charged
         self.push(self.now + self.t0_s, _ENTER, (slot, job))
 
-    def _fallback(self, proc: Processor) -> int | None:
+    def _fallback(self, proc: App) -> int | None:
         """Envoy's default route (LEAST_REQUEST): the available pod with the fewest
         requests in flight, ties broken round-robin (deterministic: all pods are
         compared, not two random ones)."""

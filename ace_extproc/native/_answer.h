@@ -5,7 +5,6 @@
 #include <Python.h>
 
 PyObject *ace_body_answer(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *ace_outcome_answer(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *ace_splice(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

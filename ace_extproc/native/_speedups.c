@@ -25,9 +25,6 @@
  *
  * body_answer(...) -> bytes
  *     The body phase's answer to Envoy as protobuf wire bytes (_answer.c).
- *
- * price(...) -> (near, deepest, order)
- *     routing/pipeline.py's pricing of every candidate pod (_price.c).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -37,8 +34,6 @@
 #include "_answer.h"
 #include "_headers.h"
 #include "_lru.h"
-#include "_pick.h"
-#include "_price.h"
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"
@@ -1094,24 +1089,14 @@ static PyMethodDef methods[] = {
     {"body_answer", (PyCFunction)(void (*)(void))ace_body_answer, METH_FASTCALL,
      "body_answer(headers, remove, clear_route_cache, body, namespaces) -> a serialized "
      "ProcessingResponse answering a request body (mutate.body_answer)."},
-    {"outcome_answer", (PyCFunction)(void (*)(void))ace_outcome_answer, METH_FASTCALL,
-     "outcome_answer(outcome, client_upstream) -> body_answer's bytes for an Outcome in "
-     "cluster mode, read from its attributes (mutate.body_answer)."},
     {"splice", (PyCFunction)(void (*)(void))ace_splice, METH_FASTCALL,
      "splice(body, fields) -> the body with fields (a JSON object fragment) inserted after "
      "its opening brace (processor.py's splice_pure)."},
-    {"price", (PyCFunction)(void (*)(void))ace_price, METH_FASTCALL,
-     "price(slots, depths, rooms, load, n, tokens, params, keep) -> (near, deepest, order): "
-     "the cost pipeline's pricing of every candidate (routing/pipeline.py's price_pure)."},
-    {"pick", (PyCFunction)(void (*)(void))ace_pick, METH_FASTCALL,
-     "pick(blocks, slots, rooms, roots, load, seeds, params, fallbacks, max_kv_usage, "
-     "tokens, route_key, home, min_match, steer) -> (chosen, held, action, backups): the "
-     "cost pipeline's pick in one call (routing/pipeline.py's Pipeline._choose)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "ace_extproc._speedups",
+    PyModuleDef_HEAD_INIT, "ace_extproc.native._speedups",
     "The request path's per-byte steps and its answer in C (request.py, prefix.py and "
     "mutate.py hold the reference).",
     -1, methods, NULL, NULL, NULL, NULL,

@@ -512,15 +512,6 @@ static int record_items(BlockLRU *lru, PyObject **items, Py_ssize_t n, PyObject 
     return mark_root(lru, items[0], roots, bit, capacity);
 }
 
-int ace_lru_record(PyObject *lru, PyObject **items, Py_ssize_t n, PyObject *roots,
-                   PyObject *bit, Py_ssize_t capacity)
-{
-    BlockLRU *typed = as_lru(lru, "record");
-    if (typed == NULL || check_roots_and_bit(roots, bit, "record") < 0)
-        return -1;
-    return n > 0 ? record_items(typed, items, n, roots, bit, capacity) : 0;
-}
-
 PyObject *ace_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5) {
@@ -576,12 +567,6 @@ static int held_run(const BlockLRU *lru, PyObject **items, Py_ssize_t n, Py_ssiz
     }
     *depth = lo;
     return 0;
-}
-
-int ace_lru_depth(PyObject *lru, PyObject **items, Py_ssize_t n, Py_ssize_t *depth)
-{
-    BlockLRU *typed = as_lru(lru, "match");
-    return typed == NULL ? -1 : held_run(typed, items, n, depth);
 }
 
 /* depths[slot] = the slot's held run, its LRU looked up in ``lrus``. */

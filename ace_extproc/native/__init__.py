@@ -1,0 +1,75 @@
+"""Native code, for mechanism only, and the one place that chooses it.
+
+The C extension (``_speedups.c`` and its parts) works on plain bytes, ints and
+buffers, never on the package's domain objects; every policy is Python. Each piece
+has a Python reference beside it, which gives the same results (the parity tests),
+and each is here only because a recorded end-to-end A/B shows it pays
+(bench/RESULTS.md, "Native code"):
+
+- ``prompt``: a chat or completions body to its canonical prompt in one pass, and
+  the prompt's chained block hashes in one call. Reference: ``request.parse_pure``
+  (the typed msgspec parse, which also decides every body the C parser declines) and
+  ``hashing.py``.
+- ``lru``: each pod's block LRU as a C structure (16 bytes a block), its match and
+  its record. Reference: ``lru.py`` (a dict per pod).
+- ``headers``: a request's headers read from Envoy's wire message in one pass.
+  Reference: ``wire.header_map`` (upb's parsed message, field by field).
+- ``answer``: the body splice and the body answer's protobuf wire bytes from plain
+  lists. Reference: ``wire.splice`` and ``mutate.body_decided`` (upb).
+
+Where no C compiler was found the package runs on the references alone.
+``ACE_EXTPROC_PURE_PYTHON=1`` rules the extension out; ``ACE_EXTPROC_NATIVE`` names
+the pieces to use (``prompt,lru``; ``none``), for side-by-side runs.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from ace_extproc.native import hashing, lru, wire
+
+PIECES = ("prompt", "lru", "headers", "answer")
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("ACE_EXTPROC_PURE_PYTHON") == "1":
+        return None
+    try:
+        from ace_extproc.native import _speedups
+    except ImportError:
+        return None
+    return _speedups
+
+
+def _chosen() -> frozenset[str]:
+    named = os.environ.get("ACE_EXTPROC_NATIVE", "").strip()
+    if not named:
+        return frozenset(PIECES)
+    chosen = frozenset(p.strip() for p in named.split(",") if p.strip() not in ("", "none"))
+    if unknown := chosen - set(PIECES):
+        raise ImportError(f"ACE_EXTPROC_NATIVE: unknown pieces {sorted(unknown)}; known: {PIECES}")
+    return chosen
+
+
+extension = _load()
+"""The compiled module, or None: no piece is native."""
+used = frozenset[str]() if extension is None else _chosen()
+"""The pieces running in C in this process."""
+_c = extension if extension is not None else wire  # read only for the pieces in ``used``
+
+chat_prompt = _c.chat_prompt if "prompt" in used else None
+completion_prompt = _c.completion_prompt if "prompt" in used else None
+chain = _c.chain if "prompt" in used else hashing.chain
+prefix_hashes = _c.prefix_hashes if "prompt" in used else hashing.prefix_hashes
+LRU_OPS = lru.Structures.of(_c) if "lru" in used else lru.REFERENCE
+header_map = _c.header_map if "headers" in used else None
+splice = _c.splice if "answer" in used else wire.splice
+body_answer = _c.body_answer if "answer" in used else None
+
+
+def describe() -> str:
+    """What the start-up line says: which pieces run in C."""
+    if not used:
+        return "pure-python"
+    return "native " + ",".join(p for p in PIECES if p in used)

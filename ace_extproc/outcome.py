@@ -1,0 +1,45 @@
+"""``Outcome``: the decision for one request, and everything Envoy must be told about
+it. ``processor.py`` makes it and ``mutate.py`` writes it out, neither importing the
+other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ace_extproc.config import Mode, Pod
+
+# The header that pins a request to a pod (cluster mode: the pod's own Envoy cluster).
+UPSTREAM_HEADER = "x-ace-upstream"
+
+
+@dataclass(slots=True)
+class Outcome:
+    """The decision for one request, and everything Envoy must be told about it."""
+
+    mode: Mode
+    action: str
+    prefix_key: str = "-"
+    pod: Pod | None = None  # pinned only in prod
+    would_pick: Pod | None = None  # the decision, in any mode
+    saved_tokens: int = 0
+    speedup: float = 1.0  # estimated: cold TTFT over warm (calibrated TTFT model)
+    saved_ms: float = 0.0  # estimated: cold TTFT less warm, for the metrics
+    body: bytes | None = None  # the rewritten body (prod)
+    reject_status: int = 0  # answer the client directly with this status
+    reject_body: bytes = b""
+    fallbacks: tuple[Pod, ...] = ()  # next-best pods for Envoy's retries (endpoint mode)
+    endpoint: bool = False  # name pods by ip:port (router.upstream_mode: endpoint)
+    path: str | None = None  # a new :path (the native API's request becomes a chat)
+    slot: int = -1  # the picked pod's slot (any mode), for the metrics
+    prompt_tokens: int = 0  # estimated from the canonical prompt
+    # The pinned destination's own ``authorization`` (its api_key_env), for the client's.
+    upstream_auth: bytes | None = None
+    # For the metrics: the routed steps' times (parse, hash, pick, rewrite; ns).
+    steps_ns: tuple[int, int, int, int] | None = None
+
+    @property
+    def trace(self) -> str:
+        return (
+            f"mode={self.mode},action={self.action},prefix_key={self.prefix_key},"
+            f"saved_prefill_tokens={self.saved_tokens},speedup={self.speedup:.2f}"
+        )
