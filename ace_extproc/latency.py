@@ -8,7 +8,7 @@ With ``n`` uncached prompt tokens and ``c`` cached prefix tokens::
 ``a`` is the per-token cost of the prefill, ``b`` the attention term that grows
 with the context each new token attends to, ``t_step`` the floor of one engine
 step.  Coefficients are fitted to public H100 figures (see
-``shared/reference/engines.md`` and the README); they are estimates, not
+``shared/reference/engines.md`` and docs/routing.md); they are estimates, not
 measurements of any particular fleet.
 """
 
