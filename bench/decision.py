@@ -41,6 +41,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from ace_extproc import mutate, server, speedups
 from ace_extproc import request as req
 from ace_extproc.config import Config, Settings, sim_fleet
+from ace_extproc.fleet_file import UpstreamMode
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.processor import Processor, rewrite_body
 from ace_extproc.routing import RoutingRequest
@@ -99,7 +100,7 @@ def measure(fn: Any, iterations: int) -> list[float]:
 
 
 def warm_processor(
-    tokens: int, pods: int, upstream_mode: str = "cluster"
+    tokens: int, pods: int, upstream_mode: UpstreamMode = "cluster"
 ) -> tuple[Processor, list[bytes]]:
     """A processor whose index has seen 16 conversations of ``tokens`` tokens (returned)
     and unrelated traffic; the same for the same arguments."""

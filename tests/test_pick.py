@@ -35,7 +35,7 @@ def fleet_of(pods: int, rng: random.Random) -> FleetState:
         Pod("d", f"pod-{i}", f"10.0.{i // 200}.{i % 200}", 8000, rng.choice([1.0, 1.0, 0.5, 3.0]))
         for i in range(pods)
     )
-    return FleetState(Fleet((Destination("d", "vllm", members[0].base_url, 1.0, members),)))
+    return FleetState(Fleet((Destination("d", "vllm", members[0].base_url, members),)))
 
 
 def pair(fleet: FleetState, capacity: int, **options: Any) -> tuple[Pipeline, Pipeline]:
