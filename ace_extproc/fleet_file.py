@@ -46,18 +46,18 @@ def _doc(description: str, **constraints: Any) -> Meta:
 
 # Value shapes several keys share. A pattern's plain-words meaning is what errors say.
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+# No lookarounds: the chart's schema holds these, and Helm's regexps (Go's) have none.
 HOSTNAME_PATTERN = (
-    r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?"
-    r"(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?$"
+    r"^[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?$"
 )
 K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 PATTERN_WORDS = {
-    ID_PATTERN: "an id: 1-63 characters of letters, digits, '_', '.', '-'",
-    HOSTNAME_PATTERN: "a DNS name",
-    K8S_NAME_PATTERN: "a Kubernetes name (lowercase letters, digits, '-')",
+    ID_PATTERN: "id (1-63 letters, digits, '_', '.', '-')",
+    HOSTNAME_PATTERN: "DNS name",
+    K8S_NAME_PATTERN: "Kubernetes name (lowercase letters, digits, '-')",
 }
 Id = Annotated[str, Meta(pattern=ID_PATTERN)]
-HostName = Annotated[str, Meta(pattern=HOSTNAME_PATTERN)]
+HostName = Annotated[str, Meta(pattern=HOSTNAME_PATTERN, max_length=253)]
 K8sName = Annotated[str, Meta(pattern=K8S_NAME_PATTERN)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
 Text = Annotated[str, Meta(min_length=1)]
@@ -104,28 +104,27 @@ class Pod(Section, frozen=True):
 
 
 class Discovery(Section, frozen=True, tag_field="type"):
-    """Pods found at run time, besides the listed ones (needs router.upstream_mode:
-    endpoint)."""
+    """``discovery:``, one kind or another by its ``type:``."""
 
 
 class DnsDiscovery(Discovery, frozen=True, tag="dns"):
-    """type: dns. The A/AAAA records of hostname (a headless service), re-resolved every
-    interval_s, each address a pod on port. Envoy resolves the same name for the
-    destination's hosts."""
+    """The A/AAAA records of hostname (a headless service), re-resolved every interval_s,
+    each address a pod on port."""
 
-    hostname: HostName
-    port: Port
+    hostname: Annotated[
+        HostName, _doc("The name to resolve; Envoy resolves it too, for the destination's hosts.")
+    ]
+    port: Annotated[Port, _doc("The pods' port.")]
     interval_s: Annotated[Seconds, _doc("Seconds between resolutions.")] = 5.0
 
 
 class KubernetesDiscovery(Discovery, frozen=True, tag="kubernetes"):
-    """type: kubernetes. The EndpointSlices of service in namespace, listed then
-    watched with the pod's service account. Envoy resolves hostname for the
-    destination's hosts: the pods' addresses only if the service is headless
-    (clusterIP: None)."""
+    """The EndpointSlices of service in namespace, listed then watched with the pod's
+    service account. Envoy resolves hostname for the destination's hosts: the pods'
+    addresses only if the service is headless (clusterIP: None)."""
 
-    namespace: K8sName
-    service: K8sName
+    namespace: Annotated[K8sName, _doc("The service's namespace.")]
+    service: Annotated[K8sName, _doc("The service whose EndpointSlices list the pods.")]
     hostname: Annotated[
         HostName | None,
         _doc("What Envoy resolves (default: <service>.<namespace>.svc.cluster.local)."),
@@ -135,8 +134,12 @@ class KubernetesDiscovery(Discovery, frozen=True, tag="kubernetes"):
     ] = None
     port_name: Annotated[Text | None, _doc("The EndpointSlice port to use, by name.")] = None
     api_url: Annotated[str, _doc("The Kubernetes API server.")] = KUBERNETES_API
-    token_path: Text = f"{SERVICE_ACCOUNT}/token"
-    ca_path: Text = f"{SERVICE_ACCOUNT}/ca.crt"
+    token_path: Annotated[Text, _doc("The service account token the API is called with.")] = (
+        f"{SERVICE_ACCOUNT}/token"
+    )
+    ca_path: Annotated[Text, _doc("The CA the API server's certificate is checked against.")] = (
+        f"{SERVICE_ACCOUNT}/ca.crt"
+    )
     interval_s: Annotated[
         Seconds, _doc("The first reconnect delay in seconds (doubling, at most 30).")
     ] = 1.0
@@ -169,7 +172,13 @@ class Destination(Section, frozen=True):
             "only those found)."
         ),
     ] = None
-    discovery: DnsDiscovery | KubernetesDiscovery | None = None
+    discovery: Annotated[
+        DnsDiscovery | KubernetesDiscovery | None,
+        _doc(
+            "Pods found at run time, besides those listed (needs router.upstream_mode: "
+            "endpoint): type dns or kubernetes."
+        ),
+    ] = None
     api_key_env: Annotated[
         str,
         _doc(
@@ -218,10 +227,12 @@ class ExtProcTLS(Section, frozen=True):
     its own files."""
 
     ca_file: Annotated[Text, _doc("The CA both sides' certificates chain to.")]
-    cert_file: str = ""
-    key_file: str = ""
-    client_cert_file: str = ""
-    client_key_file: str = ""
+    cert_file: Annotated[str, _doc("ace-extproc's certificate (with key_file).")] = ""
+    key_file: Annotated[str, _doc("ace-extproc's private key.")] = ""
+    client_cert_file: Annotated[
+        str, _doc("The certificate Envoy presents (with client_key_file).")
+    ] = ""
+    client_key_file: Annotated[str, _doc("Envoy's private key.")] = ""
     server_name: Annotated[str, _doc("The name Envoy checks ace-extproc's certificate for.")] = ""
 
 
@@ -501,12 +512,14 @@ def _message(error: str, raw: Any, kind: Any, where: str) -> str:
     if text.startswith("Invalid") and choices:
         text = f"expected one of {', '.join(choices)}"
     elif regex and regex[1] in _PATTERN_WORDS:
-        text = f"expected {_PATTERN_WORDS[regex[1]]}"
+        words = _PATTERN_WORDS[regex[1]]
+        text = f"expected {'an' if words[0] in 'aeiou' else 'a'} {words}"
     else:
         text = _plain(text)
     value = _lookup(raw, steps)
     if value is not _NOWHERE and not (value is None and "got null" in text):
-        text += f" ({value!r})" if ", got " in text else f", got {value!r}"
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        text += f" ({shown})" if ", got " in text else f", got {shown}"
     return f"{path}: {text}"
 
 
