@@ -5,8 +5,9 @@ One YAML file may hold both: ``destinations:`` and an optional ``router:`` secti
 Everything has a default, so ``ace-extproc serve --fleet fleet.yaml`` is enough.
 
 The file's keys are declared once, as types, in ``fleet_file``; this module decodes a
-file into them, checks what types cannot say, and builds the objects the router runs
-with (``Fleet``, ``Settings``).
+file into them (``fleet_decode``: a key or value that does not fit is an error naming its
+path), checks what types cannot say, and builds the objects the router runs with
+(``Fleet``, ``Settings``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import msgspec
 import yaml
 
 from ace_extproc import fleet_file as ff
+from ace_extproc.fleet_decode import decode
 from ace_extproc.latency import TTFTModel, get_model
 
 # Declared with the file's types; the rest of the code imports them from here.
@@ -217,7 +219,7 @@ class Settings(ff.RouterBase, frozen=True, kw_only=True):
     secrets read from the environment)."""
 
     passive_health: PassiveHealth = PassiveHealth()
-    tenants: TenantConfig = msgspec.field(default_factory=lambda: TenantConfig())
+    tenants: TenantConfig = msgspec.field(default_factory=TenantConfig)
     salt_secret: bytes = b""
     salt_secret_generated: bool = False  # none configured: a random one, this process's own
     # The Redis password, from the environment variable router.share_password_env names,
@@ -307,7 +309,7 @@ def _base_url(url: str, where: str) -> tuple[str, int]:
 def parse_fleet(doc: Any, env: Mapping[str, str] | None = None) -> Fleet:
     """The fleet of a ``fleet.yaml`` document; ``env`` (default: the process's) holds
     the destinations' API keys that ``api_key_env`` names."""
-    return build_fleet(ff.decode(doc, ff.FleetFile), env)
+    return build_fleet(decode(doc, ff.FleetFile), env)
 
 
 def build_fleet(doc: ff.FleetFile, env: Mapping[str, str] | None = None) -> Fleet:
@@ -451,7 +453,7 @@ def _check_ext_proc_tls(tls: ExtProcTLS) -> None:
 
 def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
     """The settings of a ``router:`` section (None: every default)."""
-    return build_settings(ff.decode({} if raw is None else raw, ff.Router, "router"), env)
+    return build_settings(decode({} if raw is None else raw, ff.Router, "router"), env)
 
 
 _RATES = (
@@ -565,7 +567,7 @@ def load(path: str | Path | None, env: Mapping[str, str] | None = None) -> Confi
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path}: expected a mapping with 'destinations:'")
-    doc = ff.decode(raw, ff.FleetFile)
+    doc = decode(raw, ff.FleetFile)
     return Config(build_fleet(doc, env), build_settings(doc.router or ff.Router(), env))
 
 
