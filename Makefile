@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test test-all test-asan lint bench clean
+.PHONY: up test test-all test-asan lint schema bench clean
 
 PROTOS := $(shell find protos -name '*.proto')
 
@@ -45,6 +45,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy ace_extproc bench
+
+# fleet.yaml's JSON Schema, docs/configuration.md and the chart's fleet schema, from the
+# types in ace_extproc/fleet_file.py (tests/test_config.py fails while one is stale).
+schema: $(STAMP)
+	$(BIN)/ace-extproc schema --write
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.decision

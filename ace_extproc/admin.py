@@ -15,7 +15,6 @@ turns the API off rather than let one worker answer for all).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import weakref
@@ -268,20 +267,18 @@ def config_document(config: Config) -> dict[str, Any]:
     ``sha256:`` digests, as the file may hold them."""
     s = config.settings
     router: dict[str, Any] = {"mode": s.mode.value}
-    for f in dataclasses.fields(Settings):
-        if f.name in ("mode", "tenants", "salt_secret", "salt_secret_generated", "share_password"):
+    for name in Settings.__struct_fields__:
+        if name in ("mode", "tenants", "salt_secret", "salt_secret_generated", "share_password"):
             continue
-        value = getattr(s, f.name)
-        if f.name == "share_url":
+        value = getattr(s, name)
+        if name == "share_url":
             value = redacted_url(value)
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            value = dataclasses.asdict(value)  # passive_health, ext_proc_tls
-        elif isinstance(value, msgspec.Struct):
+        elif isinstance(value, msgspec.Struct):  # passive_health, ext_proc_tls, pipeline
             value = {k: v for k, v in msgspec.to_builtins(value).items() if v is not None}
         elif isinstance(value, tuple):
             value = list(value)  # allow_mode_override's tenants
         if value is not None:
-            router[f.name] = value
+            router[name] = value
     t = s.tenants
     tenants: dict[str, Any] = {"anonymous": t.anonymous, "require_key": t.require_key}
     if t.header:

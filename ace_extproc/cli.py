@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("ace_extproc.sim.app", "run one simulated vLLM-compatible engine pod"),
     "envoy-config": ("ace_extproc.envoy_config", "render the Envoy bootstrap for a fleet"),
     "ctl": ("ace_extproc.ctl", "a running server's admin API: pods, lookup, drain, config"),
+    "schema": ("ace_extproc.config_schema", "fleet.yaml's JSON Schema, or its reference"),
 }
 
 

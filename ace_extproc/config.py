@@ -3,18 +3,22 @@ extended with the pods behind each destination) and the router's own settings.
 
 One YAML file may hold both: ``destinations:`` and an optional ``router:`` section.
 Everything has a default, so ``ace-extproc serve --fleet fleet.yaml`` is enough.
+
+The file's keys are declared once, as types, in ``fleet_file``; this module decodes a
+file into them (``fleet_decode``: a key or value that does not fit is an error naming its
+path), checks what types cannot say, and builds the objects the router runs with
+(``Fleet``, ``Settings``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import ipaddress
+import math
 import os
-import re
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,28 +26,21 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
-from ace_extproc.latency import DEFAULT_MODEL, TTFTModel, get_model
+from ace_extproc import fleet_file as ff
+from ace_extproc.fleet_decode import decode
+from ace_extproc.latency import TTFTModel, get_model
 
+# Declared with the file's types; the rest of the code imports them from here.
+ConfigError = ff.ConfigError
+Mode = ff.Mode
+PassiveHealth = ff.PassiveHealth
+ExtProcTLS = ff.ExtProcTLS
+PROVIDERS = ff.PROVIDERS
+FAILURE_MODES = ff.FAILURE_MODES
+LOG_FORMATS = ff.LOG_FORMATS
+SERVICE_ACCOUNT = ff.SERVICE_ACCOUNT
+KUBERNETES_API = ff.KUBERNETES_API
 
-class ConfigError(ValueError):
-    """A configuration file or value that cannot be used; the message names the field."""
-
-
-class Mode(StrEnum):
-    OFF = "off"  # no decision at all: pass through
-    SHADOW = "shadow"  # decide and report in the trace, but neither pin nor rewrite
-    PROD = "prod"  # pin the pod and rewrite the body
-
-    @classmethod
-    def parse(cls, value: str) -> Mode:
-        try:
-            return cls(value.strip().lower())
-        except ValueError:
-            raise ConfigError(f"unknown mode {value!r}; expected off, shadow or prod") from None
-
-
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-PROVIDERS = ("vllm", "sglang", "openai")
 # Hosted APIs: no /metrics or /health to watch, and no engine fields (cache_salt,
 # cache_prefix_id) in their bodies, which they may refuse as unrecognized arguments.
 HOSTED_PROVIDERS = frozenset({"openai"})
@@ -85,11 +82,6 @@ class Pod:
         return f"{'https' if self.tls else 'http'}://{self.address}"
 
 
-DISCOVERY_TYPES = ("dns", "kubernetes")
-SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
-KUBERNETES_API = "https://kubernetes.default.svc"
-
-
 @dataclass(frozen=True, slots=True)
 class DiscoveryConfig:
     """Where a destination's pods are found at run time (``routing.discovery``).
@@ -129,7 +121,6 @@ class Destination:
     id: str
     provider: str
     base_url: str
-    weight: float
     pods: tuple[Pod, ...]
     models: tuple[str, ...] = ()  # empty: serves any model
     discovery: DiscoveryConfig | None = None  # pods found at run time, besides ``pods``
@@ -222,186 +213,18 @@ class TenantConfig:
         return self.has_key_map or self.require_key
 
 
-FAILURE_MODES = ("auto", "open", "closed")
+class Settings(ff.RouterBase, frozen=True, kw_only=True):
+    """The router's settings as it runs: ``router:``'s own (``fleet_file.RouterBase``,
+    where each is described) and what is made of the rest (tenants' key digests, the
+    secrets read from the environment)."""
 
-
-@dataclass(frozen=True, slots=True)
-class PassiveHealth:
-    """Pods taken out for failing the requests they serve (``router.passive_health``;
-    ``routing/outlier.py``), with Envoy's outlier detection's defaults."""
-
-    consecutive_5xx: int = 5  # the pod's 5xx answers in a row
-    consecutive_gateway_failure: int = 5  # 502/503/504, or unreachable, in a row
-    max_ejection_percent: int = 10  # of a destination's pods out at once (at least one)
-    base_ejection_time_s: float = 30.0  # out for this times the times it was out
-    max_ejection_time_s: float = 300.0
-
-
-def _passive_health(raw: Any) -> PassiveHealth:
-    where = "router.passive_health"
-    if raw is None:
-        return PassiveHealth()
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a mapping")
-    fields = PassiveHealth.__dataclass_fields__
-    values: dict[str, Any] = {}
-    for name, value in raw.items():
-        if name not in fields:
-            raise ConfigError(f"{where}.{name}: unknown setting")
-        whole = name != "base_ejection_time_s" and name != "max_ejection_time_s"
-        if isinstance(value, bool) or not isinstance(value, int if whole else int | float):
-            raise ConfigError(f"{where}.{name}: expected a number, got {value!r}")
-        if value <= 0 or (name == "max_ejection_percent" and value > 100):
-            raise ConfigError(f"{where}.{name}: out of range: {value!r}")
-        values[name] = value if whole else float(value)
-    return PassiveHealth(**values)
-
-
-@dataclass(frozen=True, slots=True)
-class ExtProcTLS:
-    """mTLS between Envoy and ace-extproc (``router.ext_proc_tls``). ace-extproc serves
-    with ``cert_file`` and ``key_file`` and admits only clients with a certificate
-    ``ca_file`` signed; the rendered Envoy presents ``client_cert_file`` and
-    ``client_key_file`` and checks ace-extproc's certificate against ``ca_file`` (and
-    its name against ``server_name``, where given). Each side reads only its files."""
-
-    ca_file: str
-    cert_file: str = ""
-    key_file: str = ""
-    client_cert_file: str = ""
-    client_key_file: str = ""
-    server_name: str = ""
-
-
-class PluginSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One plug-in of ``router.pipeline`` (routing/plugins.py): a built-in's name or a
-    ``module:Class`` import path, the keyword arguments it is made with, and for a
-    scorer, how much its milliseconds count."""
-
-    name: str
-    args: dict[str, Any] = msgspec.field(default_factory=dict)
-    weight: float = 1.0
-
-
-class PipelineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``router.pipeline``: the cost policy's plug-ins; each part unset is the default's."""
-
-    filters: tuple[PluginSpec, ...] | None = None
-    scorers: tuple[PluginSpec, ...] | None = None
-    picker: PluginSpec | None = None
-
-
-def _pipeline(raw: Any) -> PipelineConfig:
-    try:
-        return msgspec.convert(raw if raw is not None else {}, PipelineConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"router.pipeline: {exc}".replace("`$.", "`")) from None
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    mode: Mode = Mode.PROD
-    # Who may send ``x-ace-skill-override`` (or an envelope's mode): True, anyone where no
-    # tenants are configured, else any tenant that authenticated (a key, the trusted
-    # header); a tuple of tenant ids, those alone; False, nobody.
-    allow_mode_override: bool | tuple[str, ...] = True
-    # What Envoy does with a request when ace-extproc does not answer it (down, slow):
-    # "open" sends it on unrouted, "closed" refuses it (503). "auto": closed where
-    # tenants or keys are configured, since an unanswered request is neither checked
-    # nor salted; open otherwise (see docs/security.md).
-    failure_mode: str = "auto"
-    # Prefix blocks are 512 bytes of canonical prompt (~128 tokens at ~4 bytes a token):
-    # fine enough to tell conversations apart, coarse enough that a 32K-token prompt
-    # hashes in ~40 us (see README "Block size").
-    block_bytes: int = 512
-    bytes_per_token: float = 4.0
-    max_body_bytes: int = 8 * 1024 * 1024
-    # Router blocks remembered per pod until its real KV capacity is known (scraped from
-    # vllm:cache_config_info or SGLang's max_total_num_tokens, or configured: a
-    # destination's kv_capacity_tokens).
-    index_blocks_per_pod: int = 200_000
-    ttft_model: str = DEFAULT_MODEL  # the pods' TTFT model, where a destination names none
-    # How fast a pod prefills, in uncached prompt tokens a second: the rate at which
-    # the prefill this replica sent a pod is taken to drain (routing/monitor.py).
-    # 0: its destination's TTFT model's (1000 / a_ms; 25,000 for the default). Set it
-    # when the pods are faster or slower than the model (`ace-extproc up` sets it for
-    # its simulated pods' clock); it then holds for every pod.
-    prefill_tokens_per_s: float = 0.0
-    policy: str = "cost"  # the picking policy (routing.policies)
-    # cost policy: a warm match covering less than this share of the prompt (a system
-    # prompt many conversations share) does not steer the pick (routing/pipeline.py);
-    # 0 lets any match steer. Requests with session ids are placed by their session
-    # anyway; measured in bench/RESULTS.md ("The shallow-match threshold").
-    min_match: float = 0.1
-    # cost policy: a session's (x-session-id / x-user-id) first request this replica
-    # sees is placed by the session, not drawn to a pod by a prefix other sessions share.
-    place_sessions: bool = True
-    # cost policy: a pod priced within this share plus these milliseconds of the
-    # cheapest is a near-tie, and among near-ties the deepest match wins. Wider keeps
-    # more requests on the pod holding their prefix (more reuse, less prefill work) at
-    # the cost of waiting behind its queue (a higher TTFT tail); measured in
-    # bench/RESULTS.md ("The affinity slack").
-    affinity_slack: float = 0.10
-    affinity_slack_ms: float = 5.0
-    upstream_mode: str = "cluster"  # "cluster": per-pod Envoy clusters; "endpoint": ip:port
-    # Replicas share their placements through Redis pub/sub (routing/replicas.py), so
-    # each prices pods against the whole fleet's traffic and follows the prefixes and
-    # sessions the others placed: redis://[:password@]host:port/db, rediss://, or
-    # unix:///path. "" (the default): each replica learns only from what it routes.
-    share_url: str = ""
-    share_channel: str = "ace-extproc:placements"
-    # The Redis password, from the environment variable router.share_password_env names
-    # (ACE_SHARE_PASSWORD by default), so it can live in a Secret rather than in the
-    # fleet file; or in share_url itself. Never printed (ctl config, logs).
-    share_password: str = field(default="", repr=False)
-    scrape_interval_s: float = 0.1  # pods' /metrics
-    probe_interval_s: float = 1.0  # pods' /health
-    probe_timeout_s: float = 0.5
-    # Scrapes and probes together send at most this many requests a second (0: no
-    # bound); a larger fleet has both intervals stretched alike (routing/monitor.py).
-    monitor_max_requests_per_s: float = 200.0
-    # The CA bundle that https pods' (and hosted APIs') certificates are checked against,
-    # by Envoy and by the monitor; "": the system's.
-    upstream_ca_file: str = ""
-    unhealthy_after: int = 2  # consecutive failed probes (or scrapes) that take a pod out
-    healthy_after: int = 2  # consecutive good probes that bring it back
-    passive_health: PassiveHealth = field(default_factory=PassiveHealth)
-    # A second, observe-only ext_proc filter sees each response (its status, the host
-    # that answered) without delaying it: passive health, and the engines' own reuse.
-    observe_responses: bool = True
-    # Also read each response body's usage (prompt_tokens_details.cached_tokens), and
-    # ask streamed requests for it (stream_options.include_usage; prod only, as shadow
-    # never changes a request). Costs a gRPC message per body chunk, off the path.
-    usage_capture: bool = False
+    passive_health: PassiveHealth = PassiveHealth()
+    tenants: TenantConfig = msgspec.field(default_factory=TenantConfig)
     salt_secret: bytes = b""
     salt_secret_generated: bool = False  # none configured: a random one, this process's own
-    tenants: TenantConfig = field(default_factory=TenantConfig)
-    listen: str = "127.0.0.1:50051"
-    uds: str | None = None
-    # Every ext_proc stream must carry the token Envoy is rendered with (peer.py), so
-    # nothing else that reaches the port counts. Off only where another layer (mTLS,
-    # a socket only Envoy can open) already keeps everyone else out.
-    require_peer_token: bool = True
-    # mTLS on the ext_proc port, for an Envoy on another host (ExtProcTLS).
-    ext_proc_tls: ExtProcTLS | None = None
-    # Operator drains kept across restarts (drains.py): a JSON file; "" keeps none.
-    drain_file: str = ""
-    # The admin gRPC API (admin.py, ``ace-extproc ctl``): host:port, unix:/path, or "off".
-    # Never the ext_proc port; no authentication, so keep it on loopback or a socket.
-    admin_listen: str = "127.0.0.1:9091"
-    grpc_max_message_bytes: int = 64 * 1024 * 1024
-    shutdown_grace_s: float = 10.0
-    # Prometheus exposition of the router's own metrics (telemetry.py): host:port, or
-    # "off". Port 0 picks a free port.
-    metrics_listen: str = "127.0.0.1:9090"
-    # A ``tenant`` label on the decision metrics. The tenants the configuration names
-    # (router.tenants.api_keys, the anonymous tenant) are always labels; others (a
-    # trusted tenant header) get one while fewer than metrics_max_tenants are labelled,
-    # then fold into "other".
-    metrics_tenant_label: bool = False
-    metrics_max_tenants: int = 100
-    log_format: str = "json"  # "json": one JSON object a line; "text": for people
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    # The Redis password, from the environment variable router.share_password_env names,
+    # so it can live in a Secret rather than in the fleet file; or in share_url itself.
+    share_password: str = ""
 
     @property
     def fails_closed(self) -> bool:
@@ -419,8 +242,15 @@ class Settings:
             return False
         return not self.tenants.isolated or tenant != self.tenants.anonymous
 
+    def __rich_repr__(self) -> list[tuple[str, Any]]:
+        # The secrets are never printed (logs, ctl config).
+        secret = ("salt_secret", "share_password")
+        return [(k, getattr(self, k)) for k in self.__struct_fields__ if k not in secret]
 
-LOG_FORMATS = ("json", "text")
+    def __repr__(self) -> str:
+        return f"Settings({', '.join(f'{k}={v!r}' for k, v in self.__rich_repr__())})"
+
+
 SHARE_SCHEMES = ("redis", "rediss", "unix")
 
 
@@ -433,23 +263,7 @@ class Config:
 # ---------------------------------------------------------------- parsing
 
 
-def _req(obj: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in obj:
-        raise ConfigError(f"{where}: missing required field {key!r}")
-    return obj[key]
-
-
-def _check_id(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not _ID.match(value):
-        raise ConfigError(
-            f"{where}: id {value!r} must be 1-63 characters of letters, digits, '_', '.', '-'"
-        )
-    return value
-
-
-def _host_port(url: Any, where: str) -> tuple[str, int]:
-    if not isinstance(url, str):
-        raise ConfigError(f"{where}: expected a URL string, got {type(url).__name__}")
+def _host_port(url: str, where: str) -> tuple[str, int]:
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{where}: {url!r} is not an http(s) URL")
@@ -478,7 +292,7 @@ def canonical_host(host: str) -> str:
         return host
 
 
-def _base_url(url: Any, where: str) -> tuple[str, int]:
+def _base_url(url: str, where: str) -> tuple[str, int]:
     """A destination's or pod's ``base_url``: its host and port. Requests go upstream
     with the client's own path (``/v1/chat/completions``...), so a path prefix would
     be dropped without a word and every request would 404: refused, bar ``/v1``."""
@@ -492,180 +306,92 @@ def _base_url(url: Any, where: str) -> tuple[str, int]:
     return host, port
 
 
-def _weight(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ConfigError(f"{where}: weight must be a positive number, got {value!r}")
-    return float(value)
-
-
-def parse_fleet(doc: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Fleet:
+def parse_fleet(doc: Any, env: Mapping[str, str] | None = None) -> Fleet:
     """The fleet of a ``fleet.yaml`` document; ``env`` (default: the process's) holds
     the destinations' API keys that ``api_key_env`` names."""
+    return build_fleet(decode(doc, ff.FleetFile), env)
+
+
+def build_fleet(doc: ff.FleetFile, env: Mapping[str, str] | None = None) -> Fleet:
     env = os.environ if env is None else env
-    raw = doc.get("destinations")
-    if not isinstance(raw, list) or not raw:
-        raise ConfigError("fleet: 'destinations' must be a non-empty list")
-    dests: list[Destination] = []
     seen: set[str] = set()
-    for i, d in enumerate(raw):
-        where = f"destinations[{i}]"
-        if not isinstance(d, Mapping):
-            raise ConfigError(f"{where}: expected a mapping")
-        did = _check_id(_req(d, "id", where), where)
-        if did in seen:
-            raise ConfigError(f"{where}: duplicate destination id {did!r}")
-        seen.add(did)
-        provider = d.get("provider", "vllm")
-        if provider not in PROVIDERS:
-            raise ConfigError(f"{where}: provider {provider!r} is not one of {PROVIDERS}")
-        discovery = (
-            parse_discovery(d["discovery"], f"{where}.discovery") if "discovery" in d else None
-        )
-        if discovery is not None and "base_url" not in d:
-            base_url = _discovery_base_url(discovery)
-        else:
-            base_url = _req(d, "base_url", where)
-        _base_url(base_url, f"{where}.base_url")
-        tls = urlsplit(base_url).scheme == "https"
-        weight = _weight(d.get("weight", 1), f"{where}.weight")
-        models = d.get("models", [])
-        if isinstance(models, str):
-            models = [models]
-        if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
-            raise ConfigError(f"{where}.models: expected a list of model names")
-        # With discovery, no pods is fine: they come (and go) at run time.
-        raw_pods = d.get("pods") or ([] if discovery else [{"id": "pod-0", "base_url": base_url}])
-        if not isinstance(raw_pods, list):
-            raise ConfigError(f"{where}.pods: expected a list")
-        pods: list[Pod] = []
-        pod_ids: set[str] = set()
-        for j, p in enumerate(raw_pods):
-            pw = f"{where}.pods[{j}]"
-            if not isinstance(p, Mapping):
-                raise ConfigError(f"{pw}: expected a mapping")
-            pid = _check_id(_req(p, "id", pw), pw)
-            if pid in pod_ids:
-                raise ConfigError(f"{pw}: duplicate pod id {pid!r}")
-            pod_ids.add(pid)
-            url = _req(p, "base_url", pw)
-            host, port = _base_url(url, f"{pw}.base_url")
-            if (urlsplit(url).scheme == "https") != tls:
-                # One Envoy cluster holds a destination's pods, and TLS is the cluster's.
-                raise ConfigError(
-                    f"{pw}.base_url: {url!r} and the destination's base_url "
-                    f"{base_url!r} must both be http or both https"
-                )
-            weight_p = _weight(p.get("weight", 1), f"{pw}.weight")
-            pods.append(Pod(did, pid, host, port, weight_p, tls))
-        key_env = d.get("api_key_env", "")
-        if not isinstance(key_env, str):
-            raise ConfigError(f"{where}.api_key_env: expected the name of an environment variable")
-        # Unset is checked by the server only (check_api_keys): Envoy's renderer, which
-        # reads the same file, has no use for the key and need not be given it.
-        api_key = env.get(key_env, "") if key_env else ""
-        if any(c in api_key for c in "\r\n\0"):
-            raise ConfigError(f"{where}.api_key_env: {key_env} holds a line break or NUL")
-        ttft_model = d.get("ttft_model", "")
-        if not isinstance(ttft_model, str):
-            raise ConfigError(f"{where}.ttft_model: expected a TTFT model's name")
-        if ttft_model:
-            try:
-                get_model(ttft_model)
-            except ValueError as exc:
-                raise ConfigError(f"{where}.ttft_model: {exc}") from None
-        kv_tokens = d.get("kv_capacity_tokens", 0)
-        if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 0:
+    for i, d in enumerate(doc.destinations):
+        if d.id in seen:
+            raise ConfigError(f"destinations[{i}].id: duplicate destination id {d.id!r}")
+        seen.add(d.id)
+    return Fleet(
+        tuple(_destination(d, f"destinations[{i}]", env) for i, d in enumerate(doc.destinations))
+    )
+
+
+def _destination(d: ff.Destination, where: str, env: Mapping[str, str]) -> Destination:
+    discovery = _discovery(d.discovery, f"{where}.discovery") if d.discovery else None
+    if d.base_url is not None:
+        base_url = d.base_url
+    elif discovery is not None:
+        base_url = _discovery_base_url(discovery)
+    else:
+        raise ConfigError(f"{where}.base_url: missing required field (or discovery:)")
+    _base_url(base_url, f"{where}.base_url")
+    tls = urlsplit(base_url).scheme == "https"
+    # With discovery, no pods is fine: they come (and go) at run time.
+    listed = d.pods or (() if discovery else (ff.Pod(id="pod-0", base_url=base_url),))
+    pods: list[Pod] = []
+    pod_ids: set[str] = set()
+    for j, p in enumerate(listed):
+        pw = f"{where}.pods[{j}]"
+        if p.id in pod_ids:
+            raise ConfigError(f"{pw}.id: duplicate pod id {p.id!r}")
+        pod_ids.add(p.id)
+        host, port = _base_url(p.base_url, f"{pw}.base_url")
+        if (urlsplit(p.base_url).scheme == "https") != tls:
+            # One Envoy cluster holds a destination's pods, and TLS is the cluster's.
             raise ConfigError(
-                f"{where}.kv_capacity_tokens: expected a number of tokens, got {kv_tokens!r}"
+                f"{pw}.base_url: {p.base_url!r} and the destination's base_url "
+                f"{base_url!r} must both be http or both https"
             )
-        dest = Destination(did, provider, base_url, weight, tuple(pods), tuple(models), discovery)
-        dests.append(
-            replace(
-                dest,
-                api_key_env=key_env,
-                api_key=api_key,
-                ttft_model=ttft_model,
-                kv_capacity_tokens=kv_tokens,
-            )
-        )
-    return Fleet(tuple(dests))
+        pods.append(Pod(d.id, p.id, host, port, p.weight, tls))
+    # Unset is checked by the server only (check_api_keys): Envoy's renderer, which
+    # reads the same file, has no use for the key and need not be given it.
+    api_key = env.get(d.api_key_env, "") if d.api_key_env else ""
+    if any(c in api_key for c in "\r\n\0"):
+        raise ConfigError(f"{where}.api_key_env: {d.api_key_env} holds a line break or NUL")
+    if d.ttft_model:
+        try:
+            get_model(d.ttft_model)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.ttft_model: {exc}") from None
+    return Destination(
+        d.id,
+        d.provider,
+        base_url,
+        tuple(pods),
+        (d.models,) if isinstance(d.models, str) else d.models,
+        discovery,
+        api_key_env=d.api_key_env,
+        api_key=api_key,
+        ttft_model=d.ttft_model,
+        kv_capacity_tokens=d.kv_capacity_tokens,
+    )
 
 
-_DISCOVERY_FIELDS = {
-    "dns": frozenset({"type", "hostname", "port", "interval_s"}),
-    "kubernetes": frozenset(
-        {
-            "type",
-            "namespace",
-            "service",
-            "hostname",
-            "port",
-            "port_name",
-            "api_url",
-            "token_path",
-            "ca_path",
-            "interval_s",
-        }
-    ),
-}
-_HOSTNAME = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?$"
-)
-_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-
-
-def _port(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise ConfigError(f"{where}: expected a port number 1..65535, got {value!r}")
-    return value
-
-
-def _text(value: Any, where: str, pattern: re.Pattern[str] | None = None) -> str:
-    if not isinstance(value, str) or not value or (pattern and not pattern.match(value)):
-        raise ConfigError(f"{where}: invalid value {value!r}")
-    return value
-
-
-def parse_discovery(raw: Any, where: str) -> DiscoveryConfig:
-    """A destination's ``discovery:`` mapping (``type: dns`` or ``type: kubernetes``)."""
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a mapping with 'type: dns' or 'type: kubernetes'")
-    kind = raw.get("type")
-    if kind not in DISCOVERY_TYPES:
-        raise ConfigError(f"{where}.type: {kind!r} is not one of {DISCOVERY_TYPES}")
-    for name in raw:
-        if name not in _DISCOVERY_FIELDS[kind]:
-            raise ConfigError(f"{where}.{name}: unknown field for type {kind}")
-    interval = raw.get("interval_s", 5.0 if kind == "dns" else 1.0)
-    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
-        raise ConfigError(f"{where}.interval_s: expected a positive number, got {interval!r}")
-    if kind == "dns":
-        return DiscoveryConfig(
-            "dns",
-            port=_port(_req(raw, "port", where), f"{where}.port"),
-            interval_s=float(interval),
-            hostname=_text(_req(raw, "hostname", where), f"{where}.hostname", _HOSTNAME),
-        )
-    port = _port(raw["port"], f"{where}.port") if "port" in raw else None
-    port_name = _text(raw["port_name"], f"{where}.port_name") if "port_name" in raw else None
-    if port is None and port_name is None:
+def _discovery(d: ff.DnsDiscovery | ff.KubernetesDiscovery, where: str) -> DiscoveryConfig:
+    if isinstance(d, ff.DnsDiscovery):
+        return DiscoveryConfig("dns", d.port, d.interval_s, d.hostname)
+    if d.port is None and d.port_name is None:
         raise ConfigError(f"{where}.port: kubernetes discovery needs 'port' or 'port_name'")
-    api_url = raw.get("api_url", KUBERNETES_API)
-    _host_port(api_url, f"{where}.api_url")
-    namespace = _text(_req(raw, "namespace", where), f"{where}.namespace", _K8S_NAME)
-    service = _text(_req(raw, "service", where), f"{where}.service", _K8S_NAME)
-    hostname = raw.get("hostname", f"{service}.{namespace}.svc.cluster.local")
+    _host_port(d.api_url, f"{where}.api_url")
     return DiscoveryConfig(
         "kubernetes",
-        port=port,
-        interval_s=float(interval),
-        hostname=_text(hostname, f"{where}.hostname", _HOSTNAME),
-        namespace=namespace,
-        service=service,
-        port_name=port_name,
-        api_url=str(api_url).rstrip("/"),
-        token_path=_text(raw.get("token_path", f"{SERVICE_ACCOUNT}/token"), f"{where}.token_path"),
-        ca_path=_text(raw.get("ca_path", f"{SERVICE_ACCOUNT}/ca.crt"), f"{where}.ca_path"),
+        port=d.port,
+        interval_s=d.interval_s,
+        hostname=d.hostname or f"{d.service}.{d.namespace}.svc.cluster.local",
+        namespace=d.namespace,
+        service=d.service,
+        port_name=d.port_name,
+        api_url=d.api_url.rstrip("/"),
+        token_path=d.token_path,
+        ca_path=d.ca_path,
     )
 
 
@@ -677,10 +403,10 @@ def _discovery_base_url(d: DiscoveryConfig) -> str:
 
 
 def discovery_to_dict(d: DiscoveryConfig) -> dict[str, Any]:
-    """``discovery:`` in ``fleet.yaml`` form (``parse_discovery`` reads it back)."""
-    fields = _DISCOVERY_FIELDS[d.type]
+    """``discovery:`` in ``fleet.yaml`` form (``parse_fleet`` reads it back)."""
+    kind = ff.DnsDiscovery if d.type == "dns" else ff.KubernetesDiscovery
     out: dict[str, Any] = {"type": d.type}
-    for name in sorted(fields - {"type"}):
+    for name in sorted(kind.__struct_fields__):
         value = getattr(d, name)
         if value is not None:
             out[name] = value
@@ -700,192 +426,82 @@ def _key_digest(entry: str) -> bytes:
     return hashlib.sha256(entry.encode()).digest()
 
 
-def parse_tenants(raw: Any) -> TenantConfig:
-    if raw is None:
+def _tenants(doc: ff.Tenants | None) -> TenantConfig:
+    if doc is None:
         return TenantConfig()
-    if not isinstance(raw, Mapping):
-        raise ConfigError("router.tenants: expected a mapping")
-    keys = raw.get("api_keys", {}) or {}
-    if not isinstance(keys, Mapping):
-        raise ConfigError("router.tenants.api_keys: expected a mapping of API key -> tenant")
-    digests: dict[bytes, str] = {}
-    for key, tenant in keys.items():
-        if not isinstance(key, str) or not key:
-            raise ConfigError("router.tenants.api_keys: keys must be non-empty strings")
-        digests[_key_digest(key)] = _check_id(tenant, "router.tenants.api_keys (a tenant)")
-    header = raw.get("header")
-    if header is not None and (not isinstance(header, str) or not header):
-        raise ConfigError("router.tenants.header: expected a header name")
-    anonymous = _check_id(raw.get("anonymous", "anon"), "router.tenants.anonymous")
-    if anonymous in digests.values():
+    digests = {_key_digest(key): tenant for key, tenant in (doc.api_keys or {}).items()}
+    if doc.anonymous in digests.values():
         raise ConfigError(
-            f"router.tenants.api_keys: {anonymous!r} is the anonymous tenant; a key's "
+            f"router.tenants.api_keys: {doc.anonymous!r} is the anonymous tenant; a key's "
             "tenant must be another"
         )
-    for name in raw:
-        if name not in ("api_keys", "header", "anonymous", "require_key"):
-            raise ConfigError(f"router.tenants.{name}: unknown setting")
     return TenantConfig(
         key_digests=digests,
-        header=header.lower() if header else None,
-        anonymous=anonymous,
-        require_key=bool(raw.get("require_key", False)),
+        header=doc.header.lower() if doc.header else None,
+        anonymous=doc.anonymous,
+        require_key=doc.require_key,
     )
 
 
-_SETTING_TYPES: dict[str, type] = {
-    "block_bytes": int,
-    "bytes_per_token": float,
-    "max_body_bytes": int,
-    "index_blocks_per_pod": int,
-    "ttft_model": str,
-    "prefill_tokens_per_s": float,
-    "policy": str,
-    "min_match": float,
-    "place_sessions": bool,
-    "affinity_slack": float,
-    "affinity_slack_ms": float,
-    "upstream_mode": str,
-    "share_url": str,
-    "share_channel": str,
-    "scrape_interval_s": float,
-    "probe_interval_s": float,
-    "probe_timeout_s": float,
-    "monitor_max_requests_per_s": float,
-    "upstream_ca_file": str,
-    "unhealthy_after": int,
-    "healthy_after": int,
-    "observe_responses": bool,
-    "usage_capture": bool,
-    "listen": str,
-    "uds": str,
-    "require_peer_token": bool,
-    "admin_listen": str,
-    "drain_file": str,
-    "grpc_max_message_bytes": int,
-    "shutdown_grace_s": float,
-    "metrics_listen": str,
-    "metrics_tenant_label": bool,
-    "metrics_max_tenants": int,
-    "log_format": str,
-}
-
-
-# router: keys read by parse_settings itself rather than through _SETTING_TYPES.
-_PARSED_APART = frozenset(
-    {
-        "mode",
-        "tenants",
-        "salt_secret",
-        "salt_secret_env",
-        "share_password_env",
-        "allow_mode_override",
-        "failure_mode",
-        "ext_proc_tls",
-        "passive_health",
-        "pipeline",
-    }
-)
-
-
-def _ext_proc_tls(raw: Any) -> ExtProcTLS | None:
-    if raw is None:
-        return None
+def _check_ext_proc_tls(tls: ExtProcTLS) -> None:
     where = "router.ext_proc_tls"
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a mapping")
-    names = ExtProcTLS.__dataclass_fields__
-    for name, value in raw.items():
-        if name not in names:
-            raise ConfigError(f"{where}.{name}: unknown setting")
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}.{name}: expected a file path, got {value!r}")
-    if not raw.get("ca_file"):
-        raise ConfigError(f"{where}.ca_file: required (the CA both sides' certificates chain to)")
-    tls = ExtProcTLS(**raw)
     if bool(tls.cert_file) != bool(tls.key_file):
         raise ConfigError(f"{where}: cert_file and key_file go together")
     if bool(tls.client_cert_file) != bool(tls.client_key_file):
         raise ConfigError(f"{where}: client_cert_file and client_key_file go together")
-    return tls
-
-
-def _override_setting(value: Any) -> bool | tuple[str, ...]:
-    """``allow_mode_override``: true, false, or a list of tenant ids."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, list):
-        return tuple(_check_id(t, "router.allow_mode_override (a tenant)") for t in value)
-    raise ConfigError(
-        f"router.allow_mode_override: expected true, false or a list of tenants, got {value!r}"
-    )
 
 
 def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
+    """The settings of a ``router:`` section (None: every default)."""
+    return build_settings(decode({} if raw is None else raw, ff.Router, "router"), env)
+
+
+_RATES = (
+    "prefill_tokens_per_s",
+    "monitor_max_requests_per_s",
+    "affinity_slack",
+    "affinity_slack_ms",
+)
+
+
+def build_settings(doc: ff.Router, env: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, Mapping):
-        raise ConfigError("router: expected a mapping")
-    values: dict[str, Any] = {}
-    for name, value in raw.items():
-        if name in _PARSED_APART:
-            continue
-        kind = _SETTING_TYPES.get(name)
-        if kind is None:
-            raise ConfigError(f"router.{name}: unknown setting")
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ConfigError(f"router.{name}: expected {kind.__name__}, got {value!r}")
-        values[name] = value
-    if "mode" in raw:
-        values["mode"] = Mode.parse(str(raw["mode"]))
-    values["tenants"] = tenants = parse_tenants(raw.get("tenants"))
-    if "allow_mode_override" in raw:
-        values["allow_mode_override"] = _override_setting(raw["allow_mode_override"])
-    failure_mode = raw.get("failure_mode", "auto")
-    if failure_mode not in FAILURE_MODES:
-        raise ConfigError(
-            f"router.failure_mode: expected one of {', '.join(FAILURE_MODES)}, got {failure_mode!r}"
-        )
-    if failure_mode == "open" and tenants.guarded:
+    tenants = _tenants(doc.tenants)
+    if doc.failure_mode == "open" and tenants.guarded:
         raise ConfigError(
             "router.failure_mode: open would let requests past the API key check whenever "
             "ace-extproc does not answer; with router.tenants.api_keys or require_key it "
             "must be closed (or auto)"
         )
-    values["failure_mode"] = failure_mode
-    values["ext_proc_tls"] = _ext_proc_tls(raw.get("ext_proc_tls"))
-    values["passive_health"] = _passive_health(raw.get("passive_health"))
-    values["pipeline"] = _pipeline(raw.get("pipeline"))
-    values["salt_secret"], values["salt_secret_generated"] = _salt_secret(raw, env)
-    values["share_password"] = env.get(str(raw.get("share_password_env", "ACE_SHARE_PASSWORD")), "")
-    settings = Settings(**values)
-    if settings.block_bytes < 16 or settings.block_bytes > 65536:
-        raise ConfigError("router.block_bytes: expected 16..65536")
-    if settings.max_body_bytes <= 0 or settings.index_blocks_per_pod <= 0:
-        raise ConfigError("router: max_body_bytes and index_blocks_per_pod must be positive")
-    if not 0.0 <= settings.prefill_tokens_per_s < float("inf"):
-        raise ConfigError("router.prefill_tokens_per_s: expected a rate >= 0 (0: the model's)")
+    if doc.ext_proc_tls is not None:
+        _check_ext_proc_tls(doc.ext_proc_tls)
+    salt_secret, generated = _salt_secret(doc, env)
+    settings = Settings(
+        **{name: getattr(doc, name) for name in ff.RouterBase.__struct_fields__},
+        passive_health=doc.passive_health or PassiveHealth(),
+        tenants=tenants,
+        salt_secret=salt_secret,
+        salt_secret_generated=generated,
+        share_password=env.get(doc.share_password_env, ""),
+    )
+    # The types bound these below (and refuse NaN); an infinity passes them.
+    for name in (
+        "prefill_tokens_per_s",
+        "monitor_max_requests_per_s",
+        "affinity_slack",
+        "affinity_slack_ms",
+    ):
+        if not math.isfinite(getattr(settings, name)):
+            raise ConfigError(
+                f"router.{name}: expected a finite number, got {getattr(settings, name)!r}"
+            )
     if settings.upstream_ca_file and not os.path.isfile(settings.upstream_ca_file):
         raise ConfigError(f"router.upstream_ca_file: {settings.upstream_ca_file!r} is not a file")
-    if not 0.0 <= settings.monitor_max_requests_per_s < float("inf"):
-        raise ConfigError("router.monitor_max_requests_per_s: expected a rate >= 0 (0: no bound)")
-    if not 0.0 <= settings.min_match <= 1.0:
-        raise ConfigError("router.min_match: expected a share of the prompt, 0 to 1")
-    for name in ("affinity_slack", "affinity_slack_ms"):
-        if not 0.0 <= getattr(settings, name) < float("inf"):
-            raise ConfigError(f"router.{name}: expected a number >= 0")
-    if settings.upstream_mode not in ("cluster", "endpoint"):
-        raise ConfigError("router.upstream_mode: expected cluster or endpoint")
     if settings.share_url and urlsplit(settings.share_url).scheme not in SHARE_SCHEMES:
         raise ConfigError(
             f"router.share_url: expected a redis://, rediss:// or unix:// URL, "
             f"got {settings.share_url!r}"
         )
-    if not settings.share_channel:
-        raise ConfigError("router.share_channel: expected a channel name")
     if settings.share_password and urlsplit(settings.share_url).password is not None:
         raise ConfigError(
             "router.share_url carries a password and so does the environment "
@@ -894,10 +510,6 @@ def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
     check_admin_listen(settings.admin_listen, "router.admin_listen")
     if settings.metrics_listen != "off":
         check_listen(settings.metrics_listen, "router.metrics_listen", allow_off=True)
-    if settings.metrics_max_tenants < 1:
-        raise ConfigError("router.metrics_max_tenants: expected a positive number")
-    if settings.log_format not in LOG_FORMATS:
-        raise ConfigError(f"router.log_format: expected one of {', '.join(LOG_FORMATS)}")
     try:
         get_model(settings.ttft_model)
     except ValueError as exc:
@@ -928,14 +540,13 @@ def check_admin_listen(value: str, where: str) -> None:
         raise ConfigError(f'{where}: expected host:port, unix:/path or "off", got {value!r}')
 
 
-def _salt_secret(raw: Mapping[str, Any], env: Mapping[str, str]) -> tuple[bytes, bool]:
+def _salt_secret(doc: ff.Router, env: Mapping[str, str]) -> tuple[bytes, bool]:
     """The HMAC key of per-tenant cache salts, and whether it was generated. Every
     replica must share it, or each replica salts a tenant differently and the engines'
     caches split between them."""
-    if "salt_secret" in raw:
-        return str(raw["salt_secret"]).encode(), False
-    name = str(raw.get("salt_secret_env", "ACE_SALT_SECRET"))
-    value = env.get(name)
+    if doc.salt_secret is not None:
+        return doc.salt_secret.encode(), False
+    value = env.get(doc.salt_secret_env)
     if value:
         return value.encode(), False
     return secrets.token_bytes(32), True
@@ -951,12 +562,13 @@ def load(path: str | Path | None, env: Mapping[str, str] | None = None) -> Confi
     except OSError as exc:
         raise ConfigError(f"{path}: {exc.strerror}") from None
     try:
-        doc = yaml.safe_load(text)
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(doc, Mapping):
+    if not isinstance(raw, Mapping):
         raise ConfigError(f"{path}: expected a mapping with 'destinations:'")
-    return Config(parse_fleet(doc, env), parse_settings(doc.get("router"), env))
+    doc = decode(raw, ff.FleetFile)
+    return Config(build_fleet(doc, env), build_settings(doc.router or ff.Router(), env))
 
 
 def check_api_keys(fleet: Fleet) -> None:
@@ -992,8 +604,7 @@ def sim_fleet(addresses: Sequence[str], destination: str = "sim") -> Fleet:
     for i, addr in enumerate(addresses):
         host, port = _host_port(addr, f"pod {addr}")
         pods.append(Pod(destination, f"pod-{i}", host, port))
-    dest = Destination(destination, "vllm", pods[0].base_url, 1.0, tuple(pods))
-    return Fleet((dest,))
+    return Fleet((Destination(destination, "vllm", pods[0].base_url, tuple(pods)),))
 
 
 def ttft_models(fleet: Fleet, settings: Settings) -> dict[str, TTFTModel]:
@@ -1010,7 +621,6 @@ def fleet_to_dict(fleet: Fleet) -> dict[str, Any]:
                 "id": d.id,
                 "provider": d.provider,
                 "base_url": d.base_url,
-                "weight": d.weight,
                 **({"models": list(d.models)} if d.models else {}),
                 **({"discovery": discovery_to_dict(d.discovery)} if d.discovery else {}),
                 **({"api_key_env": d.api_key_env} if d.api_key_env else {}),

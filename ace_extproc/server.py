@@ -22,7 +22,6 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import replace
 from pathlib import Path
 from typing import TypeAlias
 
@@ -37,6 +36,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     TrailersResponse,
 )
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from msgspec.structs import replace
 
 from ace_extproc import config as config_mod
 from ace_extproc import execute, mutate, native, peer
@@ -507,7 +507,7 @@ def load_config(args: argparse.Namespace) -> Config:
     if args.log_format:
         overrides["log_format"] = args.log_format
     if overrides:
-        cfg = Config(cfg.fleet, replace(cfg.settings, **overrides))  # type: ignore[arg-type]
+        cfg = Config(cfg.fleet, replace(cfg.settings, **overrides))
     config_mod.check_discovery_mode(cfg.fleet, cfg.settings.upstream_mode)
     config_mod.check_api_keys(cfg.fleet)
     return cfg

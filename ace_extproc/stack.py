@@ -30,6 +30,7 @@ from pathlib import Path
 
 import aiohttp
 import yaml
+from msgspec import structs
 
 from ace_extproc import config as config_mod
 from ace_extproc import envoy_config
@@ -188,7 +189,7 @@ class Stack:
             # As the children will read it: their environment is ours plus the options'.
             cfg = config_mod.load(fleet_path, env={**os.environ, **o.env})
             # Envoy must dial the ext_proc where this stack starts it.
-            self.config = replace(cfg, settings=replace(cfg.settings, listen=o.ext_proc))
+            self.config = replace(cfg, settings=structs.replace(cfg.settings, listen=o.ext_proc))
             await self._start_ext_proc(fleet_path)
             await self._start_envoy(self.config)
             await self._wait_flowing()

@@ -43,6 +43,7 @@ from ace_extproc import mutate, native, server
 from ace_extproc import request as req
 from ace_extproc.app import App, build
 from ace_extproc.config import Config, Settings, sim_fleet
+from ace_extproc.fleet_file import UpstreamMode
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.processor import Processor, rewrite_body
 from ace_extproc.routing import RoutingRequest
@@ -97,7 +98,9 @@ def measure(fn: Any, iterations: int) -> list[float]:
     return out
 
 
-def warm_app(tokens: int, pods: int, upstream_mode: str = "cluster") -> tuple[App, list[bytes]]:
+def warm_app(
+    tokens: int, pods: int, upstream_mode: UpstreamMode = "cluster"
+) -> tuple[App, list[bytes]]:
     """A process's parts, its index having seen 16 conversations of ``tokens`` tokens (returned)
     and unrelated traffic; the same for the same arguments."""
     rng = random.Random(tokens)

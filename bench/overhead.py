@@ -304,7 +304,9 @@ class Bench(peers.PeerStack):
         if server:
             await self._wait_tcp(f"{name}-server", "127.0.0.1", ports[2])
         # The ext_proc cluster is rendered from settings.listen.
-        settings = replace(config.settings, listen=grpc_addr, observe_responses=observe)
+        settings = msgspec.structs.replace(
+            config.settings, listen=grpc_addr, observe_responses=observe
+        )
         cfg = replace(config, settings=settings)
         rendered = envoy_config.render_yaml(
             cfg, listen=listen, admin=admin, processing_mode=mode, ext_proc=server is not None

@@ -129,7 +129,7 @@ def make_app(
 ) -> "App":
     """The composition root's parts for ``config``; without ``watch``, as a process with
     no probes builds them (no monitor, so no load accounting: a test sets load itself)."""
-    from dataclasses import replace
+    from msgspec.structs import replace
 
     from ace_extproc.app import build
     from ace_extproc.config import Config

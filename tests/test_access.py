@@ -283,7 +283,7 @@ def test_without_tenants_mode_off_skips_the_body() -> None:
 
 def test_a_hosted_api_gets_no_engine_fields_even_unrouted() -> None:
     fleet = _unroutable_fleet()
-    hosted = Destination("api", "openai", "https://api.example.com", 1.0, (), ("only-this",))
+    hosted = Destination("api", "openai", "https://api.example.com", (), ("only-this",))
     fleet = dataclasses.replace(fleet, destinations=(hosted,))
     out = run(make(fleet=fleet), headers(authorization="Bearer key-a"), chat())
     assert out.action == "bypass_unknown_model" and out.body is None

@@ -409,12 +409,8 @@ def test_parse_prefix_ref() -> None:
 
 
 def test_resolve_pod_refuses_ambiguous_names() -> None:
-    a = Destination(
-        "a", "vllm", "http://10.0.0.1:8000", 1.0, (Pod("a", "pod-0", "10.0.0.1", 8000),)
-    )
-    b = Destination(
-        "b", "vllm", "http://10.0.0.2:8000", 1.0, (Pod("b", "pod-0", "10.0.0.2", 8000),)
-    )
+    a = Destination("a", "vllm", "http://10.0.0.1:8000", (Pod("a", "pod-0", "10.0.0.1", 8000),))
+    b = Destination("b", "vllm", "http://10.0.0.2:8000", (Pod("b", "pod-0", "10.0.0.2", 8000),))
     fleet = FleetState(Fleet((a, b)))
     assert resolve_pod(fleet, "b/pod-0") == 1
     assert resolve_pod(fleet, "10.0.0.2:8000") == 1

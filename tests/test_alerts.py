@@ -88,7 +88,7 @@ def test_no_pod_available_fires_for_a_destination_discovery_found_nothing_for() 
     name, say): its requests have nowhere to go from the start."""
     sim = sim_fleet(["127.0.0.1:9001"])
     empty = Destination(
-        "llama", "vllm", "http://llama:8000", 1.0, (), discovery=DiscoveryConfig("dns", 8000)
+        "llama", "vllm", "http://llama:8000", (), discovery=DiscoveryConfig("dns", 8000)
     )
     fleet = Fleet(FleetConfig((*sim.destinations, empty)))
     assert fired("AceNoPodAvailable", fleet.scrape()) == [({"destination": "llama"}, 0.0)]

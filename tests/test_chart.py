@@ -294,6 +294,10 @@ def test_a_fleet_the_server_would_refuse_fails_to_render(
         ({"destinations": []}, "/destinations"),
         ({"destinations": [{"base_url": "http://10.0.0.1:8000"}]}, "/destinations/0"),
         ({"router": {"mode": "on"}}, "/router/mode"),
+        # The fleet's part is fleet.schema.json's: a typo fails at helm install.
+        ({"router": {"modee": "prod"}}, "/router"),
+        ({"destinations": [{"id": "a", "base_url": "http://h:1", "weight": 2}]}, "/destinations/0"),
+        ({"router": {"passive_health": {"consecutive_5x": 3}}}, "/router/passive_health"),
         ({"saltSecret": {"key": "not a key"}}, "/saltSecret/key"),
     ],
 )

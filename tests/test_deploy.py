@@ -166,3 +166,4 @@ def test_the_wheel_builds_from_exactly_what_the_dockerfile_copies(tmp_path: Path
     ).stdout
     assert "ace_extproc/native/_speedups" in names  # the native code was compiled
     assert "ace_extproc/_proto/" in names  # and the protos
+    assert "ace_extproc/fleet.schema.json" in names  # and the fleet file's schema

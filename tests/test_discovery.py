@@ -38,7 +38,7 @@ from tests.conftest import serving
 
 def _fleet(n: int = 2, dest: str = "a") -> Fleet:
     pods = tuple(Pod(dest, f"p{i}", f"10.0.0.{i + 1}", 8000) for i in range(n))
-    return Fleet((Destination(dest, "vllm", "http://svc:8000", 1.0, pods),))
+    return Fleet((Destination(dest, "vllm", "http://svc:8000", pods),))
 
 
 def _run(coro: Awaitable[None], timeout: float = 10.0) -> None:
@@ -149,7 +149,7 @@ def test_static_discovery_changes_nothing() -> None:
 
 
 def test_dns_discovery_follows_the_records(caplog: pytest.LogCaptureFixture) -> None:
-    fleet = Fleet((Destination("a", "vllm", "http://svc:8000", 1.0, ()),))
+    fleet = Fleet((Destination("a", "vllm", "http://svc:8000", ()),))
     fs = FleetState(fleet)
     index = BlockIndex(100)
     answers: list[list[str] | Exception] = [
@@ -195,7 +195,7 @@ def test_dns_discovery_follows_the_records(caplog: pytest.LogCaptureFixture) -> 
 
 
 def test_dns_discovery_loop_runs_and_stops() -> None:
-    fs = FleetState(Fleet((Destination("a", "vllm", "http://svc:8000", 1.0, ()),)))
+    fs = FleetState(Fleet((Destination("a", "vllm", "http://svc:8000", ()),)))
 
     async def resolver(host: str, port: int) -> Iterable[str]:
         await asyncio.sleep(0)
@@ -214,7 +214,7 @@ def test_dns_discovery_loop_runs_and_stops() -> None:
 
 
 def test_dns_default_resolver_uses_getaddrinfo() -> None:
-    fs = FleetState(Fleet((Destination("a", "vllm", "http://svc:8000", 1.0, ()),)))
+    fs = FleetState(Fleet((Destination("a", "vllm", "http://svc:8000", ()),)))
     d = DnsDiscovery(fs, BlockIndex(10), "a", "localhost", 8000, 1.0)
     _run(d.refresh())
     assert fs.members and all(fs.pods[s].port == 8000 for s in d.slots.values())
@@ -290,7 +290,7 @@ async def _serve(api: FakeApi) -> AsyncIterator[str]:
 def test_kubernetes_discovery_list_watch_relist(tmp_path: Any) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    fleet = Fleet((Destination("a", "vllm", "http://llm.ns.svc:8000", 1.0, ()),))
+    fleet = Fleet((Destination("a", "vllm", "http://llm.ns.svc:8000", ()),))
     fs = FleetState(fleet)
     dest = fleet.destinations[0]
     index = BlockIndex(100)
@@ -400,7 +400,7 @@ def test_kubernetes_discovery_list_watch_relist(tmp_path: Any) -> None:
 
 def test_engines_sharing_an_ip_are_told_apart_by_port() -> None:
     """Host-networked engines on one node share its IP; slices give them different ports."""
-    fleet = Fleet((Destination("a", "vllm", "http://llm.ns.svc:8000", 1.0, ()),))
+    fleet = Fleet((Destination("a", "vllm", "http://llm.ns.svc:8000", ()),))
     fs = FleetState(fleet)
     d = KubernetesDiscovery(fs, BlockIndex(10), "a", "http://unused", "ns", "llm", port_name="http")
     one = _slice("s1", 1, [("10.4.0.1", True, False), ("10.4.0.2", True, False)])
@@ -420,7 +420,7 @@ def test_engines_sharing_an_ip_are_told_apart_by_port() -> None:
 
 
 def test_kubernetes_watch_http_410_and_errors_recover() -> None:
-    fleet = Fleet((Destination("a", "vllm", "http://llm.ns.svc:8000", 1.0, ()),))
+    fleet = Fleet((Destination("a", "vllm", "http://llm.ns.svc:8000", ()),))
     fs = FleetState(fleet)
     api = FakeApi()
     api.lists = [

@@ -404,7 +404,7 @@ def test_pod_added_at_run_time_takes_its_share_of_new_prefixes(tmp_path: Path) -
     port = port_free_on(hosts)
     pods = tuple(Pod("sim", h.replace(".", "-"), h, port) for h in hosts)
     new = pods[-1]
-    sims = Fleet((Destination("sim", "vllm", pods[0].base_url, 1.0, pods),))
+    sims = Fleet((Destination("sim", "vllm", pods[0].base_url, pods),))
     api = FakeApi()
     api.lists = [
         {

@@ -4,7 +4,6 @@ simulated pods served in-process."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -342,8 +341,8 @@ def test_a_pod_down_a_while_but_not_restarted_keeps_its_index() -> None:
 
 
 def test_hosted_api_pods_are_not_watched() -> None:
-    vllm = Destination("a", "vllm", "http://h:1", 1.0, (Pod("a", "p", "h", 1),))
-    hosted = Destination("b", "openai", "http://o:2", 1.0, (Pod("b", "p", "o", 2),))
+    vllm = Destination("a", "vllm", "http://h:1", (Pod("a", "p", "h", 1),))
+    hosted = Destination("b", "openai", "http://o:2", (Pod("b", "p", "o", 2),))
     monitor = FleetMonitor(FleetState(Fleet((vllm, hosted))), BlockIndex(10), FAST)
     assert monitor.watched == [0]
 
@@ -373,7 +372,7 @@ def test_the_server_runs_a_monitor_and_counts_picks(port: int) -> None:
         async with sim("pod-0") as pod:
             cfg = Config(
                 sim_fleet([f"127.0.0.1:{pod.port}"]),
-                dataclasses.replace(FAST, listen=f"127.0.0.1:{port}"),
+                msgspec.structs.replace(FAST, listen=f"127.0.0.1:{port}"),
             )
             app = build(cfg)
             processor = app.processor

@@ -23,7 +23,7 @@ METRICS = (
 def _fleet(pods: int, port: int) -> FleetState:
     """``pods`` pods, all answered by one server (each its own id, the same address)."""
     members = tuple(Pod("d", f"p{i}", "127.0.0.1", port) for i in range(pods))
-    return FleetState(Fleet((Destination("d", "vllm", f"http://127.0.0.1:{port}", 1.0, members),)))
+    return FleetState(Fleet((Destination("d", "vllm", f"http://127.0.0.1:{port}", members),)))
 
 
 def test_the_intervals_stretch_once_the_fleet_outgrows_the_budget() -> None:

@@ -116,8 +116,8 @@ def test_names_agree_with_the_envoy_config() -> None:
     assert envoy_config.GIE_NAMESPACE in envoy_config.METADATA_NAMESPACES
     two = Fleet(
         (
-            Destination("a", "vllm", "http://10.0.0.1:1", 1.0, (Pod("a", "p", "10.0.0.1", 1),)),
-            Destination("b", "vllm", "http://10.0.1.1:1", 1.0, (Pod("b", "q", "10.0.1.1", 1),)),
+            Destination("a", "vllm", "http://10.0.0.1:1", (Pod("a", "p", "10.0.0.1", 1),)),
+            Destination("b", "vllm", "http://10.0.1.1:1", (Pod("b", "q", "10.0.1.1", 1),)),
         )
     )
     for dest in two.destinations:

@@ -2,7 +2,6 @@
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import signal
 import subprocess
@@ -239,7 +238,7 @@ def test_graceful_stop_finishes_streams_in_flight(port):
 
 
 def test_server_settings_reach_grpc_options():
-    opts = dict(server.grpc_options(dataclasses.replace(Settings()).grpc_max_message_bytes))
+    opts = dict(server.grpc_options(Settings().grpc_max_message_bytes))
     assert opts["grpc.max_receive_message_length"] >= 64 << 20
 
 

@@ -25,7 +25,7 @@ HEADERS = {":path": "/v1/chat/completions", ":method": "POST", "content-type": "
 
 def _fleet(n: int = 2) -> FleetState:
     pods = tuple(Pod("a", f"p{i}", f"10.0.0.{i + 1}", 8000) for i in range(n))
-    return FleetState(Fleet((Destination("a", "vllm", "http://svc:8000", 1.0, pods),)))
+    return FleetState(Fleet((Destination("a", "vllm", "http://svc:8000", pods),)))
 
 
 def _pod(i: int) -> Pod:

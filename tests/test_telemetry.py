@@ -12,11 +12,11 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -19,7 +19,8 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ace_extproc.config import ConfigError, PluginSpec, Settings
+from ace_extproc.config import ConfigError, Settings
+from ace_extproc.fleet_file import PluginSpec
 from ace_extproc.routing.pipeline import (
     DEFAULT_SCORERS,
     EvictionCost,
@@ -96,5 +97,5 @@ def picker(settings: Settings, *, balance_new: bool = False) -> Any:
             "balance_new": balance_new,
             **(spec.args if spec is not None else {}),
         }
-        return make(PluginSpec("near-best", args), PICKERS, "router.pipeline.picker")
+        return make(PluginSpec(name="near-best", args=args), PICKERS, "router.pipeline.picker")
     return make(spec, PICKERS, "router.pipeline.picker")
