@@ -1,7 +1,6 @@
 """Build steps: compile ``protos/**/*.proto`` into ``ace_extproc/_proto`` with grpcio-tools,
-and the C fast path ``ace_extproc/_speedups.c``, ``_answer.c``, ``_price.c``,
-``_lru.c``, ``_pick.c`` and ``_headers.c`` (optional: without a C compiler the package
-runs on its pure-Python path, which gives the same results, slower).
+and the native code ``ace_extproc/native/_speedups.c`` and ``_lru.c`` (optional: without
+a C compiler the package runs on its Python references, which give the same results).
 
 Everything else about the package is in pyproject.toml. This runs as part of
 ``build_py``, which every build runs: a wheel, an sdist's wheel, and an editable
@@ -123,9 +122,7 @@ SPEEDUPS = Extension(
     "ace_extproc.native._speedups",
     sources=[
         "ace_extproc/native/_speedups.c",
-        "ace_extproc/native/_answer.c",
         "ace_extproc/native/_lru.c",
-        "ace_extproc/native/_headers.c",
     ],
     include_dirs=["third_party/xxhash"],  # xxHash's single header, BSD-2-Clause
     extra_compile_args=["-O3"],

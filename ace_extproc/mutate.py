@@ -9,15 +9,12 @@ names hosts of one destination cluster by ``ip:port``, primary first, then fallb
 for Envoy's retries, in the Gateway API Inference Extension's endpoint-picker form.
 
 ``changes`` and ``metadata`` are the single definition of what Envoy is told; the
-answers below only write them out. The body phase's answer, the one on every routed
-request, goes out through ``body_answer``: written straight to wire bytes where the
-``answer`` piece is native (``native/_answer.c``, from those two plain lists), else
-built in upb.
+answers below only write them out.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, TypeAlias
+from typing import NamedTuple
 
 from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -29,7 +26,6 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
-from ace_extproc import native
 from ace_extproc.config import default_cluster
 from ace_extproc.outcome import UPSTREAM_HEADER, Outcome
 
@@ -48,9 +44,6 @@ DESTINATION_HEADER = "x-ace-destination"
 STREAM_CHUNK = 62_000
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-
-# What the server sends Envoy: a message, or one ``body_answer`` already serialized.
-Answer: TypeAlias = ProcessingResponse | bytes
 
 # Answers that carry nothing: built once, never mutated.
 HEADERS_CONTINUE = ProcessingResponse(request_headers=HeadersResponse())
@@ -92,8 +85,7 @@ def endpoints(outcome: Outcome) -> str:
 
 
 class Changes(NamedTuple):
-    """What an answer changes in the request, whichever way it is written (in upb
-    here, or as wire bytes by the C fast path, ``body_answer``)."""
+    """What an answer changes in the request."""
 
     headers: list[tuple[str, bytes]]  # set, overwriting
     remove: list[str]
@@ -216,31 +208,6 @@ def body_decided(outcome: Outcome, client_upstream: bool) -> ProcessingResponse:
     resp = ProcessingResponse()
     picked = _fill(resp.request_body.response, outcome, client_upstream, True)
     return _with_metadata(resp, outcome, picked)
-
-
-def body_answer(outcome: Outcome, client_upstream: bool) -> Answer:
-    """``body_decided``, as the server sends it: already serialized where the
-    ``answer`` piece is native (the same message), the upb message otherwise (the
-    server's serializer takes either)."""
-    if native.body_answer is None or outcome.reject_status:
-        return body_decided(outcome, client_upstream)
-    change = changes(outcome, client_upstream)
-    namespaces: list[tuple[str, list[tuple[str, str | float]]]] = []
-    if change.picked is not None:
-        namespaces.append((GIE_NAMESPACE, [(GIE_HEADER, change.picked)]))
-    namespaces.append((METADATA_NAMESPACE, metadata(outcome)))
-    answer: bytes = native.body_answer(
-        change.headers, change.remove, change.clear_route_cache, outcome.body, namespaces
-    )
-    return answer
-
-
-def serialize(answer: Answer) -> bytes:
-    """The server's response serializer: an answer ``body_answer`` wrote is sent as is."""
-    if isinstance(answer, bytes):
-        return answer
-    serialized: bytes = answer.SerializeToString()
-    return serialized
 
 
 def response_replaced(body: bytes) -> ProcessingResponse:

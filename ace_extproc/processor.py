@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import xxhash
 
-from ace_extproc import execute, native
+from ace_extproc import execute
 from ace_extproc import request as req
 from ace_extproc.config import ConfigError, Destination, Mode, Settings
 from ace_extproc.latency import TTFTModel
@@ -326,7 +326,7 @@ class Processor:
                 outcome.fallbacks = tuple([pods[slot] for slot in pick.fallbacks])
             fields = self._body_fields(destination, ctx, hashes, parsed, body)
             if fields:
-                outcome.body = native.splice(body, fields)
+                outcome.body = splice(body, fields)
             rewrite_ns = perf_counter_ns() - picked_at
         else:  # shadow: decided and reported, not pinned; salted all the same
             self._seal(ctx, outcome, body, parsed, destination)
@@ -414,7 +414,7 @@ def rewrite_body(body: bytes, fields: str, strip_client_fields: bool) -> bytes:
     """The body with the router's fields (a JSON object fragment, no braces) added, the
     client's own cache fields first stripped if it has any (``strip_router_fields``).
     Raises ``RequestError`` on a body that is not a JSON object."""
-    return native.splice(strip_router_fields(body) if strip_client_fields else body, fields)
+    return splice(strip_router_fields(body) if strip_client_fields else body, fields)
 
 
 def strip_router_fields(body: bytes) -> bytes:
@@ -438,6 +438,22 @@ def strip_router_fields(body: bytes) -> bytes:
 
 # A JSON object's members, each value left as its bytes.
 _raw_object = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def splice(body: bytes, fields: str) -> bytes:
+    """``fields`` (a JSON object fragment, no braces) inserted after the body's opening
+    brace, with a comma unless the object is empty; the client's bytes otherwise as
+    they were. Raises ``ValueError`` where there is no brace."""
+    start = body.index(b"{") + 1
+    first = start
+    while body[first : first + 1] in _JSON_SPACE:
+        first += 1
+    sep = b"" if body[first : first + 1] == b"}" else b","
+    # One copy of the client's bytes (join reads the memoryview in place).
+    return b"".join((body[:start], fields.encode(), sep, memoryview(body)[start:]))
+
+
+_JSON_SPACE = (b" ", b"\t", b"\r", b"\n")
 
 
 class _BadOverride(Exception):

@@ -6,10 +6,10 @@ the engine's prompt (tool definitions, roles, names, text, tool calls and result
 in conversation order, separated by control bytes that cannot occur in JSON text
 unescaped, so two requests share a canonical prefix exactly as far as their
 conversations agree. Decoding is one typed ``msgspec`` pass (measured faster than
-``orjson`` into dicts, and it validates as it goes). Where the C fast path was built
-(``speedups.py``), bodies go through it first: it checks the JSON and unescapes the
-text straight into the canonical bytes, and hands anything it does not handle
-(an image or audio part, anything invalid) to this path.
+``orjson`` into dicts, and it validates as it goes). Where the native ``prompt``
+piece was built (``native/__init__.py``), bodies go through it first: it checks the
+JSON and unescapes the text straight into the canonical bytes, and hands anything it
+does not handle (an image or audio part, anything invalid) to this path.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ _native_parsers = (
 )
 
 
-# Bodies parsed by the C fast path and handed to the Python parser (every body the C
+# Bodies parsed by the native code and handed to the Python parser (every body the C
 # one does not handle, invalid ones included), since start: the metrics export them.
 parsed_by = {"native": 0, "python": 0}
 

@@ -23,7 +23,6 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
-from typing import TypeAlias
 
 import grpc
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -46,8 +45,6 @@ from ace_extproc.app import App, build
 from ace_extproc.config import Config, ConfigError, ExtProcTLS, Mode
 from ace_extproc.envoy_config import EXT_PROC_SERVICE
 from ace_extproc.logs import configure_logging
-from ace_extproc.mutate import Answer
-from ace_extproc.native import wire
 from ace_extproc.observe import Observation, Observer
 from ace_extproc.outcome import Outcome
 from ace_extproc.probes import Probes
@@ -65,14 +62,6 @@ _UNASKED = {
 }
 
 
-# What the server's deserializer hands the stream: the message, and its wire bytes.
-Received: TypeAlias = tuple[ProcessingRequest, bytes]
-
-
-def _receive(data: bytes) -> Received:
-    return ProcessingRequest.FromString(data), data
-
-
 class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, processor: Processor, observer: Observer) -> None:
         """``observer``: where the observe-only filter's streams report."""
@@ -82,8 +71,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         self._refused_logged_at = -60.0
 
     async def Process(
-        self, request_iterator: AsyncIterator[Received], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Answer]:
+        self, request_iterator: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ProcessingResponse]:
         if self.token is not None and not peer.presented(
             context.invocation_metadata() or (), self.token
         ):
@@ -91,8 +80,8 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not Envoy's stream")
         stream = _Stream(self.processor, self.observer)
         try:
-            async for message, raw in request_iterator:
-                for response in stream.on_message(message, raw):
+            async for message in request_iterator:
+                for response in stream.on_message(message):
                     yield response
                 if stream.observed_all:
                     # Close it ourselves: Envoy would hold an observe stream open for
@@ -147,15 +136,15 @@ class _Stream:
         self.outcome: Outcome | None = None  # the decision, for the native API's envelope
         self.status = 0  # the response's status (native API)
 
-    def on_message(self, msg: ProcessingRequest, raw: bytes | None = None) -> Iterable[Answer]:
-        """One message of the stream; ``raw``, its wire bytes where the server has them."""
+    def on_message(self, msg: ProcessingRequest) -> Iterable[ProcessingResponse]:
+        """One message of the stream: the answers it gets."""
         kind = msg.WhichOneof("request")
         if msg.observability_mode:  # the observe-only filter: Envoy wants no answer
             self._observe(msg, kind)
             return ()
         try:
             if kind == "request_headers":
-                return self._on_headers(msg, raw)
+                return self._on_headers(msg)
             if kind == "request_body":
                 return self._on_body(msg)
             if kind == "request_trailers":
@@ -172,13 +161,13 @@ class _Stream:
         unasked = _UNASKED.get(kind or "")
         return [unasked] if unasked is not None else []
 
-    def _on_headers(self, msg: ProcessingRequest, raw: bytes | None) -> list[Answer]:
+    def _on_headers(self, msg: ProcessingRequest) -> list[ProcessingResponse]:
         if msg.HasField("protocol_config"):
             self.duplex = msg.protocol_config.request_body_mode == _DUPLEX
         http = msg.request_headers
         self.ended = http.end_of_stream
         self.has_body = not http.end_of_stream
-        headers = request_headers(msg, raw)
+        headers = request_headers(msg)
         self.ctx = ctx = self.processor.on_headers(headers, http.end_of_stream)
         if ctx.execute and not (ctx.outcome and ctx.outcome.reject_status):
             if self.duplex:  # Envoy allows no mode override there: no envelope back
@@ -195,7 +184,7 @@ class _Stream:
             return [mutate.headers_decided(ctx.outcome, ctx.client_upstream)]
         return [mutate.HEADERS_CONTINUE]
 
-    def _on_body(self, msg: ProcessingRequest) -> list[Answer]:
+    def _on_body(self, msg: ProcessingRequest) -> list[ProcessingResponse]:
         http = msg.request_body
         self.ended = http.end_of_stream
         if not self.duplex:
@@ -212,7 +201,7 @@ class _Stream:
             return []
         return self._decide(b"".join(self.chunks))
 
-    def _on_trailers(self) -> list[Answer]:
+    def _on_trailers(self) -> list[ProcessingResponse]:
         # Trailers end a full-duplex body that did not say end_of_stream itself.
         self.ended = True
         out = self._decide(b"".join(self.chunks)) if self.duplex and not self.passing else []
@@ -220,7 +209,7 @@ class _Stream:
         out.append(ProcessingResponse(request_trailers=TrailersResponse()))
         return out
 
-    def _pass(self, outcome: Outcome, body: bytes, ended: bool) -> list[Answer]:
+    def _pass(self, outcome: Outcome, body: bytes, ended: bool) -> list[ProcessingResponse]:
         """Full-duplex: the headers answered with a decision reached before the body's
         end (``ended`` False), or at it; what came of the body so far goes back now,
         the rest as it arrives."""
@@ -230,7 +219,7 @@ class _Stream:
         client_upstream = self.ctx.client_upstream if self.ctx is not None else False
         return mutate.duplex_decided(outcome, client_upstream, body, ended, self.has_body)
 
-    def _decide(self, body: bytes) -> list[Answer]:
+    def _decide(self, body: bytes) -> list[ProcessingResponse]:
         ctx = self.ctx
         if ctx is None:  # a body before any headers: nothing to decide on
             return [mutate.BODY_CONTINUE]
@@ -238,9 +227,9 @@ class _Stream:
         if self.duplex:
             self.chunks = []
             return self._pass(outcome, body, True)
-        return [mutate.body_answer(outcome, ctx.client_upstream)]
+        return [mutate.body_decided(outcome, ctx.client_upstream)]
 
-    def _on_response_headers(self, msg: ProcessingRequest) -> list[Answer]:
+    def _on_response_headers(self, msg: ProcessingRequest) -> list[ProcessingResponse]:
         for h in msg.response_headers.headers.headers:
             if h.key == ":status":
                 self.status = int(h.raw_value or b"0")
@@ -249,7 +238,7 @@ class _Stream:
             self.outcome = None
         return [mutate.RESPONSE_HEADERS_CONTINUE]
 
-    def _on_response_body(self, msg: ProcessingRequest) -> list[Answer]:
+    def _on_response_body(self, msg: ProcessingRequest) -> list[ProcessingResponse]:
         outcome = self.outcome
         assert outcome is not None
         self.outcome = None
@@ -290,7 +279,7 @@ class _Stream:
             except Exception:
                 log.exception("observe: failed to record a response")
 
-    def _failed(self, kind: str | None, error: Exception) -> list[Answer]:
+    def _failed(self, kind: str | None, error: Exception) -> list[ProcessingResponse]:
         """The answer after a bug: the message's own phase answered, and the request
         passed on unrouted, or refused where it could not then be salted."""
         if kind not in _REQUEST_PHASES:  # a response phase: let it through as it is
@@ -301,7 +290,7 @@ class _Stream:
         if not self.duplex:
             if kind == "request_headers":
                 return [mutate.headers_decided(outcome, False)]
-            return [mutate.body_answer(outcome, False)]
+            return [mutate.body_decided(outcome, False)]
         if self.passing:  # headers answered, body under way: only ending the stream can say
             raise error
         body, self.chunks = b"".join(self.chunks), []
@@ -315,17 +304,10 @@ class _Stream:
 _REQUEST_PHASES = frozenset({"request_headers", "request_body", "request_trailers"})
 
 
-def request_headers(msg: ProcessingRequest, raw: bytes | None) -> dict[str, str]:
-    """A request-headers message's headers as a dict; where the ``headers`` piece is
-    native, read from its wire bytes in one C pass (``native.header_map``), else
-    field by field from upb's message (``native.wire.header_map``)."""
-    if native.header_map is None or raw is None:
-        return wire.header_map(msg.request_headers.headers)
-    try:
-        headers: dict[str, str] = native.header_map(raw)
-    except ValueError:  # wire forms Envoy never sends (groups) but upb accepted: its reading
-        return wire.header_map(msg.request_headers.headers)
-    return headers
+def request_headers(msg: ProcessingRequest) -> dict[str, str]:
+    """Envoy's request headers as a dict: each key to its ``raw_value`` (where Envoy
+    1.40 puts values) decoded as latin-1, the last of a repeated key kept."""
+    return {h.key: h.raw_value.decode("latin-1") for h in msg.request_headers.headers.headers}
 
 
 def execute_unavailable(mode: Mode) -> Outcome:
@@ -349,13 +331,12 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 def _add_processor(servicer: ExternalProcessor, server: grpc.aio.Server) -> None:
-    """The generated ``add_ExternalProcessorServicer_to_server``, with a serializer
-    that sends the answers ``mutate.body_answer`` already wrote as they are, and a
-    deserializer that keeps each message's wire bytes beside it (``request_headers``)."""
+    """The generated ``add_ExternalProcessorServicer_to_server``, under the service name
+    the rendered Envoy calls (``envoy_config.EXT_PROC_SERVICE``)."""
     handler = grpc.stream_stream_rpc_method_handler(
         servicer.Process,
-        request_deserializer=_receive,
-        response_serializer=mutate.serialize,
+        request_deserializer=ProcessingRequest.FromString,
+        response_serializer=ProcessingResponse.SerializeToString,
     )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": handler}),)

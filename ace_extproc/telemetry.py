@@ -307,7 +307,7 @@ class Telemetry(Collector):
     def _parser_family(self) -> Metric:
         parsed = CounterMetricFamily(
             "ace_parsed_bodies",
-            "Request bodies parsed by the C fast path (native) or handed to the Python "
+            "Request bodies parsed by the native code (native) or handed to the Python "
             "parser (python: what the C one does not handle, invalid bodies included; "
             "all of them where the extension was not built).",
             labels=["parser"],

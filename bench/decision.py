@@ -37,7 +37,6 @@ from typing import Any
 
 import msgspec
 import orjson
-from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
 from ace_extproc import mutate, native, server
 from ace_extproc import request as req
@@ -143,7 +142,7 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
     def total_on(p: Processor, k: int) -> None:
         c = p.on_headers(HEADERS, False)
         out = p.on_body(c, bodies[k])
-        mutate.serialize(mutate.body_answer(out, c.client_upstream))
+        mutate.body_decided(out, c.client_upstream).SerializeToString()
 
     # Endpoint mode (large and dynamic fleets): x-ace-upstream is the pod's ip:port,
     # with Envoy's fallback list and the endpoint-picker metadata; on a processor of
@@ -152,7 +151,7 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
 
     def rewrite(k: int) -> None:
         outcome.body = rewrite_body(bodies[k], fields, False)
-        mutate.serialize(mutate.body_answer(outcome, False))
+        mutate.body_decided(outcome, False).SerializeToString()
 
     timed: dict[str, Callable[[int], object]] = {
         "parse": lambda k: req.parse(req.CHAT_PATH, bodies[k]),
@@ -215,39 +214,6 @@ def bench_size(tokens: int, iterations: int, pods: int) -> dict[str, Any]:
             2,
         ),
     }
-
-
-# A request's headers as Envoy sends them to ext_proc (what an OpenAI client and Envoy
-# set), for the step before the decision: the server's dict of them.
-ENVOY_HEADERS = [
-    (":authority", "gateway.example"), (":path", req.CHAT_PATH), (":method", "POST"),
-    (":scheme", "https"), ("content-type", "application/json"), ("content-length", "16384"),
-    ("authorization", "Bearer sk-0123456789abcdef"), ("user-agent", "OpenAI/Python 1.54.0"),
-    ("accept", "application/json"), ("x-forwarded-proto", "https"),
-    ("x-request-id", "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"),
-    ("x-envoy-expected-rq-timeout-ms", "60000"),
-]  # fmt: skip
-
-
-def header_map_costs(iterations: int) -> dict[str, float]:
-    """The server's dict of a request's headers (``server.request_headers``): read by C
-    from the message's wire bytes vs from the parsed message in Python, p50 us, each
-    on a freshly parsed message as the server has it."""
-    msg = ProcessingRequest()
-    for key, value in ENVOY_HEADERS:
-        msg.request_headers.headers.headers.add(key=key, raw_value=value.encode())
-    data = msg.SerializeToString()
-    out: dict[str, float] = {}
-    ways = {"python": None, "c": data} if native.header_map is not None else {"python": None}
-    for name, raw in ways.items():
-        times = []
-        for _ in range(iterations):
-            parsed = ProcessingRequest.FromString(data)
-            t = time.perf_counter_ns()
-            server.request_headers(parsed, raw)
-            times.append((time.perf_counter_ns() - t) / 1000.0)
-        out[name] = round(statistics.median(times), 2)
-    return out
 
 
 def block_size_costs(iterations: int) -> dict[int, dict[str, float]]:
@@ -387,12 +353,6 @@ def main(argv: list[str] | None = None) -> int:
         "hash step at 32K tokens by block size (us p50, blocks):",
         ", ".join(f"{b} B: {v['p50_us']:.1f} ({v['blocks']})" for b, v in blocks.items()),
     )
-    header_map = header_map_costs(args.iterations)
-    print(
-        f"server's header dict ({len(ENVOY_HEADERS)} headers, before the decision; not in "
-        "the total), p50 us:",
-        ", ".join(f"{way} {us:.1f}" for way, us in header_map.items()),
-    )
     families = family_parse_costs(args.iterations // 4)
     print(
         "parse step by request family, p50 us a body (C fast path vs pure Python):",
@@ -425,7 +385,6 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": rows,
         "hash_32k_by_block_bytes": blocks,
         "parse_by_family_p50_us": families,
-        "header_map_p50_us": header_map,
         "c_vs_pure_p50_us": paths,
     }
     out = Path(args.out)

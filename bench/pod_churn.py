@@ -73,7 +73,7 @@ class Variant:
             t = clock()
             c = proc.on_headers(HEADERS, False)
             out = proc.on_body(c, bodies[k % len(bodies)])
-            mutate.serialize(mutate.body_answer(out, c.client_upstream))
+            mutate.body_decided(out, c.client_upstream).SerializeToString()
             self.samples.append((clock() - t) / 1000.0)
 
     def row(self, proc: Processor) -> dict[str, Any]:

@@ -149,8 +149,7 @@ def load_speedups() -> ModuleType:
     (``ACE_EXTPROC_PURE_PYTHON=1``: its tests skip); anywhere else a missing
     extension fails, so CI cannot silently lose it."""
     if os.environ.get("ACE_EXTPROC_PURE_PYTHON") == "1":
-        # Even where the extension was built: the request path runs without it, so
-        # tests of what it sends (mutate.body_answer's bytes) would see upb instead.
+        # Even where the extension was built: the request path runs without it.
         pytest.skip("ACE_EXTPROC_PURE_PYTHON=1: the native code is off", allow_module_level=True)
     return importlib.import_module("ace_extproc.native._speedups")
 

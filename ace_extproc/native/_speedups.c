@@ -1,4 +1,5 @@
-/* The request path's per-byte steps, in C.
+/* The native pieces (native/__init__.py): ``prompt``, a body to its canonical prompt and
+ * the prompt's block hashes, here; ``lru``, in _lru.c.
  *
  * chat_prompt(body) -> (model, prompt, cacheable_end, has_router_fields, stream,
  *                       stream_options) | None
@@ -16,23 +17,18 @@
  *     token ids, as request.py's _parse_completion writes them.
  *
  * chain(data, block_bytes, seed) -> list[int]
- *     prefix.py's chained hashes: h_i = xxh3_64(block_i, seed=h_{i-1}) over every
+ *     native/hashing.py's chained hashes: h_i = xxh3_64(block_i, seed=h_{i-1}) over every
  *     full block, h_{-1} = seed.
  *
  * BlockLRU, record(...), evict(...), match(...)
  *     A pod's block LRU and routing/index.py's record, eviction and match depths on
  *     it (_lru.c).
- *
- * body_answer(...) -> bytes
- *     The body phase's answer to Envoy as protobuf wire bytes (_answer.c).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "_answer.h"
-#include "_headers.h"
 #include "_lru.h"
 
 #define XXH_INLINE_ALL
@@ -1069,9 +1065,6 @@ static PyMethodDef methods[] = {
      "completion_prompt(body) -> (model, prompt, None, has_router_fields, stream, "
      "stream_options) for a /v1/completions body, or None: request.py's msgspec path "
      "decides."},
-    {"header_map", (PyCFunction)ace_header_map, METH_O,
-     "header_map(data) -> {key: raw_value as latin-1} for a serialized HeaderMap "
-     "(server.py's header_map_pure)."},
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL,
      "chain(data, block_bytes, seed) -> the chained xxh3_64 hashes of data's full blocks."},
     {"prefix_hashes", (PyCFunction)(void (*)(void))prefix_hashes, METH_FASTCALL,
@@ -1086,19 +1079,13 @@ static PyMethodDef methods[] = {
     {"evict", (PyCFunction)(void (*)(void))ace_evict, METH_FASTCALL,
      "evict(lru, roots, bit, count): the BlockLRU's count oldest blocks forgotten, a "
      "forgotten root losing bit."},
-    {"body_answer", (PyCFunction)(void (*)(void))ace_body_answer, METH_FASTCALL,
-     "body_answer(headers, remove, clear_route_cache, body, namespaces) -> a serialized "
-     "ProcessingResponse answering a request body (mutate.body_answer)."},
-    {"splice", (PyCFunction)(void (*)(void))ace_splice, METH_FASTCALL,
-     "splice(body, fields) -> the body with fields (a JSON object fragment) inserted after "
-     "its opening brace (processor.py's splice_pure)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "ace_extproc.native._speedups",
-    "The request path's per-byte steps and its answer in C (request.py, prefix.py and "
-    "mutate.py hold the reference).",
+    "Prompt parsing, block hashing and the per-pod block LRU in C (native/__init__.py "
+    "chooses between them and their Python references).",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
