@@ -340,12 +340,13 @@ class Settings:
     unhealthy_after: int = 2  # consecutive failed probes (or scrapes) that take a pod out
     healthy_after: int = 2  # consecutive good probes that bring it back
     passive_health: PassiveHealth = field(default_factory=PassiveHealth)
-    # A second, observe-only ext_proc filter sees each response (its status, the host
-    # that answered) without delaying it: passive health, and the engines' own reuse.
+    # Envoy reports each response (its status, the host that answered) to ace-extproc on
+    # its gRPC access log, batched, without delaying it: passive health and the ledger.
     observe_responses: bool = True
     # Also read each response body's usage (prompt_tokens_details.cached_tokens), and
     # ask streamed requests for it (stream_options.include_usage; prod only, as shadow
-    # never changes a request). Costs a gRPC message per body chunk, off the path.
+    # never changes a request). Costs a second, observe-only ext_proc stream a request,
+    # and a gRPC message per body chunk, off the path.
     usage_capture: bool = False
     salt_secret: bytes = b""
     salt_secret_generated: bool = False  # none configured: a random one, this process's own

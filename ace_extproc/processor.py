@@ -109,8 +109,8 @@ class Processor:
         self.ttft = ttft_models(config.fleet, config.settings)
         # Set by server.start: keeps fleet.load and fleet.available fresh.
         self.monitor: FleetMonitor | None = None
-        # What became of the requests (the observe-only filter's reports), and the pods
-        # taken out for failing them.
+        # What became of the requests (Envoy's access log; the observe-only filter's
+        # usage), and the pods taken out for failing them.
         self.outliers = OutlierDetector(self.fleet, config.settings.passive_health)
         self.observer = Observer(self.fleet, self.outliers)
         # Decisions and step times, read by the metrics endpoint (telemetry.py).
