@@ -180,7 +180,7 @@ def test_responses_reach_ace_extproc_by_the_access_log_and_bodies_by_the_observe
     assert als is not None and observe(doc) is None
     assert als["grpc_service"] == {"envoy_grpc": {"cluster_name": "ace_extproc"}}
     assert als["log_name"] == "ace" and als["transport_api_version"] == "V3"
-    assert als["buffer_flush_interval"] == "0.1s" and als["buffer_size_bytes"] == 16384
+    assert als["buffer_flush_interval"] == "0.1s" and als["buffer_size_bytes"] == 65536
     # With access_log off (the JSON lines), ace-extproc still gets its entries.
     assert _als(ec.render(default, access_log="off")) == als
     usage = cfg.Config(default.fleet, replace(default.settings, usage_capture=True))
