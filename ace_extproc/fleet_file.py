@@ -398,15 +398,16 @@ class RouterBase(Section, frozen=True):
     observe_responses: Annotated[
         bool,
         _doc(
-            "An observe-only ext_proc filter sees each response (status, the host that "
-            "answered) without delaying it: passive health, the engines' own reuse."
+            "Envoy reports each response (status, the host that answered) on its gRPC "
+            "access log, batched, without delaying it: passive health and the ledger."
         ),
     ] = True
     usage_capture: Annotated[
         bool,
         _doc(
             "Also read response bodies' usage (cached_tokens), and ask streams for it "
-            "(prod only). Costs a gRPC message per body chunk, off the path."
+            "(prod only). Costs a second, observe-only ext_proc stream a request and a "
+            "gRPC message per body chunk, off the path."
         ),
     ] = False
     listen: Annotated[str, _doc("The ext_proc gRPC server: host:port.")] = "127.0.0.1:50051"

@@ -1,10 +1,10 @@
-"""What became of each request, seen after routing by an observe-only ext_proc filter.
+"""What became of each request, seen after routing, from two reports that never overlap.
 
-A second ext_proc filter runs in Envoy's observability mode: Envoy sends it the
-response headers (and, with ``usage_capture``, the response body) without waiting
-for answers, so nothing the client receives is delayed. The routing filter's
-decision reaches it as the forwarded ``ace`` dynamic metadata, and the host that
-really answered as the ``upstream.address`` attribute. From those, per response:
+**Envoy's gRPC access log** (``access_log.py``, always on with ``observe_responses``):
+one entry per request, batched on one long-lived stream per Envoy worker, with the
+routing filter's decision (the ``ace`` dynamic metadata), the host that answered last,
+the status, Envoy's response flags and how many attempts the router made. From it
+(``Observer.record``):
 
 * **passive health**: a pod's own 5xx, or Envoy's report that it timed out, reset or
   could not be reached, counts a failure against it; any other answer a success; a
@@ -12,12 +12,18 @@ really answered as the ``upstream.address`` attribute. From those, per response:
   (overflow, no route) count for nothing, nor do the answers to bodies the router
   already found malformed (a client can make an engine fail on purpose). The
   outlier detector (``routing/outlier.py``) decides what the failures mean.
-* **reuse, estimated and reported**: the router's estimate of the prefill it saved
-  against ``usage.prompt_tokens_details.cached_tokens`` as the engine reported it,
-  per mode, so shadow mode shows what default routing really reused next to what
-  the router predicts it would have (``Ledger``).
+* **the ledger's counts**: responses, failures and the router's estimate of the
+  prefill it saved, per mode and per pod (``Ledger``).
 
-The request path never waits on any of this.
+**An observe-only ext_proc filter**, only with ``usage_capture`` (only it can read a
+response body): Envoy's observability mode sends it each response without waiting for
+answers, and it reports **the engine's own reuse**, ``usage.prompt_tokens_details.
+cached_tokens`` next to the router's estimate for the same responses, per mode, so
+shadow mode shows what default routing really reused next to what the router predicts
+it would have (``Observer.finish``). It reports usage only: the access log already
+counted the response, so nothing counts twice whichever report arrives first.
+
+The request path never waits on either.
 """
 
 from __future__ import annotations
@@ -72,24 +78,34 @@ class Ledger:
     by_mode: dict[str, Totals] = field(default_factory=dict)
     by_pod: dict[str, Totals] = field(default_factory=dict)
 
-    def add(self, obs: Observation, pod_key: str | None) -> None:
+    def _tallies(self, obs: Observation, pod_key: str | None) -> list[Totals]:
         tallies = [self.by_mode.setdefault(obs.mode or "none", Totals())]
         if pod_key:
             tallies.append(self.by_pod.setdefault(pod_key, Totals()))
-        for totals in tallies:
+        return tallies
+
+    def add(self, obs: Observation, pod_key: str | None) -> None:
+        """One response, and its usage where it carries one."""
+        for totals in self._tallies(obs, pod_key):
             totals.responses += 1
             totals.failed += obs.status >= 500
             totals.estimated_saved_tokens += obs.saved_tokens
-            if obs.cached_tokens is not None and obs.prompt_tokens:
-                totals.with_usage += 1
-                totals.prompt_tokens += obs.prompt_tokens
-                totals.cached_tokens += obs.cached_tokens
-                totals.estimated_saved_with_usage += obs.saved_tokens
+        self.add_usage(obs, pod_key)
+
+    def add_usage(self, obs: Observation, pod_key: str | None) -> None:
+        """The engine's usage of a response counted already (or never: ``add``)."""
+        if obs.cached_tokens is None or not obs.prompt_tokens:
+            return
+        for totals in self._tallies(obs, pod_key):
+            totals.with_usage += 1
+            totals.prompt_tokens += obs.prompt_tokens
+            totals.cached_tokens += obs.cached_tokens
+            totals.estimated_saved_with_usage += obs.saved_tokens
 
 
 @dataclass(slots=True)
 class Observation:
-    """One response as the observe filter saw it."""
+    """One response, as the access log reported it or the observe filter saw it."""
 
     mode: str = ""
     action: str = ""
@@ -99,6 +115,7 @@ class Observation:
     upstream: str = ""  # ip:port of the host that answered last, if any
     status: int = 0
     flags: int = 0  # Envoy's response flags bitmask
+    attempts: int = 0  # upstream attempts the router made (access log); 0: not known
     prompt_tokens: int = 0  # from the engine's usage
     cached_tokens: int | None = None
     tail: bytearray = field(default_factory=bytearray)
@@ -161,13 +178,19 @@ class Observer:
             }
         return self._by_address.get(address)
 
-    def finish(self, obs: Observation) -> None:
-        obs.read_usage()
+    def _answered(self, obs: Observation, pinned: int | None) -> int | None:
+        """The slot of the pod that answered: the upstream's address, else (none
+        reported) the pin."""
+        if obs.upstream:
+            return self.slot_at(obs.upstream)
+        return pinned if obs.status else None
+
+    def record(self, obs: Observation) -> None:
+        """A response as Envoy's access log reported it: passive health, and the
+        ledger's counts (its usage, if any, is ``finish``'s to add)."""
         fleet = self.fleet
-        answered = self.slot_at(obs.upstream) if obs.upstream else None
         pinned = fleet.slot_of(obs.pinned) if obs.pinned else None
-        if answered is None and obs.status and pinned is not None and not obs.upstream:
-            answered = pinned  # no attribute: trust the pin
+        answered = self._answered(obs, pinned)
         if obs.status and obs.action not in CLIENT_FAULTS:
             outliers = self.outliers
             faulted = bool(obs.flags & POD_FAULTS)
@@ -178,7 +201,22 @@ class Observer:
                     outliers.failure(answered, 0)
                 elif not obs.flags:  # the pod's own 5xx
                     outliers.failure(answered, obs.status)
-            if pinned is not None and pinned != answered and (faulted or answered is not None):
-                outliers.failure(pinned, 0)  # Envoy retried away from it
+            # Envoy retried away from the pin: another pod answered after more than one
+            # attempt (one attempt elsewhere means Envoy never tried the pin, as for a
+            # host it does not know yet), or a host not known here failed.
+            away = (answered is not None and obs.attempts != 1) or (faulted and answered is None)
+            if pinned is not None and pinned != answered and away:
+                outliers.failure(pinned, 0)
         pod_key = fleet.pods[answered].key if answered is not None else None
         self.ledger.add(obs, pod_key)
+
+    def finish(self, obs: Observation) -> None:
+        """A response the observe filter (usage capture) saw to its end: its usage
+        only, as the access log reports the response itself."""
+        obs.read_usage()
+        if obs.cached_tokens is None:
+            return
+        fleet = self.fleet
+        answered = self._answered(obs, fleet.slot_of(obs.pinned) if obs.pinned else None)
+        pod_key = fleet.pods[answered].key if answered is not None else None
+        self.ledger.add_usage(obs, pod_key)

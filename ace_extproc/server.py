@@ -37,8 +37,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from msgspec.structs import replace
 
+from ace_extproc import access_log, execute, mutate, native, peer
 from ace_extproc import config as config_mod
-from ace_extproc import execute, mutate, native, peer
 from ace_extproc import telemetry as tm
 from ace_extproc.admin import serve_admin
 from ace_extproc.app import App, build
@@ -350,6 +350,7 @@ async def start(app: App) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     s = app.config.settings
     server = grpc.aio.server(options=grpc_options(s.grpc_max_message_bytes))
     _add_processor(ExternalProcessor(app.processor, app.observer), server)
+    access_log.add_to_server(server, app.observer, s)  # what became of each request
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if s.listen and _add_port(server, s.listen, s.ext_proc_tls) == 0:

@@ -586,10 +586,10 @@ class Telemetry(Collector):
         yield subscribed
 
     def _response_families(self, ledger: Ledger) -> Iterator[Metric]:
-        """Responses as the observe filter saw them: the engines' own reuse (usage
+        """Responses as Envoy's access log reported them, and the engines' own reuse (usage
         cached_tokens) next to the router's estimate for the same responses."""
         responses = CounterMetricFamily(
-            "ace_responses", "Responses seen by the observe filter, by mode.", labels=["mode"]
+            "ace_responses", "Responses Envoy reported (its access log), by mode.", labels=["mode"]
         )
         failed = CounterMetricFamily(
             "ace_responses_failed",

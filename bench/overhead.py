@@ -10,17 +10,20 @@ engine pod (no sleeping, one output token):
   direct           client -> Envoy -> engine, no ext_proc filter: the baseline
   trivial          + bench/trivial_extproc.py: the floor for a Python ext_proc doing
                    the same exchanges (headers SEND, body BUFFERED, body rewritten)
-  ace-buffered     + ace-extproc, buffered body (2 exchanges), as shipped: with the
-                   observe-only filter (each response reported on a second stream,
-                   without waiting for an answer)
-  ace-no-observe   the same without the observe filter: what observing costs
+  ace-buffered     + ace-extproc, buffered body (2 exchanges), as shipped: each
+                   response reported on Envoy's gRPC access log (batched, one stream
+                   per Envoy worker)
+  ace-no-observe   the same without observing responses: what observing costs
+  ace-observe-stream  the same observing as before the access log: an observe-only
+                   ext_proc filter, a second stream per request (response headers,
+                   not waited on)
   ace-pure-python  ace-buffered on the pure-Python path (ACE_EXTPROC_PURE_PYTHON=1):
                    what the C fast path saves end to end
   ace-full-duplex  + ace-extproc, FULL_DUPLEX_STREAMED body (1 round trip)
   sglang           client -> SGLang Model Gateway -> engine (no Envoy), --peer-policy
   vllm             client -> vLLM Router -> engine (no Envoy); its cache_aware policy
                    also POSTs every body to the engine's render endpoint first
-The default is the six Envoy variants; ``--variants all`` adds the peers that are
+The default is the seven Envoy variants; ``--variants all`` adds the peers that are
 installed (``bench/peers.py``), a peer named but not installed is skipped with the reason.
 For the peers, the "envoy" CPU column is the peer router's process (the proxy).
 
@@ -79,21 +82,24 @@ from ace_extproc.config import Config
 from ace_extproc.stack import TRACE_HEADER, StackError, StackOptions, envoy_binary
 from bench import peers
 
-# (ext_proc server, processing mode, observe filter) per Envoy variant: the default set.
-# ace as shipped has the observe-only filter (a second stream a request, off the path);
-# ace-no-observe shows what that costs. The trivial floor has the routing exchange only.
-VARIANTS: dict[str, tuple[str | None, str, bool]] = {
-    "direct": (None, "buffered", False),
-    "trivial": ("trivial", "buffered", False),
-    "ace-buffered": ("ace", "buffered", True),
-    "ace-no-observe": ("ace", "buffered", False),
-    "ace-pure-python": ("ace-pure", "buffered", True),
-    "ace-full-duplex": ("ace", "full_duplex", True),
+# (ext_proc server, processing mode, how responses are observed) per Envoy variant: the
+# default set. ace as shipped observes on Envoy's access log ("access-log", batched);
+# "stream" is the observe-only filter it replaced (a second stream a request), "off"
+# neither. The trivial floor has the routing exchange only.
+VARIANTS: dict[str, tuple[str | None, str, str]] = {
+    "direct": (None, "buffered", "off"),
+    "trivial": ("trivial", "buffered", "off"),
+    "ace-buffered": ("ace", "buffered", "access-log"),
+    "ace-no-observe": ("ace", "buffered", "off"),
+    "ace-observe-stream": ("ace", "buffered", "stream"),
+    "ace-pure-python": ("ace-pure", "buffered", "access-log"),
+    "ace-full-duplex": ("ace", "full_duplex", "access-log"),
 }
 # ace-buffered with one native piece on Python instead (``native/__init__.py``): what
 # that piece saves end to end. Named by ``--variants``, not in the default set.
-ABLATIONS: dict[str, tuple[str | None, str, bool]] = {
-    f"ace-without-{piece}": (f"ace-without-{piece}", "buffered", True) for piece in native.PIECES
+ABLATIONS: dict[str, tuple[str | None, str, str]] = {
+    f"ace-without-{piece}": (f"ace-without-{piece}", "buffered", "access-log")
+    for piece in native.PIECES
 }
 ENVOY_VARIANTS = {**VARIANTS, **ABLATIONS}
 # Peer routers in front of the same engine, without Envoy: named by ``--variants``.
@@ -259,6 +265,9 @@ class Bench(peers.PeerStack):
     """Stack's process handling (logs, readiness, stop on exit) for one engine pod and,
     per variant, an Envoy with or without an ext_proc server, or a peer router."""
 
+    # Per variant that observes by access log: Envoy's entries written and dropped.
+    access_log: dict[str, dict[str, int]]
+
     async def start_pod(self) -> Config:
         # One pod: trivial pins it, ace-extproc picks it (the only one), direct balances
         # onto it, so every variant hands the same engine process the same work.
@@ -305,14 +314,16 @@ class Bench(peers.PeerStack):
             await self._wait_tcp(f"{name}-server", "127.0.0.1", ports[2])
         # The ext_proc cluster is rendered from settings.listen.
         settings = msgspec.structs.replace(
-            config.settings, listen=grpc_addr, observe_responses=observe
+            config.settings, listen=grpc_addr, observe_responses=observe != "off"
         )
         cfg = replace(config, settings=settings)
-        rendered = envoy_config.render_yaml(
+        doc = envoy_config.render(
             cfg, listen=listen, admin=admin, processing_mode=mode, ext_proc=server is not None
         )
+        if observe == "stream":
+            observe_by_stream(doc, settings)
         path = self.workdir / f"envoy-{name}.yaml"
-        path.write_text(rendered)
+        path.write_text(json.dumps(doc, indent=1))  # JSON is YAML to Envoy
         await self._spawn(
             f"envoy-{name}", envoy_binary(), "-c", str(path), "--disable-hot-restart",
             "-l", "warning", "--concurrency", str(ENVOY_CONCURRENCY),
@@ -339,6 +350,24 @@ class Bench(peers.PeerStack):
             self.procs[pod.id].pid,
             pod.base_url,
         )
+
+
+def observe_by_stream(doc: dict[str, Any], settings: config_mod.Settings) -> None:
+    """``doc`` (a rendered bootstrap) observing responses as before the access log: the
+    observe-only ext_proc filter after the routing one, response headers only, with the
+    attributes it asked for then; no access log to ace-extproc."""
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    hcm = hcm["typed_config"]
+    hcm["access_log"] = [
+        log for log in hcm["access_log"] if log["name"] != "envoy.access_loggers.http_grpc"
+    ]
+    legacy = envoy_config._observe_filter(msgspec.structs.replace(settings, usage_capture=False))
+    legacy["typed_config"]["response_attributes"] = [
+        "upstream.address",
+        "response.code",
+        "response.flags",
+    ]
+    hcm["http_filters"].insert(1, legacy)
 
 
 # ------------------------------------------------------------------ clients
@@ -613,18 +642,31 @@ async def rate_phase(
             await s.close()
 
 
-async def count_unanswered(variants: list[Variant]) -> dict[str, int]:
+async def check_ext_proc_answers(
+    variants: list[Variant],
+) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
     """Requests each variant passed on without the ext_proc's answer (fail-open on an
     error or a timeout, a rejected mutation): they make a variant look faster than it
-    is, so the report marks the variant, rather than the whole run being lost."""
-    out: dict[str, int] = {}
+    is, so the report marks the variant rather than the whole run being lost; and the
+    access-log entries each variant's Envoy wrote and dropped."""
+    unanswered: dict[str, int] = {}
+    access_log: dict[str, dict[str, int]] = {}
     async with aiohttp.ClientSession() as http:
         for v in variants:
             pattern = r"ext_proc\..*(failure_mode_allowed|rejected_header_mutations)$"
             if failed := await v.counter(http, pattern):
                 print(f"warning: {v.name}: {failed} requests skipped the ext_proc's answer")
-                out[v.name] = failed
-    return out
+                unanswered[v.name] = failed
+            if ENVOY_VARIANTS.get(v.name, (None, "", ""))[2] != "access-log":
+                continue
+            # Envoy drops entries where its stream to ace-extproc is backed up (a saturated
+            # server): those cost the server nothing, so they are reported with the figures.
+            written = await v.counter(http, r"^access_logs\.grpc_access_log\.logs_written$")
+            dropped = await v.counter(http, r"^access_logs\.grpc_access_log\.logs_dropped$")
+            if not written:
+                raise BenchError(f"{v.name}: Envoy wrote no access log to ace-extproc")
+            access_log[v.name] = {"written": written, "dropped": dropped}
+    return unanswered, access_log
 
 
 async def measure(args: argparse.Namespace, bench: Bench) -> dict[tuple[str, int], Cell]:
@@ -639,7 +681,8 @@ async def measure(args: argparse.Namespace, bench: Bench) -> dict[tuple[str, int
     await latency_phase(args, variants, bodies, cells)
     await load_phase(args, variants, bodies, cells, bench.workdir)
     await rate_phase(args, variants, bodies, cells)
-    for name, failed in (await count_unanswered(variants)).items():
+    unanswered, bench.access_log = await check_ext_proc_answers(variants)
+    for name, failed in unanswered.items():
         for size in args.sizes:
             cells[name, size].unanswered = failed  # counted for the run, not per size
     return cells
@@ -751,9 +794,9 @@ def print_table(args: argparse.Namespace, variants: dict[str, Any]) -> None:
     cpu_head = "".join(f"{p:>9}" for p in PROCS)
     for size in args.sizes:
         title = f"body {size} bytes"
-        print(f"\n{title:<60}{'CPU, sequential':>27}  {'CPU, loaded':>27}")
+        print(f"\n{title:<64}{'CPU, sequential':>27}  {'CPU, loaded':>27}")
         print(
-            f"{'variant':<16}{'p50 ms':>8}{'p99 ms':>8}{'+p50 ms':>9}{'+p99 ms':>9}"
+            f"{'variant':<20}{'p50 ms':>8}{'p99 ms':>8}{'+p50 ms':>9}{'+p99 ms':>9}"
             f"{'req/s':>8}  {cpu_head}  {cpu_head}"
         )
         for name in args.variants:
@@ -763,7 +806,7 @@ def print_table(args: argparse.Namespace, variants: dict[str, Any]) -> None:
                 for k in ("cpu_us_per_req", "cpu_us_per_req_loaded")
             ]
             print(
-                f"{name:<16}{_num(r['p50_ms'], 8)}{_num(r['p99_ms'], 8)}"
+                f"{name:<20}{_num(r['p50_ms'], 8)}{_num(r['p99_ms'], 8)}"
                 f"{_num(r['added_p50_ms'], 9)}{_num(r['added_p99_ms'], 9)}"
                 f"{_num(r['rps'], 8, 0)}  {cpu[0]}  {cpu[1]}"
             )
@@ -778,12 +821,12 @@ def _print_loaded(args: argparse.Namespace, variants: dict[str, Any], size: int)
         f"({args.load_client}, {args.duration} s)"
     )
     print(
-        f"{'variant':<16}{'req/s':>8}{'errors':>8}{'p50 ms':>8}{'p99 ms':>8}"
+        f"{'variant':<20}{'req/s':>8}{'errors':>8}{'p50 ms':>8}{'p99 ms':>8}"
         f"{'+p50 ms':>9}{'+p99 ms':>9}"
     )
     for name, r in zip(args.variants, rows, strict=True):
         print(
-            f"{name:<16}{_num(r['rps'], 8, 0)}{r['load_errors']:>8}"
+            f"{name:<20}{_num(r['rps'], 8, 0)}{r['load_errors']:>8}"
             f"{_num(r['load_p50_ms'], 8)}{_num(r['load_p99_ms'], 8)}"
             f"{_num(r['load_added_p50_ms'], 9)}{_num(r['load_added_p99_ms'], 9)}"
         )
@@ -798,14 +841,14 @@ def _print_rates(args: argparse.Namespace, variants: dict[str, Any], size: int) 
         f"p99 <= {args.p99_bound_ms:g} ms)"
     )
     print(
-        f"{'variant':<16}{'rate':>6}{'req/s':>8}{'errors':>8}{'p50 ms':>8}{'p99 ms':>9}"
+        f"{'variant':<20}{'rate':>6}{'req/s':>8}{'errors':>8}{'p50 ms':>8}{'p99 ms':>9}"
         f"{'+p50 ms':>9}{'+p99 ms':>9}{'lag ms':>8}  sustained"
     )
     for name in args.variants:
         r = variants[name]["body_bytes"][str(size)]
         for x in r["rates"]:
             print(
-                f"{name:<16}{x['rate']:>6g}{_num(x['achieved_rps'], 8, 0)}{x['errors']:>8}"
+                f"{name:<20}{x['rate']:>6g}{_num(x['achieved_rps'], 8, 0)}{x['errors']:>8}"
                 f"{_num(x['p50_ms'], 8)}{_num(x['p99_ms'], 9)}"
                 f"{_num(x['added_p50_ms'], 9)}{_num(x['added_p99_ms'], 9)}"
                 f"{_num(x['client_lag_ms'], 8, 1)}  {'yes' if x['sustained'] else 'NO'}"
@@ -949,7 +992,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     variants = summarize(args, cells)
+    for name, counts in bench.access_log.items():
+        variants[name]["access_log_entries"] = counts
     print_table(args, variants)
+    for name, counts in bench.access_log.items():
+        print(
+            f"{name}: access log entries written {counts['written']}, dropped {counts['dropped']}"
+        )
     result = {
         "command": shlex.join(["python", "-m", "bench.overhead", *argv]),
         "python": platform.python_version(),

@@ -2,9 +2,10 @@
 
     python -m bench.streaming [--requests 12] [--tokens 48] [--tpot-ms 10]
 
-Starts the local stack twice, with usage capture off (the default: the observe filter
-sees response headers only) and on (it also reads each streamed body, and ace-extproc
-adds ``stream_options.include_usage`` to streamed requests). In each, the same
+Starts the local stack twice, with usage capture off (the default: Envoy's access log
+reports each response, no filter sees its body) and on (an observe-only filter reads
+each streamed body, and ace-extproc adds ``stream_options.include_usage`` to streamed
+requests). In each, the same
 streamed chat requests go alternately straight to a pod and through Envoy, so both
 paths share the machine's noise. Per path: time to the first event, the gaps between
 consecutive SSE events (inter-token latency, ITL), and whether the generated text

@@ -9,7 +9,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from aiohttp import web
@@ -38,6 +38,16 @@ def peer_metadata(salt_secret: bytes) -> tuple[tuple[str, str], ...]:
     token = peer.token(Settings(salt_secret=salt_secret))
     assert token is not None
     return ((peer.METADATA_KEY, token),)
+
+
+def put_fields(fields: Any, values: dict[str, str | float]) -> None:
+    """``values`` into a protobuf Struct's ``fields`` (dynamic metadata), as Envoy
+    forwards the ``ace`` namespace."""
+    for key, value in values.items():
+        if isinstance(value, str):
+            fields[key].string_value = value
+        else:
+            fields[key].number_value = value
 
 
 def free_port() -> int:

@@ -24,12 +24,15 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from ace_extproc import cli
 from ace_extproc.stack import envoy_binary
 from tests.conftest import memory_mib, up_command
+from tests.test_access_log import batch
+from tests.test_access_log import entry as logged
 from tests.test_e2e import Client, conversation, options, running
 
 try:
@@ -231,9 +234,10 @@ def _forged_reports(pods: list[tuple[str, str]], n: int) -> Iterator[pb.Processi
 
 
 def test_forged_observe_reports_take_no_pod_out(guarded: Client) -> None:
-    """One local client floods the ext_proc port with fake "pod answered 503" reports.
-    Without Envoy's token its streams are refused: every pod stays in and requests
-    stay pinned (before: 172 of 173 went unpinned, unsalted, bypass_no_pod)."""
+    """One local client floods the ext_proc port with fake "pod answered 503" reports,
+    as the observe filter and as Envoy's access log would send them. Without Envoy's
+    token its streams are refused: every pod stays in and requests stay pinned
+    (before: 172 of 173 went unpinned, unsalted, bypass_no_pod)."""
     assert guarded.stack.config is not None
     pods = [(p.key, p.address) for p in guarded.stack.config.fleet.pods]
     target = guarded.stack.options.ext_proc
@@ -254,7 +258,26 @@ def test_forged_observe_reports_take_no_pod_out(guarded: Client) -> None:
                     refused += 1
         return refused
 
+    async def flood_access_log() -> int:
+        unreachable = [
+            logged(503, address, flags=("upstream_connection_failure",), mode="prod", served_by=key)
+            for key, address in pods
+        ]
+        refused = 0
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = als_pb2_grpc.AccessLogServiceStub(channel)
+            for _ in range(20):
+                call = stub.StreamAccessLogs()
+                with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+                    for _ in range(20):
+                        await call.write(batch(*unreachable * 5))
+                    await call.done_writing()
+                if await asyncio.wait_for(call.code(), 5) != grpc.StatusCode.OK:
+                    refused += 1
+        return refused
+
     assert guarded.run(flood()) == 20
+    assert guarded.run(flood_access_log()) == 20
     for i in range(12):
         status, headers, _ = guarded.post("/v1/chat/completions", chat_body(f"after-{i}"), **ACME)
         assert status == 200 and "x-ace-pinned" in headers

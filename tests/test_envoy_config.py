@@ -76,6 +76,25 @@ def _observe(doc: dict[str, Any]) -> dict[str, Any]:
     return ext
 
 
+def _als(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The common_config of the gRPC access logger to ace-extproc, if rendered."""
+    found = [
+        log for log in _hcm(doc)["access_log"] if log["name"] == "envoy.access_loggers.http_grpc"
+    ]
+    if not found:
+        return None
+    (log,) = found
+    common: dict[str, Any] = log["typed_config"]["common_config"]
+    return common
+
+
+def _text_loggers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON-lines access loggers (stdout, stderr, a file), without the gRPC one."""
+    return [
+        log for log in _hcm(doc)["access_log"] if log["name"] != "envoy.access_loggers.http_grpc"
+    ]
+
+
 def _vhost(doc: dict[str, Any]) -> dict[str, Any]:
     vhost: dict[str, Any] = _hcm(doc)["route_config"]["virtual_hosts"][0]
     return vhost
@@ -146,25 +165,40 @@ def test_each_pod_cluster_has_the_other_pods_on_standby(default: cfg.Config) -> 
         ) == sorted(p.port for p in pods if p != pod)
 
 
-def test_the_observe_filter_only_watches_responses(default: cfg.Config) -> None:
+def test_responses_reach_ace_extproc_by_the_access_log_and_bodies_by_the_observe_filter(
+    default: cfg.Config,
+) -> None:
+    """Each request's outcome goes to ace-extproc on Envoy's gRPC access log, batched;
+    the per-request observe-only stream only where a response body must be read."""
+
     def observe(doc: dict[str, Any]) -> dict[str, Any] | None:
         found = [f for f in _hcm(doc)["http_filters"] if f["name"] == "ace.observe"]
         return found[0]["typed_config"] if found else None
 
-    obs = observe(ec.render(default))
-    assert obs is not None and obs["observability_mode"] is True
-    assert obs["failure_mode_allow"] is True
-    mode = obs["processing_mode"]
-    assert (mode["request_header_mode"], mode["request_body_mode"]) == ("SKIP", "NONE")
-    assert (mode["response_header_mode"], mode["response_body_mode"]) == ("SEND", "NONE")
-    assert obs["metadata_options"]["forwarding_namespaces"]["untyped"] == ["ace"]
-    assert "upstream.address" in obs["response_attributes"]
+    doc = ec.render(default)
+    als = _als(doc)
+    assert als is not None and observe(doc) is None
+    assert als["grpc_service"] == {"envoy_grpc": {"cluster_name": "ace_extproc"}}
+    assert als["log_name"] == "ace" and als["transport_api_version"] == "V3"
+    assert als["buffer_flush_interval"] == "0.1s" and als["buffer_size_bytes"] == 65536
+    # With access_log off (the JSON lines), ace-extproc still gets its entries.
+    assert _als(ec.render(default, access_log="off")) == als
     usage = cfg.Config(default.fleet, replace(default.settings, usage_capture=True))
     streamed = observe(ec.render(usage))
-    assert streamed is not None
-    assert streamed["processing_mode"]["response_body_mode"] == "STREAMED"
-    off = cfg.Config(default.fleet, replace(default.settings, observe_responses=False))
-    assert observe(ec.render(off)) is None
+    assert streamed is not None and _als(ec.render(usage)) == als
+    assert streamed["observability_mode"] is True and streamed["failure_mode_allow"] is True
+    mode = streamed["processing_mode"]
+    assert (mode["request_header_mode"], mode["request_body_mode"]) == ("SKIP", "NONE")
+    assert (mode["response_header_mode"], mode["response_body_mode"]) == ("SEND", "STREAMED")
+    assert streamed["metadata_options"]["forwarding_namespaces"]["untyped"] == ["ace"]
+    assert streamed["response_attributes"] == ["upstream.address"]
+    for off in (
+        cfg.Config(default.fleet, replace(default.settings, observe_responses=False)),
+        cfg.Config(
+            default.fleet, replace(default.settings, observe_responses=False, usage_capture=True)
+        ),
+    ):
+        assert observe(ec.render(off)) is None and _als(ec.render(off)) is None
 
 
 def test_client_routing_headers_are_stripped_before_routing(default: cfg.Config) -> None:
@@ -178,7 +212,7 @@ def test_client_routing_headers_are_stripped_before_routing(default: cfg.Config)
 def test_ext_proc_filter_fails_open_and_receives_metadata(default: cfg.Config) -> None:
     doc = ec.render(default, message_timeout_s=0.25)
     filters = [f["name"] for f in _hcm(doc)["http_filters"]]
-    assert filters == ["envoy.filters.http.ext_proc", "ace.observe", "envoy.filters.http.router"]
+    assert filters == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
     ext = _ext_proc(doc)
     # A generated salt secret (none configured): no token Envoy could share.
     assert ext["grpc_service"] == {"envoy_grpc": {"cluster_name": "ace_extproc"}}
@@ -228,7 +262,7 @@ def test_response_headers_come_from_metadata(default: cfg.Config) -> None:
 
 
 def test_access_log_is_json_with_the_decision_upstream_and_flags(default: cfg.Config) -> None:
-    (log,) = _hcm(ec.render(default))["access_log"]
+    (log,) = _text_loggers(ec.render(default))
     assert log["name"] == "envoy.access_loggers.stdout"
     fmt = log["typed_config"]["log_format"]["json_format"]
     assert {
@@ -250,8 +284,7 @@ def test_access_log_is_json_with_the_decision_upstream_and_flags(default: cfg.Co
 
 def test_access_log_target(default: cfg.Config) -> None:
     def logger(**kw: Any) -> list[dict[str, Any]]:
-        loggers: list[dict[str, Any]] = _hcm(ec.render(default, **kw))["access_log"]
-        return loggers
+        return _text_loggers(ec.render(default, **kw))
 
     (err,) = logger(access_log="stderr")
     assert err["typed_config"]["@type"].endswith("stream.v3.StderrAccessLog")
@@ -347,6 +380,7 @@ def test_rendered_field_names_match_the_envoy_protos(tmp_path: Path) -> None:
         "envoy.extensions.http.early_header_mutation.header_mutation.v3.header_mutation_pb2",
         "envoy.extensions.access_loggers.stream.v3.stream_pb2",
         "envoy.extensions.access_loggers.file.v3.file_pb2",
+        "envoy.extensions.access_loggers.grpc.v3.als_pb2",
         "envoy.extensions.upstreams.http.v3.http_protocol_options_pb2",
         "envoy.extensions.retry.host.previous_hosts.v3.previous_hosts_pb2",
         "envoy.extensions.retry.priority.previous_priorities.v3.previous_priorities_config_pb2",
@@ -358,6 +392,8 @@ def test_rendered_field_names_match_the_envoy_protos(tmp_path: Path) -> None:
         json_format.ParseDict(doc, bootstrap_pb2.Bootstrap())
     for target in ("stderr", "/tmp/access.json"):
         json_format.ParseDict(ec.render(config, access_log=target), bootstrap_pb2.Bootstrap())
+    usage = cfg.Config(config.fleet, replace(config.settings, usage_capture=True))
+    json_format.ParseDict(ec.render(usage), bootstrap_pb2.Bootstrap())  # the observe filter
 
 
 # ---------------------------------------------------------------- shipped files
@@ -517,7 +553,7 @@ def test_without_ext_proc_is_plain_envoy(default: cfg.Config, tmp_path: Path) ->
     """``ext_proc=False``: the benchmarks' baseline, the same routes with no ext_proc."""
     doc = ec.render(default, ext_proc=False)
     assert [f["name"] for f in _hcm(doc)["http_filters"]] == ["envoy.filters.http.router"]
-    assert "ace_extproc" not in _clusters(doc)
+    assert "ace_extproc" not in _clusters(doc) and _als(doc) is None
     assert _vhost(doc)["routes"] == _vhost(ec.render(default))["routes"]
     path = tmp_path / "envoy.yaml"
     path.write_text(ec.render_yaml(default, ext_proc=False))
@@ -671,6 +707,7 @@ def test_endpoint_field_names_match_the_envoy_protos(tmp_path: Path) -> None:
         "envoy.extensions.filters.http.router.v3.router_pb2",
         "envoy.extensions.http.early_header_mutation.header_mutation.v3.header_mutation_pb2",
         "envoy.extensions.access_loggers.stream.v3.stream_pb2",
+        "envoy.extensions.access_loggers.grpc.v3.als_pb2",
         "envoy.extensions.upstreams.http.v3.http_protocol_options_pb2",
         "envoy.extensions.retry.host.previous_hosts.v3.previous_hosts_pb2",
         "envoy.extensions.load_balancing_policies.override_host.v3.override_host_pb2",
@@ -848,7 +885,8 @@ def test_with_tenants_envoy_refuses_what_ace_extproc_cannot_answer(default: cfg.
         ext = _ext_proc(doc)
         assert ext["failure_mode_allow"] is False
         assert ext["status_on_error"] == {"code": "ServiceUnavailable"}
-        assert _observe(doc)["failure_mode_allow"] is True  # never on the request path
+    observed = ec.render(_keyed(default, usage_capture=True))
+    assert _observe(observed)["failure_mode_allow"] is True  # never on the request path
     header_only = cfg.parse_settings({"tenants": {"header": "x-t"}, "failure_mode": "open"})
     assert _ext_proc(ec.render(cfg.Config(default.fleet, header_only)))["failure_mode_allow"]
 
@@ -859,14 +897,16 @@ def test_the_trusted_tenant_header_is_stripped_at_the_edge(default: cfg.Config) 
     assert "x-tenant-id" in removed
 
 
-def test_both_filters_present_envoy_s_token(default: cfg.Config) -> None:
+def test_both_filters_and_the_access_log_present_envoy_s_token(default: cfg.Config) -> None:
     from ace_extproc import peer
 
-    config = _keyed(default)
+    config = _keyed(default, usage_capture=True)
     doc = ec.render(config)
     token = peer.token(config.settings)
     assert token is not None and len(token) == 64
-    for ext in (_ext_proc(doc), _observe(doc)):
+    als = _als(doc)
+    assert als is not None
+    for ext in (_ext_proc(doc), _observe(doc), als):
         assert ext["grpc_service"]["initial_metadata"] == [
             {"key": "x-ace-peer-token", "value": token}
         ]
@@ -945,6 +985,7 @@ def test_envoy_accepts_the_secured_bootstraps(default: cfg.Config, tmp_path: Pat
     )
     variants = {
         "closed": ec.render_yaml(_keyed(default)),
+        "usage-capture": ec.render_yaml(_keyed(default, usage_capture=True)),
         "closed-duplex": ec.render_yaml(_keyed(default), processing_mode="full_duplex"),
         "replicas": ec.render_yaml(
             _keyed(default), ext_proc_replicas=["127.0.0.1:7001", "127.0.0.1:7002"]

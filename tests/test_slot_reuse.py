@@ -158,7 +158,7 @@ def test_a_successor_inherits_nothing_of_the_pod_that_left(
     gone = proc.fleet.pods[slot]
     proc.index.set_capacity(slot, 7)  # learned from the old engine's KV size
     assert proc.placements.get(key) is not None
-    proc.observer.finish(Observation(mode="prod", upstream=gone.address, status=200))
+    proc.observer.record(Observation(mode="prod", upstream=gone.address, status=200))
     assert any(
         f'pod="{gone.id}"' in k for k in _series(proc, "ace_pod_response_prompt_tokens_total")
     )

@@ -1,5 +1,5 @@
 """Passive health: pods taken out for failing the requests they serve, as Envoy's
-outlier detection does it, from the responses the observe filter reports.
+outlier detection does it, from the responses Envoy's access log reports.
 
 A pod whose own answers fail ``consecutive_5xx`` times in a row (any 5xx), or
 ``consecutive_gateway_failure`` times (502, 503, 504, or Envoy unable to reach it or
