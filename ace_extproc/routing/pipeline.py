@@ -23,6 +23,7 @@ following it would pile sessions onto one pod.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -93,15 +94,19 @@ class PrefillCost:
     """This request's prefill past the blocks the pod holds warm."""
 
     def __call__(self, c: Candidates) -> list[float]:
-        tokens, tpb, depths = c.request.prompt_tokens, c.tokens_per_block, c.depths
-        a_ms, b_ms, t_step_ms = c.model.a_ms, c.model.b_ms, c.model.t_step_ms
-        out = []
-        for slot in c.slots:
-            depth = depths.get(slot, 0)
-            cached = min(int(depth * tpb), tokens - 1) if depth else 0
-            new = max(tokens - cached, 0)
-            out.append(max(t_step_ms, a_ms * new + b_ms * new * (cached + new / 2)))
-        return out
+        tokens, depths = c.request.prompt_tokens, c.depths
+        model = c.model
+        cold = model.prefill_ms(tokens)  # most pods hold none of the prompt
+        if not depths:
+            return [cold] * len(c.slots)
+        tpb = c.tokens_per_block
+        warm = {
+            slot: model.prefill_ms(tokens - (cached := min(int(depth * tpb), tokens - 1)), cached)
+            for slot, depth in depths.items()
+            if depth
+        }
+        get = warm.get
+        return [get(slot, cold) for slot in c.slots]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,13 +119,23 @@ class EvictionCost:
 
     def __call__(self, c: Candidates) -> list[float]:
         per_block = self.weight * c.model.a_ms * c.tokens_per_block
-        n, depths, index = len(c.request.hashes.blocks), c.depths, c.index
-        out = []
-        for slot in c.slots:
+        if not per_block:
+            return [0.0] * len(c.slots)
+        n, depths, slots = len(c.request.hashes.blocks), c.depths, c.slots
+        lrus, capacities, default = c.index.room_view()
+        lru, capacity = lrus.get, capacities.get
+        # Only a pod without room for the whole prompt can have to evict: most have it.
+        short = [slot for slot in slots if capacity(slot, default) - len(lru(slot, ())) < n]
+        if not short:
+            return [0.0] * len(slots)
+        charges = {}
+        for slot in short:
             depth = depths.get(slot, 0)
-            overflow = n - depth - index.room(slot) if per_block else 0
-            out.append(per_block * min(overflow, n - depth) if overflow > 0 else 0.0)
-        return out
+            overflow = n - depth - (capacity(slot, default) - len(lru(slot, ())))
+            if overflow > 0:
+                charges[slot] = per_block * min(overflow, n - depth)
+        charge = charges.get
+        return [charge(slot, 0.0) for slot in slots]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,17 +168,13 @@ class NearBest:
     balance_new: bool = False
 
     def __call__(self, c: Candidates, prices: list[float]) -> tuple[int, tuple[int, ...]]:
-        priced = sorted(zip(prices, c.slots, strict=True))
-        limit = priced[0][0] * (1 + self.slack_ratio) + self.slack_ms
-        depths = c.depths
-        deepest, near = -1, 0
-        for price, slot in priced:
-            if price > limit:
-                break
-            depth = depths.get(slot, 0)
-            if depth > deepest:
-                deepest, near = depth, 1 << slot
-            elif depth == deepest:
+        limit = min(prices) * (1 + self.slack_ratio) + self.slack_ms
+        get = c.depths.get
+        near_slots = [slot for price, slot in zip(prices, c.slots, strict=True) if price <= limit]
+        deepest = max([get(slot, 0) for slot in near_slots])
+        near = 0
+        for slot in near_slots:
+            if get(slot, 0) == deepest:
                 near |= 1 << slot
         home = c.home
         if home >= 0 and (near >> home) & 1:
@@ -179,7 +190,8 @@ class NearBest:
             else rendezvous.best(c.route_key, c.fleet.seeds, near)
         )
         keep = self.fallbacks
-        backups = tuple([slot for _, slot in priced[: keep + 1] if slot != chosen][:keep])
+        cheapest = heapq.nsmallest(keep + 1, zip(prices, c.slots, strict=True))
+        backups = tuple([slot for _, slot in cheapest if slot != chosen][:keep])
         return chosen, backups
 
 
@@ -335,6 +347,5 @@ class Pipeline:
             prices = [first.weight * p for p in prices]
         for weighted in rest:
             w = weighted.weight
-            for i, ms in enumerate(weighted.scorer(c)):
-                prices[i] += w * ms
+            prices = [p + w * ms for p, ms in zip(prices, weighted.scorer(c), strict=True)]
         return prices
