@@ -18,14 +18,14 @@ from ace_extproc.config import Config, ttft_models
 from ace_extproc.drains import DrainFile
 from ace_extproc.observe import Observer
 from ace_extproc.processor import Processor
-from ace_extproc.routing import BlockIndex, FleetState, Picker, policies
+from ace_extproc.routing import BlockIndex, FleetState, Policy, policies
 from ace_extproc.routing.discovery import Discovery, for_destination
 from ace_extproc.routing.fleet import ADDED, RETIRED
 from ace_extproc.routing.load import LoadAccounting
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.routing.outlier import OutlierDetector
 from ace_extproc.routing.placements import PrefixPlacements
-from ace_extproc.routing.policies import PickerFactory
+from ace_extproc.routing.policies import PolicyFactory
 from ace_extproc.routing.replicas import Learner, ReplicaSync
 from ace_extproc.telemetry import Telemetry
 from ace_extproc.tenants import Tenants
@@ -38,7 +38,7 @@ class App:
     config: Config
     fleet: FleetState  # the pods, their health, drains and load
     index: BlockIndex  # which pod holds which prefix block
-    picker: Picker
+    picker: Policy
     load: LoadAccounting
     processor: Processor  # the decision, per request
     telemetry: Telemetry
@@ -70,7 +70,7 @@ class App:
             await self.sharing.stop()
 
 
-def build(config: Config, picker: PickerFactory | None = None) -> App:
+def build(config: Config, picker: PolicyFactory | None = None) -> App:
     """Every part, constructed; nothing started. ``picker`` overrides the policy the
     settings name (the benchmark's baselines)."""
     s = config.settings

@@ -21,7 +21,7 @@ from ace_extproc.config import ConfigError, Destination, Mode, Settings
 from ace_extproc.latency import TTFTModel
 from ace_extproc.outcome import UPSTREAM_HEADER, Outcome
 from ace_extproc.prefix import PrefixHashes, cache_prefix_id, hash_prompt, scope_seed
-from ace_extproc.routing import FleetState, Picker, RoutingRequest
+from ace_extproc.routing import FleetState, Policy, RoutingRequest
 from ace_extproc.routing.load import LoadAccounting
 from ace_extproc.routing.placements import PrefixPlacements
 from ace_extproc.telemetry import Telemetry
@@ -68,7 +68,7 @@ class Processor:
         self,
         settings: Settings,
         fleet: FleetState,
-        picker: Picker,
+        picker: Policy,
         tenants: Tenants,
         telemetry: Telemetry,
         load: LoadAccounting,

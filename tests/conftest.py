@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ace_extproc.app import App
     from ace_extproc.config import Config
     from ace_extproc.processor import Processor
-    from ace_extproc.routing.policies import PickerFactory
+    from ace_extproc.routing.policies import PolicyFactory
     from ace_extproc.stack import Stack
 
 # gRPC's fork handlers restart its threads in each child this process forks, and a
@@ -135,7 +135,7 @@ def alive(pid: int) -> bool:
 
 
 def make_app(
-    config: "Config", picker: "PickerFactory | None" = None, *, watch: bool = False
+    config: "Config", picker: "PolicyFactory | None" = None, *, watch: bool = False
 ) -> "App":
     """The composition root's parts for ``config``; without ``watch``, as a process with
     no probes builds them (no monitor, so no load accounting: a test sets load itself)."""
@@ -149,7 +149,7 @@ def make_app(
     return build(config, picker)
 
 
-def make_processor(config: "Config", picker: "PickerFactory | None" = None) -> "Processor":
+def make_processor(config: "Config", picker: "PolicyFactory | None" = None) -> "Processor":
     """``make_app(config, picker).processor``: the decision alone."""
     return make_app(config, picker).processor
 

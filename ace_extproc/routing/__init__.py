@@ -3,14 +3,14 @@ prefixes go (``rendezvous``), and the policies that choose (``picker``)."""
 
 from ace_extproc.routing.fleet import FleetState, PodLoad
 from ace_extproc.routing.index import BlockIndex
-from ace_extproc.routing.picker import Pick, Picker, PrefixAffinityPicker, RoutingRequest
+from ace_extproc.routing.picker import Pick, Policy, PrefixAffinityPicker, RoutingRequest
 
 __all__ = [
     "BlockIndex",
     "FleetState",
     "Pick",
-    "Picker",
     "PodLoad",
+    "Policy",
     "PrefixAffinityPicker",
     "RoutingRequest",
 ]

@@ -1,10 +1,12 @@
-"""The picker interface, and the first policy: prefix affinity.
+"""The routing policy's interface, and the first policy: prefix affinity.
 
-A picker is called once per request with a ``RoutingRequest`` (block hashes, the
+A ``Policy`` is called once per request with a ``RoutingRequest`` (block hashes, the
 canonical prompt, its size, tenant, model, session) and the bitmask of candidate
 pods; it returns a ``Pick`` and records what the chosen pod will hold. Policies are
-interchangeable behind ``Picker`` so the benchmark runs each of them exactly as
-the server calls them (``bench/baselines`` holds the other routers' policies).
+interchangeable behind it, so the benchmark runs each of them exactly as the server
+calls them (``bench/baselines`` holds the other routers' policies). The default
+policy is ``pipeline.Pipeline``, whose last plug-in is called its picker, as in the
+Gateway API Inference Extension.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class Pick:
     fallbacks: tuple[int, ...] = ()  # next-best slots, for Envoy's retries (endpoint mode)
 
 
-class Picker(Protocol):
+class Policy(Protocol):
     def pick(self, request: RoutingRequest, candidates: int) -> Pick | None:
         """The pod for this request among ``candidates`` (a bitmask of slots), or None
         when there is no candidate."""

@@ -210,7 +210,7 @@ DEFAULT_SCORERS = (Weighted(PrefillCost()), Weighted(EvictionCost()), Weighted(Q
 
 
 class Pipeline:
-    """A ``routing.Picker``: filters, then scorers, then the picker; sessions and
+    """A ``routing.Policy``: filters, then scorers, then the picker; sessions and
     shallow matches decide what may steer before any of them runs."""
 
     def __init__(

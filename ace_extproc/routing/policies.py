@@ -18,10 +18,10 @@ from ace_extproc.latency import get_model
 from ace_extproc.routing import plugins
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.index import BlockIndex
-from ace_extproc.routing.picker import Picker, PrefixAffinityPicker
+from ace_extproc.routing.picker import Policy, PrefixAffinityPicker
 from ace_extproc.routing.pipeline import Pipeline
 
-PickerFactory = Callable[[FleetState, BlockIndex], Picker]
+PolicyFactory = Callable[[FleetState, BlockIndex], Policy]
 
 
 def cost_policy(
@@ -30,7 +30,7 @@ def cost_policy(
     balance_new: bool = False,
     min_match: float | None = None,
     place_sessions: bool | None = None,
-) -> PickerFactory:
+) -> PolicyFactory:
     """The cost pipeline; ``min_match`` and ``place_sessions`` override the settings'.
     Its plug-ins are made once, here: a configuration error shows at start-up."""
     share = settings.min_match if min_match is None else min_match
@@ -40,7 +40,7 @@ def cost_policy(
     scorers = plugins.scorers(settings)
     picker = plugins.picker(settings, balance_new=balance_new)
 
-    def build(fleet: FleetState, index: BlockIndex) -> Picker:
+    def build(fleet: FleetState, index: BlockIndex) -> Policy:
         return Pipeline(
             fleet,
             index,
@@ -57,22 +57,22 @@ def cost_policy(
     return build
 
 
-def cost_balanced_policy(settings: Settings) -> PickerFactory:
+def cost_balanced_policy(settings: Settings) -> PolicyFactory:
     return cost_policy(settings, balance_new=True)
 
 
-def affinity_policy(settings: Settings) -> PickerFactory:
+def affinity_policy(settings: Settings) -> PolicyFactory:
     return PrefixAffinityPicker
 
 
-POLICIES: dict[str, Callable[[Settings], PickerFactory]] = {
+POLICIES: dict[str, Callable[[Settings], PolicyFactory]] = {
     "cost": cost_policy,
     "cost-balanced": cost_balanced_policy,
     "affinity": affinity_policy,
 }
 
 
-def build(settings: Settings) -> PickerFactory:
+def build(settings: Settings) -> PolicyFactory:
     policy = POLICIES.get(settings.policy)
     if policy is None:
         known = ", ".join(POLICIES)

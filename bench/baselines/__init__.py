@@ -1,9 +1,9 @@
-"""The other routers' policies, each a ``Picker`` the benchmark runs through the
+"""The other routers' policies, each a ``Policy`` the benchmark runs through the
 production ``Processor`` (``app.build(config, POLICIES[name])``), exactly as the
 ext_proc server calls ours. Each module's docstring says which published description it
 follows (``/work/shared/reference/peers.md`` first) and where it approximates.
 
-Every factory is ``(FleetState, BlockIndex) -> Picker``. Every pick reports
+Every factory is ``(FleetState, BlockIndex) -> Policy``. Every pick reports
 ``matched_blocks`` as what *that policy* believes is warm on the chosen pod, in the
 router's 512-byte blocks (0 for policies with no cache model), and ``action`` "hit" when
 it believes at least one block is warm, else "miss".
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import yaml
 
 from ace_extproc.config import ConfigError, Settings, parse_settings
-from ace_extproc.routing import BlockIndex, FleetState, Picker, PrefixAffinityPicker, policies
+from ace_extproc.routing import BlockIndex, FleetState, Policy, PrefixAffinityPicker, policies
 from bench.baselines.bounds import SIMULATION_SETTINGS, bound_pooled, bound_unbounded
 from bench.baselines.dynamo_cost import DynamoCostPicker
 from bench.baselines.gie_scorers import GIEScorerPicker
@@ -35,9 +35,9 @@ from bench.baselines.session_hash import SessionHashPicker
 from bench.baselines.sglang_cache_aware import SGLangCacheAwarePicker
 from bench.baselines.vllm_cache_aware import VLLMCacheAwarePicker
 
-PickerFactory = Callable[[FleetState, BlockIndex], Picker]
+PolicyFactory = Callable[[FleetState, BlockIndex], Policy]
 
-POLICIES: dict[str, PickerFactory] = {
+POLICIES: dict[str, PolicyFactory] = {
     "round_robin": RoundRobinPicker,
     "random": RandomPicker,
     "least_loaded": LeastLoadedPicker,
@@ -62,7 +62,7 @@ POLICIES: dict[str, PickerFactory] = {
 TUNABLE = ("policy", "min_match", "place_sessions", "affinity_slack", "affinity_slack_ms")
 
 
-def resolve(name: str) -> PickerFactory:
+def resolve(name: str) -> PolicyFactory:
     """The policy ``name``: an entry of ``POLICIES``, or ours with router settings
     changed, ``ace@setting=value[@setting=value...]`` (values read as YAML scalars, so
     ``false`` and ``0.1`` mean what they do in ``fleet.yaml``). Raises ``ValueError``
@@ -97,4 +97,4 @@ def resolve(name: str) -> PickerFactory:
         raise ConfigError(f"{name}: {exc}") from None
 
 
-__all__ = ["POLICIES", "SIMULATION_SETTINGS", "TUNABLE", "PickerFactory", "resolve"]
+__all__ = ["POLICIES", "SIMULATION_SETTINGS", "TUNABLE", "PolicyFactory", "resolve"]

@@ -13,7 +13,7 @@ from typing import Any
 from ace_extproc.app import App, build
 from ace_extproc.config import Config, Mode, Settings, TenantConfig, default_fleet
 from ace_extproc.latency import get_model
-from ace_extproc.routing.policies import PickerFactory
+from ace_extproc.routing.policies import PolicyFactory
 from ace_extproc.routing.replicas import Learner, Placement
 from ace_extproc.sim.kvcache import PrefixCache
 from bench.fleetsim.metrics import RequestRecord, RunResult
@@ -33,7 +33,7 @@ _UNBOUNDED_BLOCKS = 1 << 60
 
 def simulate(
     workload: Workload,
-    picker: PickerFactory,
+    picker: PolicyFactory,
     *,
     pods: int,
     settings: SimSettings = SimSettings(),  # noqa: B008 (frozen, shared safely)
@@ -102,7 +102,7 @@ class _Run:
     def __init__(
         self,
         workload: Workload,
-        picker: PickerFactory,
+        picker: PolicyFactory,
         n_pods: int,
         settings: SimSettings,
         mode: Mode,
