@@ -37,8 +37,8 @@ test-asan: $(STAMP)
 	CFLAGS="$(SANITIZE)" LDFLAGS="$(SANITIZE)" $(BIN)/python setup.py -q build_ext --inplace --force
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1 \
-	  $(BIN)/python -m pytest -p no:cacheprovider tests/test_speedups.py tests/test_request.py tests/test_answer.py \
-	    tests/test_lru.py tests/test_headers.py; \
+	  $(BIN)/python -m pytest -p no:cacheprovider tests/test_speedups.py tests/test_request.py \
+	    tests/test_lru.py tests/test_prefix.py; \
 	  status=$$?; $(BIN)/python setup.py -q build_ext --inplace --force; exit $$status
 
 lint: $(STAMP)
