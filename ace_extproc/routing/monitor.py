@@ -3,11 +3,10 @@
 Two loops on the server's event loop share one keep-alive ``aiohttp`` session:
 
 * **scrape**: every ``scrape_interval_s``, each pod's ``/metrics`` (vLLM or SGLang
-  names, ``metrics_text``) goes into ``fleet.load[slot]``: running, waiting,
-  kv_usage, and ``inflight`` reset to running + waiting; the processor adds one per
-  pick until the next scrape, so a burst between scrapes is not invisible. Each pick
-  also adds its uncached prompt to the pod's queued prefill, which ``drain`` lets run
-  down at the pods' prefill rate and a scrape finding the engine idle clears. The
+  names, ``metrics_text``) corrects the load accounting (``load.py``: running,
+  waiting, kv_usage, and ``inflight`` reset to running + waiting; each pick adds one,
+  and its uncached prompt to the queued prefill, until the next scrape, and a scrape
+  finding the engine idle clears the queue). The
   first scrape that carries the KV size (``vllm:cache_config_info`` block_size x
   num_gpu_blocks, or ``sglang:max_total_num_tokens``) bounds that pod's index.
   A counter going backwards (or a new process start time) is an engine restart:
