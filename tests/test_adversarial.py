@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -242,42 +242,36 @@ def test_forged_observe_reports_take_no_pod_out(guarded: Client) -> None:
     pods = [(p.key, p.address) for p in guarded.stack.config.fleet.pods]
     target = guarded.stack.options.ext_proc
 
-    async def flood() -> int:
-        refused = 0
+    async def refused(open_stream: Callable[[grpc.aio.Channel], Any], messages: list[Any]) -> int:
+        """Streams of 20 opened with ``open_stream`` that the server refused, each
+        writing ``messages``."""
+        count = 0
         async with grpc.aio.insecure_channel(target) as channel:
-            stub = pb_grpc.ExternalProcessorStub(channel)
             for _ in range(20):
-                call = stub.Process()
+                call = open_stream(channel)
                 # The server may refuse the stream before the writes end: so be it.
                 with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
-                    for msg in _forged_reports(pods, 50):
+                    for msg in messages:
                         await call.write(msg)
                     await call.done_writing()
                 # UNAUTHENTICATED; or, where the refusal overtook a write, gRPC's INTERNAL.
                 if await asyncio.wait_for(call.code(), 5) != grpc.StatusCode.OK:
-                    refused += 1
-        return refused
+                    count += 1
+        return count
 
-    async def flood_access_log() -> int:
-        unreachable = [
-            logged(503, address, flags=("upstream_connection_failure",), mode="prod", served_by=key)
-            for key, address in pods
-        ]
-        refused = 0
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = als_pb2_grpc.AccessLogServiceStub(channel)
-            for _ in range(20):
-                call = stub.StreamAccessLogs()
-                with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
-                    for _ in range(20):
-                        await call.write(batch(*unreachable * 5))
-                    await call.done_writing()
-                if await asyncio.wait_for(call.code(), 5) != grpc.StatusCode.OK:
-                    refused += 1
-        return refused
+    unreachable = [
+        logged(503, address, flags=("upstream_connection_failure",), mode="prod", served_by=key)
+        for key, address in pods
+    ]
 
-    assert guarded.run(flood()) == 20
-    assert guarded.run(flood_access_log()) == 20
+    def observe_stream(channel: grpc.aio.Channel) -> Any:
+        return pb_grpc.ExternalProcessorStub(channel).Process()
+
+    def access_log_stream(channel: grpc.aio.Channel) -> Any:
+        return als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs()
+
+    assert guarded.run(refused(observe_stream, list(_forged_reports(pods, 50)))) == 20
+    assert guarded.run(refused(access_log_stream, [batch(*unreachable * 5)] * 20)) == 20
     for i in range(12):
         status, headers, _ = guarded.post("/v1/chat/completions", chat_body(f"after-{i}"), **ACME)
         assert status == 200 and "x-ace-pinned" in headers

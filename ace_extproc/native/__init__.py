@@ -57,13 +57,16 @@ extension = _load()
 """The compiled module, or None: no piece is native."""
 used = frozenset[str]() if extension is None else _chosen()
 """The pieces running in C in this process."""
-_c = extension if extension is not None else hashing  # read only for the pieces in ``used``
 
-chat_prompt = _c.chat_prompt if "prompt" in used else None
-completion_prompt = _c.completion_prompt if "prompt" in used else None
-chain = _c.chain if "prompt" in used else hashing.chain
-prefix_hashes = _c.prefix_hashes if "prompt" in used else hashing.prefix_hashes
-LRU_OPS = lru.Structures.of(_c) if "lru" in used else lru.REFERENCE
+# Each piece: the extension's functions where it is used, else the reference's (the
+# parsers have none here: request.parse_pure decides every body).
+_prompt = extension if extension is not None and "prompt" in used else None
+chat_prompt = _prompt.chat_prompt if _prompt is not None else None
+completion_prompt = _prompt.completion_prompt if _prompt is not None else None
+chain = _prompt.chain if _prompt is not None else hashing.chain
+prefix_hashes = _prompt.prefix_hashes if _prompt is not None else hashing.prefix_hashes
+_lru = extension if extension is not None and "lru" in used else None
+LRU_OPS = lru.Structures.of(_lru) if _lru is not None else lru.REFERENCE
 
 
 def describe() -> str:
