@@ -2,13 +2,16 @@
 #   make up     start the local stack (Envoy + ace-extproc + 4 simulated pods) on 127.0.0.1:8080
 #   make test   run the test suite (the same command CI runs, via .ci/run)
 # Both create .venv and install the package with what it needs on first use.
+# The real-engine tier (on demand, not in make test or CI; docs/engines.md):
+#   make engines        build .engines/: vLLM's CPU build, the peer routers, a tiny model
+#   make test-engines   end-to-end tests on real vLLM servers (minutes)
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test test-all test-asan lint schema bench clean
+.PHONY: up test test-all test-asan test-engines engines lint schema bench clean
 
 PROTOS := $(shell find protos -name '*.proto')
 
@@ -29,6 +32,13 @@ test: $(STAMP)
 # Soak and load runs too (minutes).
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m ''
+
+engines:
+	engines/install.sh
+
+# Real Envoy, real ace-extproc, real vLLM servers (tests/engines/; needs make engines).
+test-engines: $(STAMP)
+	$(BIN)/python -m pytest -m engines tests/engines
 
 # The native code's tests with the extension built under AddressSanitizer and UBSan
 # (gcc's runtimes preloaded into Python); the normal build is restored afterwards.

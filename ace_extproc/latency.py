@@ -58,6 +58,9 @@ MODELS: dict[str, TTFTModel] = {
         TTFTModel("llama-3.3-70b-fp8-tp2", 10.0, 0.0718, 2.9e-6, 18.6),
         TTFTModel("llama-3.3-70b-fp8-tp4", 10.0, 0.040, 1.45e-6, 11.0),
         TTFTModel("llama-3.1-8b-fp8", 5.0, 0.0163, 1.17e-6, 4.6),
+        # The real-engine tier's pods: vLLM's CPU build serving the tiny model on these
+        # 2-core machines (bench/calibrate_vllm.py; docs/engines.md).
+        TTFTModel("vllm-cpu-tiny", 30.0, 0.029, 0.0, 5.0),
     )
 }
 DEFAULT_MODEL = "llama-3.3-70b-fp8-tp4"

