@@ -93,6 +93,9 @@ def observation(entry: HTTPAccessLogEntry) -> Observation | None:
         obs.pinned = f["served_by"].string_value if "served_by" in f else ""
         obs.would_pick = f["pod"].string_value if "pod" in f else ""
         obs.saved_tokens = int(f["saved_tokens"].number_value) if "saved_tokens" in f else 0
+        obs.estimated_prompt_tokens = (
+            int(f["prompt_tokens"].number_value) if "prompt_tokens" in f else 0
+        )
     return obs
 
 

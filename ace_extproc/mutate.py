@@ -134,6 +134,8 @@ def metadata(outcome: Outcome) -> list[tuple[str, str | float]]:
         ("action", outcome.action),
         ("prefix_key", outcome.prefix_key),
         ("saved_tokens", float(outcome.saved_tokens)),
+        # The same estimate's prompt size: the saved share is what holds in any tokenizer.
+        ("prompt_tokens", float(outcome.prompt_tokens)),
     ]
     if outcome.pod is not None:
         fields.append(("served_by", outcome.pod.key))

@@ -65,7 +65,12 @@ class Totals:
     with_usage: int = 0  # responses whose usage the engine reported
     prompt_tokens: int = 0  # from those responses' usage
     cached_tokens: int = 0  # the engine's cached_tokens, same responses
-    estimated_saved_with_usage: int = 0  # the router's estimate, same responses
+    # The router's estimate for the same responses, in the engine's tokens: its saved
+    # share of each prompt times the engine's prompt_tokens. The router counts tokens as
+    # prompt bytes / bytes_per_token, which a real tokenizer does not follow (on the
+    # real-engine tier's model, 2.3-3.3 bytes a token rather than 4): a count in its units
+    # against the engine's would be off by that ratio, a share is not.
+    estimated_saved_with_usage: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -100,7 +105,7 @@ class Ledger:
             totals.with_usage += 1
             totals.prompt_tokens += obs.prompt_tokens
             totals.cached_tokens += obs.cached_tokens
-            totals.estimated_saved_with_usage += obs.saved_tokens
+            totals.estimated_saved_with_usage += obs.estimated_in_engine_tokens()
 
 
 @dataclass(slots=True)
@@ -112,6 +117,7 @@ class Observation:
     pinned: str = ""  # the pod key ace-extproc pinned (prod), else ""
     would_pick: str = ""  # the pod key it picked, in any mode
     saved_tokens: int = 0  # its estimate of the prefill the pick saves
+    estimated_prompt_tokens: int = 0  # its estimate of the prompt, in the same units
     upstream: str = ""  # ip:port of the host that answered last, if any
     status: int = 0
     flags: int = 0  # Envoy's response flags bitmask
@@ -119,6 +125,12 @@ class Observation:
     prompt_tokens: int = 0  # from the engine's usage
     cached_tokens: int | None = None
     tail: bytearray = field(default_factory=bytearray)
+
+    def estimated_in_engine_tokens(self) -> int:
+        """``saved_tokens`` scaled to the engine's count of the prompt (Totals)."""
+        if not self.estimated_prompt_tokens:
+            return self.saved_tokens
+        return round(self.saved_tokens * self.prompt_tokens / self.estimated_prompt_tokens)
 
     def on_headers(self, msg: ProcessingRequest) -> None:
         ace = msg.metadata_context.filter_metadata.get("ace")
@@ -129,6 +141,9 @@ class Observation:
             self.pinned = f["served_by"].string_value if "served_by" in f else ""
             self.would_pick = f["pod"].string_value if "pod" in f else ""
             self.saved_tokens = int(f["saved_tokens"].number_value) if "saved_tokens" in f else 0
+            self.estimated_prompt_tokens = (
+                int(f["prompt_tokens"].number_value) if "prompt_tokens" in f else 0
+            )
         attrs = msg.attributes.get(ATTRIBUTES_KEY)
         if attrs is not None:
             a = attrs.fields

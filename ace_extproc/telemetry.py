@@ -609,8 +609,9 @@ class Telemetry(Collector):
         )
         estimated = CounterMetricFamily(
             "ace_response_estimated_cached_tokens",
-            "The router's estimate of cached tokens for the same responses, by mode: in "
-            "shadow, what its own pick would have reused.",
+            "The router's estimate of cached tokens for the same responses, by mode, in "
+            "the engine's tokens (its saved share of each prompt): in shadow, what its "
+            "own pick would have reused.",
             labels=["mode"],
         )
         pod_cached = CounterMetricFamily(

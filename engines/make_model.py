@@ -7,7 +7,8 @@
 - A simple Jinja chat template: every message as ``<|role|>\\ncontent<|end|>\\n``, then
   ``<|assistant|>\\n`` when a generation is asked for.
 - A ``LlamaConfig`` (hidden 128, 4 heads, 2 KV heads, 32,768 positions) with random
-  weights drawn from ``--seed``, saved in bfloat16, answering 16 tokens by default: a few MB that vLLM loads from ``DIR``.
+  weights drawn from ``--seed``, saved in bfloat16, answering 16 tokens by default: a few
+  MB that vLLM loads from ``DIR``.
   Its answers are noise; what the tests and benchmarks read is the engine: its prefix
   cache, ``cached_tokens``, metrics and timing. ``--layers`` grows the KV cache a token
   takes (2 layers: 512 bytes), one way to make a cache small enough to evict.

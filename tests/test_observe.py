@@ -179,6 +179,19 @@ def test_estimates_and_engine_reports_add_up_by_mode(observer: Observer) -> None
     assert (t.responses, t.failed, t.with_usage) == (3, 0, 3)
 
 
+def test_the_estimate_is_counted_in_the_engines_tokens(observer: Observer) -> None:
+    """The router counts prompt bytes / bytes_per_token; the engine its tokenizer's. The
+    estimate for a response joins the engine's count as the same share of its prompt."""
+    pod = observer.fleet.pods[0]
+    obs = Observation()
+    ace = {"mode": "shadow", "saved_tokens": 500, "prompt_tokens": 1000}
+    obs.on_headers(headers_message(200, pod.address, **ace))  # half the prompt, it says
+    obs.on_body(usage_json(1600, 768))  # a tokenizer that counts 1.6 tokens to its one
+    observer.finish(obs)
+    t = observer.ledger.by_mode["shadow"]
+    assert (t.prompt_tokens, t.cached_tokens, t.estimated_saved_with_usage) == (1600, 768, 800)
+
+
 @pytest.mark.envoy
 @pytest.mark.parametrize("upstream_mode", ["endpoint", "cluster"])
 def test_passive_health_alone_takes_a_dead_pod_out_through_envoy(upstream_mode: str) -> None:

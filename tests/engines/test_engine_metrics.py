@@ -1,0 +1,72 @@
+"""What ace-extproc learns from the real engines' /metrics: the KV cache size that
+bounds its index, and the load it did not send itself."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+from ace_extproc.vllm_pods import Pods
+from tests.engines.conftest import KV_BLOCKS, front, get_text, metric, post
+
+
+def test_the_index_is_sized_from_the_engines_cache_config_info(
+    pods: Pods, loop: asyncio.AbstractEventLoop
+) -> None:
+    engine = loop.run_until_complete(get_text(f"{pods.urls[0]}/metrics"))
+    info = re.search(r"^vllm:cache_config_info\{([^}]*)\}", engine, re.M)
+    assert info is not None
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))
+    assert int(labels["num_gpu_blocks"]) == KV_BLOCKS  # the size the servers were given
+    tokens = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+    with front(pods, loop) as ace:
+        s = ace.stack.config.settings  # type: ignore[union-attr]
+        deadline = time.monotonic() + 10
+        while True:
+            text = ace.metrics()
+            try:
+                learned = metric(text, "ace_pod_kv_capacity_tokens", pod="pod-0")
+                break
+            except KeyError:
+                assert time.monotonic() < deadline, "the KV size was never scraped"
+                time.sleep(0.2)
+        assert learned == tokens
+        entries = metric(text, "ace_index_pod_capacity_entries", pod="pod-0")
+        assert entries == int(tokens * s.bytes_per_token / s.block_bytes)
+        assert entries != s.index_blocks_per_pod  # learned, not the default
+
+
+def test_load_the_router_did_not_send_is_read_from_the_engines_metrics(
+    pods: Pods, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Requests sent to pod-0 directly, past the router, still show as pod-0's load."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "count slowly"}],
+        "max_tokens": 4000,
+        "ignore_eos": True,
+    }
+    with front(pods, loop) as ace:
+
+        async def scenario() -> tuple[float, float]:
+            direct = [
+                asyncio.ensure_future(post(pods.urls[0], "/v1/chat/completions", body))
+                for _ in range(4)
+            ]
+            try:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    text = await get_text(ace.metrics_url)
+                    busy = metric(text, "ace_pod_running_requests", pod="pod-0")
+                    if busy >= 4:
+                        return busy, metric(text, "ace_pod_running_requests", pod="pod-1")
+                    await asyncio.sleep(0.1)
+                raise AssertionError("pod-0's running requests never reached 4")
+            finally:
+                for task in direct:
+                    task.cancel()
+                await asyncio.gather(*direct, return_exceptions=True)
+
+        busy, idle = ace.run(scenario())
+    assert busy >= 4 and idle == 0
