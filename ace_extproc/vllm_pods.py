@@ -30,6 +30,8 @@ from ace_extproc.procs import die_with_parent
 # requests (written for the simulated pods) reach a real pod unchanged.
 SERVED_NAMES = ("tiny", "sim-llama")
 BLOCK_SIZE = 32
+DEFAULT_KV_BLOCKS = 65_536  # what 1 GiB holds of the tiny model (2 layers, 512 B a token)
+MAX_NUM_SEQS = 64
 TTFT_MODEL = "vllm-cpu-tiny"  # ace_extproc/latency.py: calibrated on these pods here
 
 
@@ -47,7 +49,7 @@ class VllmOptions:
     python: str  # the engine venv's interpreter
     model: str  # a model directory
     served_names: tuple[str, ...] = SERVED_NAMES
-    max_model_len: int = 32768
+    max_model_len: int = 65536
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
     # The KV cache in blocks (vLLM's --num-gpu-blocks-override): small to force eviction.
     kv_blocks: int | None = None
@@ -55,7 +57,7 @@ class VllmOptions:
     # VLLM_SERVER_DEV_MODE=1: /reset_prefix_cache, so one set of pods serves several
     # benchmark runs, each from a cold cache.
     dev_mode: bool = False
-    max_num_seqs: int = 64
+    max_num_seqs: int = MAX_NUM_SEQS
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
@@ -221,3 +223,19 @@ class Pods:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def fleet_doc(urls: Sequence[str], router: dict[str, object] | None = None) -> dict[str, object]:
+    """The fleet.yaml of real pods at ``urls`` (one destination, ``vllm``), with the
+    router settings their TTFT model needs and ``router``'s own."""
+    return {
+        "destinations": [
+            {
+                "id": "vllm",
+                "provider": "vllm",
+                "base_url": urls[0],
+                "pods": [{"id": f"pod-{i}", "base_url": u} for i, u in enumerate(urls)],
+            }
+        ],
+        "router": {"ttft_model": TTFT_MODEL, **(router or {})},
+    }

@@ -1,11 +1,23 @@
 """Live runs: one workload replayed over real HTTP through each router, each in front of
-its own fresh simulated engine pods; hit ratios come from what the engines report.
+its own fresh simulated engine pods, or of the same real vLLM servers; hit ratios come
+from what the engines report.
 
     python -m bench.live --workload seed800 [--limit N] [--rate R] [--seed S] [--pods 4]
-                         [--routers ace,envoy_rr,sglang,vllm] [--time-scale 0.01]
+                         [--routers ace,envoy_rr,sglang,vllm,smg] [--time-scale 0.01]
                          [--concurrency 16] [--speed 0] [--no-stream] [--records FILE]
+                         [--engine sim|vllm] [--kv-blocks N] [--max-body-bytes B]
 
-Routers, each started in front of new pod processes on new ports (every cache starts cold):
+Engines. ``--engine sim`` (the default): each router gets new simulated pod processes on
+new ports. ``--engine vllm``: real vLLM servers (``make engines``; ``vllm_pods.py``)
+start once, and each router runs in front of the same servers, their prefix caches
+emptied before it (``/reset_prefix_cache``), so every router starts cold on identical
+engines. ``--kv-blocks`` sizes their KV cache (32-token blocks; small forces eviction);
+``--max-body-bytes`` leaves out requests longer than their context. With real engines
+the table also carries the fleet simulation's prediction for the same shape (same
+workload, pods, block size, KV blocks, the calibrated ``vllm-cpu-tiny`` TTFT model; the
+policy of bench/baselines that each router follows), to hold the simulation to them.
+
+Routers, each started in front of cold pods:
   ace       Envoy + ace-extproc, as ``ace-extproc up`` runs them (``Stack``; buffered, prod)
   ace_xN    the same with N ace-extproc servers behind Envoy (each request to the less
             busy of two), each learning only from what it routes; ace_xN_shared:
@@ -14,6 +26,7 @@ Routers, each started in front of new pod processes on new ports (every cache st
   envoy_rr  Envoy alone, the default cluster balanced ROUND_ROBIN (no ext_proc)
   sglang    the SGLang Model Gateway, ``--policy cache_aware`` (``--peer-policy``)
   vllm      the vLLM Router, ``--policy cache_aware``
+  smg       the Shepherd Model Gateway (the SGLang router's successor), ``cache_aware``
 A peer that is not installed is skipped, with the reason in the table and the JSON.
 
 Replay. At most ``--concurrency`` requests are in flight, taken in arrival order (closed
@@ -57,6 +70,7 @@ import platform
 import re
 import shlex
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -69,8 +83,11 @@ import msgspec
 import uvloop
 import yaml
 
+from ace_extproc import config as config_mod
+from ace_extproc import vllm_pods
 from ace_extproc.sim.app import POD_HEADER, TTFT_FIELD
-from ace_extproc.stack import Stack, StackError, StackOptions
+from ace_extproc.stack import TRACE_HEADER, Stack, StackError, StackOptions
+from ace_extproc.vllm_pods import EnginesMissing, Pods, VllmOptions
 from bench import peers
 from bench.ceiling import ceiling
 from bench.overhead import free_ports, metric_sums, percentile
@@ -95,7 +112,18 @@ COUNTERS = {
     "vllm:prefix_cache_queries_total": "prefix_cache_queries",
     "vllm:prompt_tokens_cached_total": "prompt_tokens_cached",
     "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:request_success_total": "requests",  # real vLLM only: who served what
 }
+# The policy of bench/baselines that each router follows: the fleet simulation's
+# prediction for it (real engines only).
+SIMULATED_AS = {
+    "ace": "ace",
+    "envoy_rr": "round_robin",
+    "sglang": "sglang_cache_aware",
+    "vllm": "vllm_cache_aware",
+    "smg": "sglang_cache_aware",
+}
+SERVED_BY_HEADER = "x-ace-served-by"
 SALT_SECRET = "bench-live"  # ace-extproc's cache_salt secret: fixed, so runs are alike
 
 
@@ -111,6 +139,8 @@ class LiveOptions:
     request_timeout_s: float = 300.0
     router: tuple[tuple[str, object], ...] = ()  # ace-extproc's `router:` settings
     seed: int = 0  # the workload generator's
+    engine: str = "sim"  # or "vllm": real servers (vllm_pods.py)
+    kv_blocks: int | None = None  # real servers' KV cache in blocks (None: 1 GiB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +168,8 @@ class Record:
     engine_ttft_ms: float | None  # the simulated engine's, on its clock (sim_ttft_ms)
     prompt_tokens: int | None
     cached_tokens: int | None
-    pod: str | None  # x-sim-pod of the answer
+    pod: str | None  # x-sim-pod of the answer, else ace-extproc's x-ace-served-by
+    trace: str | None = None  # ace-extproc's x-ace-trace-prefix-kv-cache: its decision
 
 
 # ------------------------------------------------------------------ inputs
@@ -209,10 +240,12 @@ async def send(
 ) -> Record:
     clock = time.perf_counter
     sent = clock()
-    status, ttft, use, pod, error = 0, None, None, None, None
+    status, ttft, use, pod, trace, error = 0, None, None, None, None, None
     try:
         async with http.post(base_url + req.path, data=req.body, headers=req.headers) as resp:
-            status, pod = resp.status, resp.headers.get(POD_HEADER)
+            # The sim names its pod; ace-extproc names the one it pinned (real engines).
+            pod = resp.headers.get(POD_HEADER) or resp.headers.get(SERVED_BY_HEADER)
+            status, trace = resp.status, resp.headers.get(TRACE_HEADER)
             if resp.content_type == "text/event-stream":
                 async for line in resp.content:
                     if not line.startswith(b"data:"):
@@ -243,6 +276,7 @@ async def send(
         prompt_tokens=use.prompt_tokens if use else None,
         cached_tokens=use.cached_tokens if use else None,
         pod=pod,
+        trace=trace,
     )
 
 
@@ -288,16 +322,21 @@ def parse_counters(text: str) -> dict[str, float]:
     return {key: sums[name] for name, key in COUNTERS.items()}
 
 
-async def scrape(pod_urls: Sequence[str]) -> dict[str, float]:
-    """COUNTERS summed over all pods."""
-    total = dict.fromkeys(COUNTERS.values(), 0.0)
+async def scrape(pod_urls: Sequence[str]) -> list[dict[str, float]]:
+    """COUNTERS of each pod."""
+    out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         for url in pod_urls:
             async with http.get(f"{url}/metrics") as resp:
                 resp.raise_for_status()
-                for k, v in parse_counters(await resp.text()).items():
-                    total[k] += v
-    return total
+                out.append(parse_counters(await resp.text()))
+    return out
+
+
+def counter_deltas(
+    before: Sequence[dict[str, float]], after: Sequence[dict[str, float]]
+) -> list[dict[str, float]]:
+    return [{k: a[k] - b[k] for k in a} for b, a in zip(before, after, strict=True)]
 
 
 # ------------------------------------------------------------------ aggregation
@@ -328,13 +367,19 @@ def _families(ok: Sequence[Record]) -> dict[str, dict[str, Any]]:
 
 
 def summarize(
-    records: Sequence[Record], engine: dict[str, float] | None, wall_s: float
+    records: Sequence[Record], per_pod: Sequence[dict[str, float]] | None, wall_s: float
 ) -> dict[str, Any]:
-    """One router's figures from its records and the pods' counter deltas (``engine``)."""
+    """One router's figures from its records and each pod's counter deltas."""
     ok = [r for r in records if r.error is None]
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
     pods = Counter(r.pod or "?" for r in ok)
+    if "?" in pods and per_pod and any(p["requests"] for p in per_pod):
+        # No pod header (real engines): who served what, by the engines' own count.
+        pods = Counter({f"pod-{i}": int(p["requests"]) for i, p in enumerate(per_pod)})
+    engine = None
+    if per_pod is not None:
+        engine = {k: sum(p[k] for p in per_pod) for k in COUNTERS.values()}
     out: dict[str, Any] = {
         "requests": len(records),
         "ok": len(ok),
@@ -352,7 +397,7 @@ def summarize(
         "wall_s": round(wall_s, 3),
         "rps": round(len(ok) / wall_s, 1) if wall_s > 0 else None,
         "pods": dict(sorted(pods.items())),
-        "busiest_pod_share": _ratio(max(pods.values(), default=0), len(ok)),
+        "busiest_pod_share": _ratio(max(pods.values(), default=0), sum(pods.values())),
         "families": _families(ok),
         "engine": None,
     }
@@ -377,11 +422,18 @@ class RouterRun:
     failed: str | None = None  # could not start or broke down
 
 
-async def _start(name: str, stack: Stack, ports: list[int], options: LiveOptions) -> list[str]:
-    """Start pods and router ``name``; returns [router base URL, *pod URLs]."""
+async def _start(
+    name: str, stack: Stack, ports: list[int], options: LiveOptions, real: Pods | None
+) -> list[str]:
+    """Start router ``name`` (and for simulated engines, its pods); returns [router base
+    URL, *pod URLs]."""
     listen, admin = f"127.0.0.1:{ports[-3]}", f"127.0.0.1:{ports[-2]}"
     if isinstance(stack, peers.PeerStack):
-        config = await stack.start_pods(options.pods)
+        if real is None:
+            config = await stack.start_pods(options.pods)
+        else:
+            assert stack.options.fleet_path is not None
+            config = config_mod.load(stack.options.fleet_path)
         pod_urls = [p.base_url for p in config.fleet.pods]
         if name == "envoy_rr":
             url = await stack.start_plain_envoy(config, listen, admin)
@@ -394,7 +446,18 @@ async def _start(name: str, stack: Stack, ports: list[int], options: LiveOptions
     return [stack.url, *(p.base_url for p in stack.config.fleet.pods)]
 
 
-async def run_router(name: str, requests: Sequence[Prepared], options: LiveOptions) -> RouterRun:
+def _real_fleet(pods: Pods, options: LiveOptions) -> str:
+    """A fleet.yaml naming the real servers, for ace-extproc and plain Envoy."""
+    path = Path(tempfile.mkdtemp(prefix="bench-live-")) / "fleet.yaml"
+    path.write_text(yaml.safe_dump(vllm_pods.fleet_doc(pods.urls, dict(options.router))))
+    return str(path)
+
+
+async def run_router(
+    name: str, requests: Sequence[Prepared], options: LiveOptions, real: Pods | None = None
+) -> RouterRun:
+    """One router's replay, in front of new simulated pods or of the ``real`` servers
+    (their prefix caches emptied first)."""
     run = RouterRun(name)
     if name in peers.PEERS:
         run.skipped = peers.unavailable(name)
@@ -412,20 +475,24 @@ async def run_router(name: str, requests: Sequence[Prepared], options: LiveOptio
         router=dict(options.router),
         env={"ACE_SALT_SECRET": SALT_SECRET},
     )
+    if real is not None:
+        await real.reset_prefix_caches()
+        stack_options.fleet_path = _real_fleet(real, options)
     replicas = ace_replicas(name)
     if replicas is not None:
         stack_options.ext_proc_replicas, stack_options.share = replicas
     stack = Stack(stack_options) if replicas is not None else peers.PeerStack(stack_options)
     try:
-        url, *pod_urls = await _start(name, stack, ports, options)
+        url, *pod_urls = await _start(name, stack, ports, options, real)
         before = await scrape(pod_urls)
         run.records, wall = await replay(url, requests, options)
         after = await scrape(pod_urls)
         dead = stack.dead()
+        if real is not None:
+            dead += [f"vllm-{i}" for i in range(len(real.ports)) if not real.running(i)]
         if dead:
             run.failed = f"{', '.join(dead)} exited during the replay"
-        delta = {k: after[k] - before[k] for k in after}
-        run.summary = summarize(run.records, delta, wall)
+        run.summary = summarize(run.records, counter_deltas(before, after), wall)
     except (StackError, aiohttp.ClientError, OSError) as exc:
         run.failed = str(exc)
     finally:
@@ -440,15 +507,63 @@ async def run_all(
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[RouterRun]:
     requests = prepare(workload, options.stream)
+    if options.engine != "vllm":
+        return await _each(requests, routers, options, progress, None)
+    vllm = VllmOptions.find(kv_blocks=options.kv_blocks, dev_mode=True)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-live-vllm-"))
+    progress(f"starting {options.pods} vLLM servers (logs in {workdir})")
+    async with Pods(vllm, free_ports(options.pods), workdir) as real:
+        return await _each(requests, routers, options, progress, real)
+
+
+async def _each(
+    requests: Sequence[Prepared],
+    routers: Sequence[str],
+    options: LiveOptions,
+    progress: Callable[[str], None],
+    real: Pods | None,
+) -> list[RouterRun]:
     runs = []
     for name in routers:
-        progress(f"{name}: starting {options.pods} pods and the router")
+        progress(f"{name}: starting the router" + ("" if real else f" and {options.pods} pods"))
         started = time.monotonic()
-        run = await run_router(name, requests, options)
+        run = await run_router(name, requests, options, real)
         what = run.skipped or run.failed or f"{len(run.records)} requests"
         progress(f"{name}: {what} ({time.monotonic() - started:.1f} s)")
         runs.append(run)
     return runs
+
+
+# ------------------------------------------------------------------ the simulation's view
+
+
+def predict(workload: Workload, routers: Sequence[str], options: LiveOptions) -> dict[str, Any]:
+    """The fleet simulation's figures for each router on the real engines' shape."""
+    from bench.baselines import POLICIES
+    from bench.fleetsim import SimSettings, simulate
+
+    settings = SimSettings(
+        block_size=vllm_pods.BLOCK_SIZE,
+        num_gpu_blocks=options.kv_blocks or vllm_pods.DEFAULT_KV_BLOCKS,
+        ttft_model=vllm_pods.TTFT_MODEL,
+        max_num_seqs=vllm_pods.MAX_NUM_SEQS,
+    )
+    out: dict[str, Any] = {}
+    for name in routers:
+        policy = SIMULATED_AS.get(name)
+        if policy is None:
+            continue
+        result = simulate(
+            workload, POLICIES[policy], pods=options.pods, settings=settings, progress=False
+        )
+        prompt = sum(r.prompt_tokens for r in result.records)
+        cached = sum(r.cached_tokens for r in result.records)
+        out[name] = {
+            "policy": policy,
+            "cached_share": _ratio(cached, prompt),
+            "ttft_ms": _quantiles([r.ttft_s * 1e3 for r in result.records]),
+        }
+    return out
 
 
 # ------------------------------------------------------------------ report
@@ -462,7 +577,7 @@ def _ms(q: dict[str, float] | None, key: str) -> str:
     return f"{'-':>9}" if q is None else f"{q[key]:>9.1f}"
 
 
-def format_table(runs: Sequence[RouterRun]) -> str:
+def format_table(runs: Sequence[RouterRun], predicted: dict[str, Any] | None = None) -> str:
     w = max([10, *(len(run.name) + 1 for run in runs)])
     head = (
         f"{'router':<{w}}{'reqs':>6}{'errors':>7}{'hit%':>8}{'cached%':>8}{'engine%':>8}"
@@ -487,6 +602,22 @@ def format_table(runs: Sequence[RouterRun]) -> str:
         )
         if run.failed:
             lines.append(f"{'':<{w}}FAILED: {run.failed}")
+    if predicted:
+        lines.append("\nthe fleet simulation's prediction for the same shape (bench.fleetsim)")
+        lines.append(
+            f"{'router':<{w}}{'as':>20}{'cached%':>8}{'sim%':>8}{'ttft p50':>9}{'p99':>9}"
+            f"{'sim p50':>9}{'p99':>9}"
+        )
+        for run in runs:
+            p = predicted.get(run.name)
+            if p is None or run.summary is None:
+                continue
+            s = run.summary
+            lines.append(
+                f"{run.name:<{w}}{p['policy']:>20}{_pct(s['cached_share'])}"
+                f"{_pct(p['cached_share'])}{_ms(s['ttft_ms'], 'p50')}{_ms(s['ttft_ms'], 'p99')}"
+                f"{_ms(p['ttft_ms'], 'p50')}{_ms(p['ttft_ms'], 'p99')}"
+            )
     lines.append(
         "hit%: answered requests with any cached token; cached%: cached / prompt tokens "
         "(engine usage); engine%: pods' prefix_cache_hits / queries (/metrics); "
@@ -516,6 +647,8 @@ def result_doc(
     options: LiveOptions,
     command: str,
     wall_s: float,
+    predicted: dict[str, Any] | None = None,
+    left_out: int = 0,
 ) -> dict[str, Any]:
     bound = ceiling(workload.requests)
     routers: dict[str, Any] = {}
@@ -531,6 +664,8 @@ def result_doc(
                 "version": peers.version(run.name),
                 "policy": options.peer_policy,
             }
+        if predicted and run.name in predicted:
+            entry["simulated"] = predicted[run.name]
         routers[run.name] = entry
     return {
         "command": command,
@@ -542,6 +677,7 @@ def result_doc(
             "requests": len(workload.requests),
             "sessions": len({r.session for r in workload.requests}),
             "fleet_events_ignored": len(workload.events),
+            "left_out_over_max_body_bytes": left_out,
             # The most any router could serve from cache (bench/ceiling.py).
             "cached_share_ceiling": round(bound.share, 4),
         },
@@ -614,7 +750,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--seed", type=int, default=0, help="the workload generator's seed (as bench.report)"
     )
-    ap.add_argument("--pods", type=int, default=4, help="simulated pods per router (default 4)")
+    ap.add_argument("--pods", type=int, default=4, help="pods per router (default 4)")
+    ap.add_argument(
+        "--engine",
+        choices=["sim", "vllm"],
+        default="sim",
+        help="simulated pods, or real vLLM servers shared by the routers (make engines)",
+    )
+    ap.add_argument("--kv-blocks", type=int, help="real servers' KV cache, 32-token blocks")
+    ap.add_argument(
+        "--max-body-bytes", type=int, help="leave out requests with longer bodies (context)"
+    )
     ap.add_argument("--routers", type=_routers, default=list(ROUTERS), help=",".join(ROUTERS))
     ap.add_argument("--time-scale", type=float, default=0.01, help="pods' clock (default 0.01)")
     ap.add_argument("--concurrency", type=int, default=16, help="most requests in flight")
@@ -654,12 +800,21 @@ def main(argv: list[str] | None = None) -> int:
         request_timeout_s=args.request_timeout,
         router=tuple(_router_setting(item, ap) for item in args.router_setting),
         seed=args.seed,
+        engine=args.engine,
+        kv_blocks=args.kv_blocks,
     )
     try:
         workload = load_workload(args.workload, args.limit, args.rate, options.seed)
-    except (ValueError, KeyError, OSError) as exc:
+        if options.engine == "vllm":
+            VllmOptions.find()  # before anything starts: is there an engine to run?
+    except (ValueError, KeyError, OSError, EnginesMissing) as exc:
         print(f"error: workload {args.workload!r}: {exc}", file=sys.stderr)
         return 2
+    left_out = 0
+    if args.max_body_bytes:
+        kept = [r for r in workload.requests if len(r.body) <= args.max_body_bytes]
+        left_out = len(workload.requests) - len(kept)
+        workload.requests = kept
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -669,22 +824,32 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     runs = uvloop.run(run_all(workload, args.routers, options, progress))
     wall = time.monotonic() - started
+    predicted = None
+    if options.engine == "vllm":
+        progress("the fleet simulation's prediction for the same shape")
+        predicted = predict(workload, args.routers, options)
     print(
-        f"\nlive: {workload.name}, {len(workload.requests)} requests, {options.pods} pods, "
-        f"time-scale {options.time_scale}, concurrency {options.concurrency}"
+        f"\nlive: {workload.name}, {len(workload.requests)} requests, {options.pods} "
+        + (
+            f"real vLLM servers ({options.kv_blocks or vllm_pods.DEFAULT_KV_BLOCKS} KV blocks)"
+            if options.engine == "vllm"
+            else f"pods, time-scale {options.time_scale}"
+        )
+        + f", concurrency {options.concurrency}"
         + (f", speed {options.speed}" if options.speed else "")
         + (", streamed" if options.stream else ", not streamed")
     )
-    print(format_table(runs))
+    print(format_table(runs, predicted))
     command = shlex.join(["python", "-m", "bench.live", *argv])
-    doc = result_doc(workload, runs, options, command, wall)
+    doc = result_doc(workload, runs, options, command, wall, predicted, left_out)
     print(
         f"ceiling: {doc['workload']['cached_share_ceiling']:.1%} of prompt tokens, the most"
         " any router could serve from cache (one cache holding every earlier prompt;"
         " python -m bench.ceiling)"
     )
     suffix = f"-seed{options.seed}" if options.seed else ""
-    out = Path(args.out or f"bench/results/live-{workload.name}{suffix}.json")
+    engine = "" if options.engine == "sim" else f"{options.engine}-"
+    out = Path(args.out or f"bench/results/live-{engine}{workload.name}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"\nwrote {out} ({wall:.0f} s)")

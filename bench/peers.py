@@ -2,10 +2,12 @@
 
     sglang    SGLang Model Gateway:  python -m sglang_router.launch_router ... (PyPI sglang-router)
     vllm      vLLM Router:           vllm-router ...                          (PyPI vllm-router)
+    smg       Shepherd Model Gateway, the SGLang router's successor: smg launch ... (PyPI smg)
     envoy_rr  Envoy alone, its default cluster balanced ROUND_ROBIN (no ext_proc)
 
-Both peers are Rust binaries in wheels; they are the optional ``bench`` extra of the
-package, never a runtime dependency. What each needs from a worker (see
+The peers are Rust binaries in wheels, never a runtime dependency: the package's
+``bench`` extra, and ``make engines`` puts all three in ``.engines/venv``; each is looked
+for next to this interpreter, then there, then on the PATH. What each needs from a worker (see
 /work/shared/reference/peers.md): SGLang registers a worker once it answers ``GET /health``
 (it also reads ``/get_model_info``, ``/server_info`` and warns that it has no tokenizer:
 harmless, its cache_aware policy matches on characters). The vLLM router waits until every
@@ -39,41 +41,62 @@ from ace_extproc import config as config_mod
 from ace_extproc import envoy_config
 from ace_extproc.config import Config
 from ace_extproc.stack import Stack, StackError, envoy_binary
+from ace_extproc.vllm_pods import engines_dir
 
-PEERS = ("sglang", "vllm")
+PEERS = ("sglang", "vllm", "smg")
 # The PyPI distribution of each peer: what `pip install` names and what is reported.
-DISTRIBUTIONS = {"sglang": "sglang-router", "vllm": "vllm-router"}
-INSTALL_HINT = "pip install sglang-router vllm-router (the package's `bench` extra)"
+DISTRIBUTIONS = {"sglang": "sglang-router", "vllm": "vllm-router", "smg": "smg"}
+INSTALL_HINT = "make engines, or pip install sglang-router vllm-router smg"
 MODEL = "sim-llama"
 PING = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "ping"}]}
 
 
-def _vllm_router_binary() -> str | None:
+def _engines_bin() -> Path:
+    return engines_dir() / "venv" / "bin"
+
+
+def _binary(name: str) -> str | None:
     # Next to this interpreter first: a venv's scripts are there even when it is not active.
-    sibling = Path(sys.executable).with_name("vllm-router")
-    if sibling.is_file():
-        return str(sibling)
-    return shutil.which("vllm-router")
+    for folder in (Path(sys.executable).parent, _engines_bin()):
+        if (folder / name).is_file():
+            return str(folder / name)
+    return shutil.which(name)
+
+
+def _sglang_python() -> str | None:
+    """An interpreter that has the sglang_router module: this one, else the engines'."""
+    if importlib.util.find_spec("sglang_router") is not None:
+        return sys.executable
+    engines = _engines_bin() / "python"
+    if engines.exists() and list(
+        engines_dir().glob("venv/lib/python*/site-packages/sglang_router")
+    ):
+        return str(engines)
+    return None
 
 
 def unavailable(name: str) -> str | None:
     """Why peer ``name`` cannot run here, or None when it can."""
     if name == "sglang":
-        if importlib.util.find_spec("sglang_router") is None:
+        if _sglang_python() is None:
             return f"the sglang_router module is not installed ({INSTALL_HINT})"
         return None
-    if name == "vllm":
-        if _vllm_router_binary() is None:
-            return f"no vllm-router executable ({INSTALL_HINT})"
-        return None
+    if name in ("vllm", "smg"):
+        binary = "vllm-router" if name == "vllm" else "smg"
+        return None if _binary(binary) else f"no {binary} executable ({INSTALL_HINT})"
     raise ValueError(f"unknown peer {name!r}; expected one of {', '.join(PEERS)}")
 
 
 def version(name: str) -> str | None:
+    dist = DISTRIBUTIONS[name]
     try:
-        return importlib.metadata.version(DISTRIBUTIONS[name])
+        return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
-        return None
+        pass
+    stem = dist.replace("-", "_")
+    for info in engines_dir().glob(f"venv/lib/python*/site-packages/{stem}-*.dist-info"):
+        return info.name[len(stem) + 1 : -len(".dist-info")]
+    return None
 
 
 def peer_argv(
@@ -85,7 +108,7 @@ def peer_argv(
     extra: tuple[str, ...] = (),
 ) -> list[str]:
     """The command line of peer ``name`` listening on 127.0.0.1:``port``; ``extra`` are
-    more flags (both peers take the same ones for what the benchmarks change)."""
+    more flags (the peers take the same ones for what the benchmarks change)."""
     common = [
         "--host", "127.0.0.1", "--port", str(port),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
@@ -96,12 +119,21 @@ def peer_argv(
     if name == "sglang":
         # No in-flight requests at shutdown: do not wait the default 180 s for them.
         tail = ["--log-level", "warn", "--shutdown-grace-period-secs", "1"]
-        return [sys.executable, "-m", "sglang_router.launch_router", *common, *tail]
+        python = _sglang_python()
+        if python is None:
+            raise StackError(f"sglang: {unavailable('sglang')}")
+        return [python, "-m", "sglang_router.launch_router", *common, *tail]
     if name == "vllm":
-        binary = _vllm_router_binary()
+        binary = _binary("vllm-router")
         if binary is None:
             raise StackError(f"vllm: {unavailable('vllm')}")
         return [binary, *common, "--log-level", "warning"]
+    if name == "smg":
+        binary = _binary("smg")
+        if binary is None:
+            raise StackError(f"smg: {unavailable('smg')}")
+        tail = ["--log-level", "warn", "--shutdown-grace-period-secs", "1"]
+        return [binary, "launch", *common, *tail]
     raise ValueError(f"unknown peer {name!r}")
 
 
@@ -157,7 +189,7 @@ class PeerStack(Stack):
         await self._spawn(name, *argv)
         url = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as http:
-            if name == "sglang":
+            if name in ("sglang", "smg"):
                 # It listens at once and registers workers in the background.
                 await self._wait_workers(http, f"{url}/readiness", name, len(worker_urls))
             else:

@@ -6,7 +6,7 @@
   library sources, files in sorted order, so the same interpreter gives the same tokens.
 - A simple Jinja chat template: every message as ``<|role|>\\ncontent<|end|>\\n``, then
   ``<|assistant|>\\n`` when a generation is asked for.
-- A ``LlamaConfig`` (hidden 128, 4 heads, 2 KV heads, 32,768 positions) with random
+- A ``LlamaConfig`` (hidden 128, 4 heads, 2 KV heads, 65,536 positions) with random
   weights drawn from ``--seed``, saved in bfloat16, answering 16 tokens by default: a few
   MB that vLLM loads from ``DIR``.
   Its answers are noise; what the tests and benchmarks read is the engine: its prefix
@@ -63,7 +63,7 @@ def make_tokenizer(out: Path) -> None:
         bos_token="<|begin|>",
         eos_token="<|end|>",
         pad_token="<|pad|>",
-        model_max_length=32768,
+        model_max_length=65536,
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
@@ -81,7 +81,7 @@ def make_weights(out: Path, layers: int, seed: int, vocab: int) -> None:
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=32768,
+        max_position_embeddings=65536,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=2,

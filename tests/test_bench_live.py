@@ -84,6 +84,8 @@ vllm:prefix_cache_hits_total{model_name="sim-llama",engine="1"} 4.0
 vllm:prefix_cache_queries_total{model_name="sim-llama",engine="0"} 400.0 1700000000000
 vllm:prompt_tokens_total 410
 vllm:prompt_tokens_cached_total{engine="0"} 100.0
+vllm:request_success_total{finished_reason="stop",engine="0"} 3.0
+vllm:request_success_total{finished_reason="length",engine="0"} 2.0
 vllm:num_requests_running{engine="0"} 3.0
 """
 
@@ -94,6 +96,7 @@ def test_parse_counters_sums_label_sets_and_ignores_other_series() -> None:
         "prefix_cache_queries": 400.0,
         "prompt_tokens_cached": 100.0,
         "prompt_tokens": 410.0,
+        "requests": 5.0,
     }
 
 
@@ -124,13 +127,17 @@ def test_summarize_from_fake_records() -> None:
         _record(3, status=503, error="HTTP 503", prompt_tokens=None, cached_tokens=None, pod=None),
         _record(4, status=0, error="ClientOSError", prompt_tokens=None, cached_tokens=None),
     ]
-    engine = {
-        "prefix_cache_hits": 120.0,
-        "prefix_cache_queries": 300.0,
-        "prompt_tokens_cached": 120.0,
-        "prompt_tokens": 300.0,
-    }
-    s = live.summarize(records, engine, wall_s=2.0)
+    per_pod = [
+        {
+            "prefix_cache_hits": hits,
+            "prefix_cache_queries": 150.0,
+            "prompt_tokens_cached": hits,
+            "prompt_tokens": 150.0,
+            "requests": 0.0,  # as the simulated pods, which do not count them
+        }
+        for hits in (100.0, 20.0)
+    ]
+    s = live.summarize(records, per_pod, wall_s=2.0)
     assert (s["requests"], s["ok"], s["errors"]) == (5, 3, 2)
     assert s["error_kinds"] == {"HTTP 503": 1, "ClientOSError": 1}
     assert s["hit_ratio"] == round(2 / 3, 4)
@@ -148,6 +155,28 @@ def test_summarize_from_fake_records() -> None:
     }
     assert s["engine"]["hit_share"] == 0.4 and s["engine"]["cached_share"] == 0.4
     assert s["engine"]["prefix_cache_hits"] == 120
+
+
+def test_summarize_takes_who_served_what_from_real_engines_counters() -> None:
+    """Real engines name no pod in their answers: their own request counts do."""
+    records = [_record(i, pod=None) for i in range(4)]
+    counters = {k: 0.0 for k in live.COUNTERS.values()}
+    per_pod = [{**counters, "requests": 3.0}, {**counters, "requests": 1.0}]
+    s = live.summarize(records, per_pod, wall_s=1.0)
+    assert s["pods"] == {"pod-0": 3, "pod-1": 1} and s["busiest_pod_share"] == 0.75
+
+
+def test_the_simulations_prediction_follows_each_routers_policy() -> None:
+    """Real-engine runs carry the fleet simulation's figures for the same shape: the
+    baseline each router follows, on 32-token blocks and the real pods' TTFT model."""
+    options = live.LiveOptions(pods=3, engine="vllm", kv_blocks=4096)
+    got = live.predict(tiny_workload(sessions=4), ["ace", "envoy_rr", "ace_x2"], options)
+    assert set(got) == {"ace", "envoy_rr"}  # no simulated counterpart for replicas here
+    assert got["envoy_rr"]["policy"] == "round_robin"
+    # The shared system prompt stays warm where ace sends the turns; round robin
+    # scatters them over the pods, so it misses more.
+    assert got["ace"]["cached_share"] > got["envoy_rr"]["cached_share"] > 0
+    assert got["ace"]["ttft_ms"]["p50"] > 0
 
 
 def test_summarize_with_nothing_answered() -> None:
@@ -189,6 +218,7 @@ def test_table_and_doc_name_skipped_and_failed_routers() -> None:
         "requests": 9,
         "sessions": 3,
         "fleet_events_ignored": 0,
+        "left_out_over_max_body_bytes": 0,
         "cached_share_ceiling": round(ceiling(workload.requests).share, 4),
     }
 

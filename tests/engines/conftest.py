@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from ace_extproc.stack import Stack, StackOptions, envoy_binary
-from ace_extproc.vllm_pods import EnginesMissing, Pods, VllmOptions
+from ace_extproc.vllm_pods import EnginesMissing, Pods, VllmOptions, fleet_doc
 from tests.conftest import free_ports
 
 PODS = 2
@@ -68,20 +68,6 @@ def pods(vllm: Pods, loop: asyncio.AbstractEventLoop) -> Pods:
     loop.run_until_complete(vllm.start())
     loop.run_until_complete(vllm.reset_prefix_caches())
     return vllm
-
-
-def fleet_doc(pods: Pods, router: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {
-        "destinations": [
-            {
-                "id": "vllm",
-                "provider": "vllm",
-                "base_url": pods.urls[0],
-                "pods": [{"id": f"pod-{i}", "base_url": u} for i, u in enumerate(pods.urls)],
-            }
-        ],
-        "router": {"ttft_model": "vllm-cpu-tiny", **(router or {})},
-    }
 
 
 class Front:
@@ -149,11 +135,8 @@ def front(
 ) -> Iterator[Front]:
     """A Stack before ``pods`` (or before ``addresses``, e.g. a recording proxy)."""
     workdir = Path(tempfile.mkdtemp(prefix="ace-engines-front-"))
-    doc = fleet_doc(pods, router)
-    if addresses is not None:
-        doc["destinations"][0]["pods"] = [
-            {"id": f"pod-{i}", "base_url": f"http://{a}"} for i, a in enumerate(addresses)
-        ]
+    urls = pods.urls if addresses is None else [f"http://{a}" for a in addresses]
+    doc = fleet_doc(urls, router)
     (workdir / "fleet.yaml").write_text(yaml.safe_dump(doc))
     ports = free_ports(5)
     options = StackOptions(
