@@ -72,13 +72,20 @@ class VllmOptions:
             raise EnginesMissing(f"no model in {model}: run `make engines` first")
         return cls(python=str(python), model=str(model), **overrides)  # type: ignore[arg-type]
 
+    def context(self) -> int:
+        """The longest prompt and answer: ``max_model_len``, less where the KV cache is
+        too small to hold one such request (vLLM refuses to start then)."""
+        if self.kv_blocks is None:
+            return self.max_model_len
+        return max(BLOCK_SIZE, min(self.max_model_len, (self.kv_blocks - 1) * BLOCK_SIZE))
+
     def argv(self, host: str, port: int, kv_events_port: int | None = None) -> list[str]:
         argv = [
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--served-model-name", *self.served_names,
             "--host", host, "--port", str(port),
             "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE),
-            "--max-model-len", str(self.max_model_len),
+            "--max-model-len", str(self.context()),
             "--max-num-seqs", str(self.max_num_seqs),
             "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
             "--seed", "0",

@@ -46,12 +46,18 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 
 @pytest.fixture(scope="session")
-def vllm(loop: asyncio.AbstractEventLoop) -> Iterator[Pods]:
+def engines() -> VllmOptions:
+    """What ``make engines`` built (skips every test here without it)."""
     try:
         envoy_binary()
-        options = VllmOptions.find(kv_blocks=KV_BLOCKS, dev_mode=True)
+        return VllmOptions.find(kv_blocks=KV_BLOCKS, dev_mode=True)
     except (EnginesMissing, RuntimeError) as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def vllm(engines: VllmOptions, loop: asyncio.AbstractEventLoop) -> Iterator[Pods]:
+    options = engines
     workdir = Path(tempfile.mkdtemp(prefix="ace-engines-"))
     pods = Pods(options, free_ports(PODS), workdir)
     loop.run_until_complete(pods.__aenter__())
