@@ -88,6 +88,9 @@ class VllmOptions:
             "--max-model-len", str(self.context()),
             "--max-num-seqs", str(self.max_num_seqs),
             "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+            # Requests with tools (agents) are refused without a tool parser; the
+            # pythonic one needs no special tokens in the vocabulary.
+            "--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
             "--seed", "0",
         ]  # fmt: skip
         if self.kv_blocks is not None:

@@ -4,8 +4,9 @@
 
 - A byte-level BPE tokenizer (vocabulary 8,000) trained on this Python's own standard
   library sources, files in sorted order, so the same interpreter gives the same tokens.
-- A simple Jinja chat template: every message as ``<|role|>\\ncontent<|end|>\\n``, then
-  ``<|assistant|>\\n`` when a generation is asked for.
+- A simple Jinja chat template: the request's tools as JSON, if any, then every message
+  as ``<|role|>\\ncontent<|end|>\\n`` (an assistant's tool calls as JSON), then ``<|assistant|>\\n`` when a generation is
+  asked for.
 - A ``LlamaConfig`` (hidden 128, 4 heads, 2 KV heads, 65,536 positions) with random
   weights drawn from ``--seed``, saved in bfloat16, answering 16 tokens by default: a few
   MB that vLLM loads from ``DIR``.
@@ -24,9 +25,11 @@ from pathlib import Path
 VOCAB = 8000
 SPECIAL = ["<|begin|>", "<|end|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "<|{{ m['role'] }}|>\n{{ m['content'] if m['content'] is string else "
-    "m['content'] | map(attribute='text') | join('') }}<|end|>\n"
+    "{{ bos_token }}{% if tools %}<|system|>\nTools: {{ tools | tojson }}<|end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% elif m['content'] %}{{ m['content'] | map(attribute='text') | join('') }}{% endif %}"
+    "{% if m['tool_calls'] %}{{ m['tool_calls'] | tojson }}{% endif %}<|end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 TRAINING_BYTES = 8_000_000  # enough for a stable 8,000-token vocabulary, in seconds
