@@ -5,8 +5,8 @@
 - A byte-level BPE tokenizer (vocabulary 8,000) trained on this Python's own standard
   library sources, files in sorted order, so the same interpreter gives the same tokens.
 - A simple Jinja chat template: the request's tools as JSON, if any, then every message
-  as ``<|role|>\\ncontent<|end|>\\n`` (an assistant's tool calls as JSON), then ``<|assistant|>\\n`` when a generation is
-  asked for.
+  as ``<|role|>\\ncontent<|end|>\\n`` (an assistant's tool calls as JSON), then
+  ``<|assistant|>\\n`` when a generation is asked for.
 - A ``LlamaConfig`` (hidden 128, 4 heads, 2 KV heads, 65,536 positions) with random
   weights drawn from ``--seed``, saved in bfloat16, answering 16 tokens by default: a few
   MB that vLLM loads from ``DIR``.
