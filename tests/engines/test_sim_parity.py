@@ -32,11 +32,6 @@ from bench.parity import expected_cached, exposition, labels_of
 
 pytestmark = pytest.mark.engines
 
-try:
-    OPTIONS = VllmOptions.find(dev_mode=True)
-except EnginesMissing as exc:
-    pytest.skip(f"no real vLLM to compare the sim with: {exc}", allow_module_level=True)
-
 # Every series the router reads (routing/metrics_text.py), and the restart marker.
 ROUTER_METRICS = (
     "vllm:num_requests_running",
@@ -85,16 +80,22 @@ class Engines:
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[Engines]:
+    """Both pods, once for the module; every test skips without ``make engines``. (Looked
+    for here, not at import, so a run that deselects the marker says nothing of it.)"""
+    try:
+        options = VllmOptions.find(dev_mode=True)
+    except EnginesMissing as exc:
+        pytest.skip(f"no real vLLM to compare the sim with: {exc}")
     loop = asyncio.new_event_loop()
     workdir = Path(tempfile.mkdtemp(prefix="ace-sim-parity-"))
     stack = contextlib.AsyncExitStack()
     try:
         pods = loop.run_until_complete(
-            stack.enter_async_context(Pods(OPTIONS, [free_port()], workdir))
+            stack.enter_async_context(Pods(options, [free_port()], workdir))
         )
         real = pods.urls[0]
         port = free_port()
-        argv = sim_argv(port, OPTIONS, loop.run_until_complete(kv_blocks(real)))
+        argv = sim_argv(port, options, loop.run_until_complete(kv_blocks(real)))
         sim = loop.run_until_complete(
             stack.enter_async_context(
                 sim_pod(argv, f"http://127.0.0.1:{port}", workdir / "sim.log")
