@@ -40,6 +40,7 @@ from typing import Any
 import aiohttp
 
 from ace_extproc.vllm_pods import BLOCK_SIZE, EnginesMissing
+from bench import record
 from bench.engine_pair import pair
 from bench.parity import expected_cached, exposition, labels_of, shape, shape_diff, value
 
@@ -708,7 +709,9 @@ def summary(items: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-async def run(workdir: Path, urls: tuple[str, str] | None = None) -> dict[str, Any]:
+async def run(
+    workdir: Path, urls: tuple[str, str] | None = None, command: str = "python -m bench.sim_vs_real"
+) -> dict[str, Any]:
     """Start the pair and compare (or compare the running pods at ``urls``)."""
     started = time.time()
     if urls is not None:
@@ -720,7 +723,7 @@ async def run(workdir: Path, urls: tuple[str, str] | None = None) -> dict[str, A
         argv = dict(started_argv)
     return {
         "date": time.strftime("%Y-%m-%d", time.localtime(started)),
-        "command": "python -m bench.sim_vs_real",
+        "command": command,
         "argv": argv,
         "notes": [
             "The tokenizers differ (sim: 4 bytes a token; the tiny model: a BPE), so text "
@@ -749,17 +752,17 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.sim) != bool(args.real):
         ap.error("--sim and --real go together")
     try:
-        result = asyncio.run(run(args.workdir, (args.sim, args.real) if args.sim else None))
+        urls = (args.sim, args.real) if args.sim else None
+        result = asyncio.run(run(args.workdir, urls, record.command("bench.sim_vs_real", argv)))
     except EnginesMissing as exc:
         print(f"sim_vs_real: {exc}", file=sys.stderr)
         return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    record.write(args.out, result)
     for item in result["items"]:
         if item["verdict"] == "differs":
             print(f"differs  {item['category']:<13} {item['name']}")
     s = result["summary"]
-    print(f"{s['same']} same, {s['differs']} differ; written to {args.out}")
+    print(f"{s['same']} same, {s['differs']} differ")
     return 0
 
 
