@@ -7,9 +7,10 @@ With ``n`` uncached prompt tokens and ``c`` cached prefix tokens::
 
 ``a`` is the per-token cost of the prefill, ``b`` the attention term that grows
 with the context each new token attends to, ``t_step`` the floor of one engine
-step.  Coefficients are fitted to public H100 figures (see
+step.  The GPU models' coefficients are fitted to public H100 figures (see
 ``shared/reference/engines.md`` and docs/routing.md); they are estimates, not
-measurements of any particular fleet.
+measurements of any particular fleet.  ``vllm-cpu-tiny`` is measured, on the
+real-engine tier's CPU pods (``bench/calibrate_vllm.py``).
 """
 
 from __future__ import annotations
@@ -59,8 +60,12 @@ MODELS: dict[str, TTFTModel] = {
         TTFTModel("llama-3.3-70b-fp8-tp4", 10.0, 0.040, 1.45e-6, 11.0),
         TTFTModel("llama-3.1-8b-fp8", 5.0, 0.0163, 1.17e-6, 4.6),
         # The real-engine tier's pods: vLLM's CPU build serving the tiny model on these
-        # 2-core machines (bench/calibrate_vllm.py; docs/engines.md).
-        TTFTModel("vllm-cpu-tiny", 30.0, 0.029, 0.0, 5.0),
+        # 2-core machines. Fitted by `python -m bench.calibrate_vllm` on 2026-12-05 (idle
+        # pod, 256 to 16k tokens, medians of 9 runs, bench/results/calibrate-vllm.json):
+        # cold TTFT within ~20%. Warm TTFT there grows with the cached context (6 ms at
+        # 256 tokens, 41 ms at 16k: the server tokenizes the whole prompt, the step reads
+        # the whole context), which this form cannot say; it gives 9-11 ms (docs/simulator.md).
+        TTFTModel("vllm-cpu-tiny", 8.76, 0.00200, 5.07e-6, 0.0),
     )
 }
 DEFAULT_MODEL = "llama-3.3-70b-fp8-tp4"

@@ -20,6 +20,7 @@ import pytest
 
 from ace_extproc.latency import DEFAULT_MODEL, get_model
 from ace_extproc.sim.app import SimConfig, SimServer, add_arguments, config_from_args
+from ace_extproc.sim.protocol import filler_text
 from ace_extproc.sim.tokenizer import encode, render_chat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,10 +100,19 @@ def test_second_turn_hits_the_first_turns_blocks() -> None:
             second = await post(s, "/v1/chat/completions", {"messages": conversation(2)})
         t1, t2 = encode(render_chat(conversation(1))), encode(render_chat(conversation(2)))
         assert first["usage"]["prompt_tokens"] == len(t1)
-        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        # vLLM 0.32's chat usage: the full blocks written counted too, no completion details.
+        assert first["usage"]["prompt_tokens_details"] == {
+            "cached_tokens": 0,
+            "created_cache_tokens": len(t1) // 16 * 16,
+            "multimodal_tokens": None,
+        }
+        assert first["usage"]["completion_tokens_details"] is None
         want = expected_cached(t1, t2)
         assert want >= 64
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == want
+        assert second["usage"]["prompt_tokens_details"]["created_cache_tokens"] == (
+            len(t2) // 16 * 16 - want
+        )
         assert second["usage"]["prompt_tokens"] == len(t2)
 
     run(main)
@@ -233,12 +243,13 @@ def test_metrics_move_by_the_right_amounts() -> None:
             after = await metrics(s)
             async with s.get("/metrics") as resp:
                 text = await resp.text()
+                content_type = resp.headers["Content-Type"]
         prompt = len(encode(render_chat(conversation(1))))
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached == (prompt - 1) // 16 * 16
 
         def delta(name: str) -> float:
-            key = name + '{model_name="sim-llama",engine="0"}'
+            key = name + '{engine="0",model_name="sim-llama"}'
             return after[key] - before[key]
 
         assert delta("vllm:prompt_tokens_total") == 2 * prompt
@@ -249,15 +260,24 @@ def test_metrics_move_by_the_right_amounts() -> None:
         assert delta("vllm:time_to_first_token_seconds_count") == 2
         assert delta("vllm:time_to_first_token_seconds_sum") > 0
         assert delta("vllm:num_requests_running") == 0
-        assert after['vllm:kv_cache_usage_perc{model_name="sim-llama",engine="0"}'] == 0.0
+        assert after['vllm:kv_cache_usage_perc{engine="0",model_name="sim-llama"}'] == 0.0
+        # Label names sorted, as vLLM 0.32 writes them; its five finish reasons.
         success = (
-            'vllm:request_success_total{model_name="sim-llama",engine="0",finished_reason="length"}'
+            'vllm:request_success_total{engine="0",finished_reason="length",model_name="sim-llama"}'
         )
         assert after[success] - before[success] == 2
-        inf = 'vllm:time_to_first_token_seconds_bucket{model_name="sim-llama",engine="0",le="+Inf"}'
+        reasons = re.findall(r'vllm:request_success_total\{[^}]*finished_reason="(\w+)"', text)
+        assert sorted(reasons) == ["abort", "error", "length", "repetition", "stop"]
+        inf = 'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="sim-llama"}'
         assert after[inf] == 2
-        assert re.search(r'vllm:cache_config_info\{[^}]*block_size="16"[^}]*\} 1\.0', text)
-        assert 'num_gpu_blocks="8192"' in text
+        info = re.search(r"vllm:cache_config_info\{([^}]*)\} 1\.0", text)
+        assert info is not None
+        config = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))
+        assert list(config) == sorted(config)
+        # The KV size the router reads, in blocks and (vLLM 0.32's label) in tokens.
+        assert (config["block_size"], config["num_gpu_blocks"]) == ("16", "8192")
+        assert config["kv_cache_size_tokens"] == str(16 * 8192)
+        assert content_type == "text/plain; version=1.0.0; charset=utf-8"
         for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
             assert f"# TYPE {name} gauge" in text
         assert "# TYPE vllm:prefix_cache_hits_total counter" in text
@@ -288,7 +308,7 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
     ("/v1/completions", {"prompt": [-1]}, "prompt"),
     ("/v1/completions", {"prompt": [10**9]}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 200_000}, None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 200_000}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "model": 5}, "model"),
     ("/tokenize", {}, "prompt"),
 ]
@@ -337,6 +357,103 @@ def test_error_envelopes() -> None:
                 }
             # Nothing was admitted by the failures.
             assert (await post(s, "/v1/completions", {"prompt": "ok"}))["usage"]["prompt_tokens"]
+
+    run(main)
+
+
+def test_answers_are_cut_to_the_context_left_as_vllm_does() -> None:
+    """vLLM 0.32 (seen on the real pod): a max_tokens over the context length, or a prompt
+    over it, is a 400; otherwise the answer is cut to the room left, and a prompt that
+    leaves none is a 400 about max_tokens."""
+
+    messages = [{"role": "user", "content": "x" * 250}]
+    prompt = len(encode(render_chat(messages)))
+    assert 84 < prompt < 100
+
+    async def main() -> None:
+        async with pod(max_model_len=100) as (_, s):
+            cut = await post(s, "/v1/completions", {"prompt": list(range(95)), "max_tokens": 50})
+            default = await post(s, "/v1/completions", {"prompt": list(range(90))})
+            batch = await post(
+                s, "/v1/completions", {"prompt": [list(range(97)), [1, 2]], "max_tokens": 8}
+            )
+            streamed = await stream(
+                s,
+                "/v1/chat/completions",
+                {
+                    "messages": messages,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+            full = await post(s, "/v1/completions", {"prompt": list(range(100))}, status=400)
+            over = await post(s, "/v1/completions", {"prompt": list(range(101))}, status=400)
+            asked = await post(s, "/v1/completions", {"prompt": [1], "max_tokens": 101}, status=400)
+        assert cut["usage"]["completion_tokens"] == 5
+        assert cut["choices"][0]["finish_reason"] == "length"
+        assert default["usage"]["completion_tokens"] == 10  # the default 16, cut to 10
+        assert batch["usage"]["completion_tokens"] == 3 + 8
+        assert [c["text"] for c in batch["choices"]] == ["the and for", filler_text(8)]
+        assert streamed[-2]["usage"]["prompt_tokens"] == prompt
+        chunks = [e for e in streamed[:-2] if e["choices"]][1:]  # after the role chunk
+        assert len(chunks) == 100 - prompt == streamed[-2]["usage"]["completion_tokens"]
+        assert full["error"]["param"] == "max_tokens"
+        assert "at least 1, got 0" in full["error"]["message"]
+        assert over["error"]["param"] == "input_tokens"
+        assert asked["error"]["param"] == "max_tokens"
+
+    run(main)
+
+
+def test_served_names_and_usage_shapes_follow_vllm() -> None:
+    async def main() -> None:
+        async with pod(model="tiny", aliases=("sim-llama",)) as (_, s):
+            chat = await post(
+                s, "/v1/chat/completions", {"model": "sim-llama", "messages": conversation(1)}
+            )
+            text = await post(s, "/v1/completions", {"model": "tiny", "prompt": "hello"})
+            await post(s, "/v1/completions", {"model": "sim", "prompt": "hello"}, status=404)
+            async with s.get("/v1/models") as resp:
+                models = await resp.json()
+            usage = {"stream": True, "stream_options": {"include_usage": True}}
+            chat_stream = await stream(
+                s, "/v1/chat/completions", {"messages": conversation(1), **usage}
+            )
+            text_stream = await stream(s, "/v1/completions", {"prompt": "hello", **usage})
+            async with s.post("/v1/completions", json={"prompt": "a", **usage}) as resp:
+                content_type = resp.headers["Content-Type"]
+                assert "Cache-Control" not in resp.headers
+                await resp.read()
+        # Answers and metrics say the first name; requests may use any.
+        assert chat["model"] == text["model"] == "tiny"
+        assert [m["id"] for m in models["data"]] == ["tiny", "sim-llama"]
+        assert {m["root"] for m in models["data"]} == {"tiny"}
+        # Completions leave created_cache_tokens null; streams drop the null fields.
+        assert text["usage"]["prompt_tokens_details"] == {
+            "cached_tokens": 0,
+            "created_cache_tokens": None,
+            "multimodal_tokens": None,
+        }
+        chat_details = chat_stream[-2]["usage"]["prompt_tokens_details"]
+        assert set(chat_details) == {"cached_tokens", "created_cache_tokens"}
+        assert chat_details["cached_tokens"] > 0
+        assert "completion_tokens_details" not in chat_stream[-2]["usage"]
+        assert text_stream[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert content_type == "text/event-stream; charset=utf-8"
+
+    run(main)
+
+
+def test_reset_prefix_cache_answers_success_and_empties_the_cache() -> None:
+    async def main() -> None:
+        body = {"messages": conversation(1), "max_tokens": 1}
+        async with pod() as (_, s):
+            await post(s, "/v1/chat/completions", body)
+            warm = await post(s, "/v1/chat/completions", body)
+            assert await post(s, "/reset_prefix_cache", None) == {"success": True}
+            cold = await post(s, "/v1/chat/completions", body)
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
     run(main)
 
@@ -544,9 +661,11 @@ def test_cli_arguments() -> None:
         "127.0.0.1",
         8001,
         "pod-0",
-        "sim-llama",
+        ["sim-llama"],
     )
     assert config_from_args(args) == SimConfig()
+    named = config_from_args(parser.parse_args(["--model", "tiny", "sim-llama"]))
+    assert (named.model, named.aliases) == ("tiny", ("sim-llama",))
     args = parser.parse_args(["--pod-id", "pod-3", "--time-scale", "0.5", "--record", "10"])
     config = config_from_args(args)
     assert (config.pod_id, config.time_scale, config.record) == ("pod-3", 0.5, 10)

@@ -48,17 +48,18 @@ from .engine import CapacityError, Engine, Prompt
 from .kvcache import PrefixCache, text_tokens
 from .metrics import CONTENT_TYPE, Exposition
 from .protocol import (
+    VERSION,
     ApiError,
     GenParams,
     chat_chunk,
     chat_response,
-    check_context,
     check_model,
     completion_chunk,
     completion_response,
     dumps,
     filler_piece,
     filler_text,
+    fit_context,
     new_id,
     now,
     parse_body,
@@ -71,7 +72,6 @@ from .protocol import (
 )
 from .tokenizer import TemplateError, encode, render_chat
 
-VERSION = "0.33.0+sim"  # the vLLM release whose behaviour the sim follows
 POD_HEADER = "x-sim-pod"
 TTFT_FIELD = "sim_ttft_ms"  # sim only, next to usage: TTFT on the simulated clock
 MAX_BODY = 64 * 1024 * 1024  # aiohttp's default is 1 MiB; vLLM takes long prompts
@@ -82,7 +82,8 @@ _UNRECORDED = frozenset({"/health", "/metrics", "/get_load", "/server_info"})
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     pod_id: str = "pod-0"
-    model: str = "sim-llama"
+    model: str = "sim-llama"  # what answers and metrics say
+    aliases: tuple[str, ...] = ()  # more names requests may use, as vLLM's --served-model-name
     block_size: int = 16
     num_gpu_blocks: int = 8192
     ttft_model: str = DEFAULT_MODEL
@@ -113,6 +114,7 @@ class SimPod:
             maxlen=max(config.record, 1)
         )
         self.started = time.time()
+        self.names = (config.model, *config.aliases)
 
 
 POD = web.AppKey("sim_pod", SimPod)
@@ -161,7 +163,7 @@ def _render(body: dict[str, Any], *, generation_prompt: bool = True) -> str:
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     body = await _body(request)
-    check_model(body, pod.config.model)
+    check_model(body, pod.names)
     params = parse_gen_params(body)
     # The engine keys UTF-8 text directly: the same tokens and cache hits as encode()
     # without hashing every token (a 220 KB prompt: ~0.4 ms instead of ~10 ms).
@@ -171,7 +173,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 async def _completions(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     body = await _body(request)
-    check_model(body, pod.config.model)
+    check_model(body, pod.names)
     params = parse_gen_params(body)
     prompts: list[Prompt] = [p.encode() if isinstance(p, str) else p for p in parse_prompts(body)]
     return await _generate(request, pod, "text", prompts, params)
@@ -185,40 +187,57 @@ async def _generate(
     request: web.Request, pod: SimPod, kind: str, prompts: list[Prompt], params: GenParams
 ) -> web.StreamResponse:
     engine = pod.engine
-    max_tokens = params.max_tokens or pod.config.max_tokens_default
-    for prompt in prompts:
-        check_context(_num_tokens(prompt), max_tokens, pod.config.max_model_len)
+    asked = params.max_tokens or pod.config.max_tokens_default
+    sizes = [_num_tokens(p) for p in prompts]
+    # Each prompt's answer length: cut to the context left, as vLLM does.
+    limits = [fit_context(size, asked, pod.config.max_model_len) for size in sizes]
+    for size, limit in zip(sizes, limits, strict=True):
         try:
-            engine.check(_num_tokens(prompt), max_tokens, params.n)
+            engine.check(size, limit, params.n)
         except CapacityError as exc:
             raise ApiError(str(exc)) from None
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
     created = now()
     model = pod.config.model
-    prompt_tokens = sum(_num_tokens(p) for p in prompts)
-    completion_tokens = max_tokens * params.n * len(prompts)
     if params.stream:
-        return await _stream(request, pod, kind, prompts, params, max_tokens, rid, created)
+        return await _stream(request, pod, kind, prompts, params, limits, rid, created)
 
-    async def one(prompt: Prompt) -> tuple[int, float]:
+    async def one(prompt: Prompt, limit: int) -> tuple[int, float]:
         async with engine.generate(
-            prompt, salt=params.cache_salt, max_tokens=max_tokens, n=params.n
+            prompt, salt=params.cache_salt, max_tokens=limit, n=params.n
         ) as req:
-            await engine.decode(req, max_tokens - 1)
+            await engine.decode(req, limit - 1)
         return req.cached_tokens, req.ttft_s
 
     if len(prompts) == 1:
-        done = [await one(prompts[0])]
+        done = [await one(prompts[0], limits[0])]
     else:
-        done = await asyncio.gather(*(one(t) for t in prompts))
-    use = usage(prompt_tokens, completion_tokens, sum(cached for cached, _ in done))
-    text = filler_text(max_tokens)
+        done = await asyncio.gather(*(one(p, m) for p, m in zip(prompts, limits, strict=True)))
+    cached = [c for c, _ in done]
+    use = _usage(pod, kind, sizes, limits, params.n, cached, streamed=False)
     if kind == "chat":
-        answer = chat_response(rid, model, created, text, params.n, use)
+        answer = chat_response(rid, model, created, filler_text(limits[0]), params.n, use)
     else:
-        answer = completion_response(rid, model, created, [text] * (params.n * len(prompts)), use)
+        texts = [filler_text(m) for m in limits for _ in range(params.n)]
+        answer = completion_response(rid, model, created, texts, use)
     answer[TTFT_FIELD] = _ms(min(ttft for _, ttft in done))
     return _json(answer)
+
+
+def _usage(
+    pod: SimPod,
+    kind: str,
+    sizes: list[int],
+    limits: list[int],
+    n: int,
+    cached: list[int],
+    *,
+    streamed: bool,
+) -> dict[str, Any]:
+    block = pod.config.block_size
+    # vLLM counts the prompt's full blocks that were not cache hits as written (chat only).
+    created = sum(s // block * block for s in sizes) - sum(cached) if kind == "chat" else None
+    return usage(sum(sizes), sum(limits) * n, sum(cached), created, streamed=streamed)
 
 
 def _ms(seconds: float) -> float:
@@ -235,22 +254,20 @@ async def _stream(
     kind: str,
     prompts: list[Prompt],
     params: GenParams,
-    max_tokens: int,
+    limits: list[int],
     rid: str,
     created: int,
 ) -> web.StreamResponse:
     engine = pod.engine
     model = pod.config.model
     n = params.n
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     # Headers go out at once, as from vLLM (Starlette's StreamingResponse).
     await response.prepare(request)
-    cached: list[int] = []
+    cached = [0] * len(prompts)
     ttfts: list[float] = []
 
-    def chunk(base: int, i: int) -> bytes:
+    def chunk(base: int, i: int, max_tokens: int) -> bytes:
         piece = filler_piece(i)
         finish = "length" if i == max_tokens - 1 else None
         if kind == "chat":
@@ -265,15 +282,18 @@ async def _stream(
 
     async def one(index: int, prompt: Prompt) -> None:
         base = index * n  # choice indexes of this prompt, as vLLM numbers a batch
+        max_tokens = limits[index]
         async with engine.generate(
             prompt, salt=params.cache_salt, max_tokens=max_tokens, n=n
         ) as req:
-            first = chunk(base, 0)
+            first = chunk(base, 0, max_tokens)
             if kind == "chat":
-                role = {"role": "assistant", "content": ""}
+                opening = {"role": "assistant", "content": ""}
                 first = (
                     b"".join(
-                        _sse(chat_chunk(rid, model, created, [(base + j, role, None)]))
+                        _sse(
+                            chat_chunk(rid, model, created, [(base + j, opening, None)], role=True)
+                        )
                         for j in range(n)
                     )
                     + first
@@ -281,8 +301,8 @@ async def _stream(
             await response.write(first)
             for i in range(1, max_tokens):
                 await engine.decode(req, 1)
-                await response.write(chunk(base, i))
-        cached.append(req.cached_tokens)
+                await response.write(chunk(base, i, max_tokens))
+        cached[index] = req.cached_tokens
         ttfts.append(req.ttft_s)
 
     try:
@@ -293,9 +313,8 @@ async def _stream(
                 for index, prompt in enumerate(prompts):
                     group.create_task(one(index, prompt))
         if params.include_usage:
-            use = usage(
-                sum(_num_tokens(p) for p in prompts), max_tokens * n * len(prompts), sum(cached)
-            )
+            sizes = [_num_tokens(p) for p in prompts]
+            use = _usage(pod, kind, sizes, limits, n, cached, streamed=True)
             obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
             last = usage_chunk(rid, obj, model, created, use)
             last[TTFT_FIELD] = _ms(min(ttfts))
@@ -313,7 +332,7 @@ async def _stream(
 async def _tokenize(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     body = await _body(request)
-    check_model(body, pod.config.model)
+    check_model(body, pod.names)
     if "messages" in body:
         tokens = encode(_render(body))
     elif isinstance(body.get("prompt"), str):
@@ -333,7 +352,7 @@ async def _tokenize(request: web.Request) -> web.StreamResponse:
 async def _render_chat(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     body = await _body(request)
-    check_model(body, pod.config.model)
+    check_model(body, pod.names)
     salt = validate_cache_salt(body.get("cache_salt"))
     tokens = encode(_render(body))
     return _json(_prepared(new_id("chatcmpl"), tokens, pod.config.model, salt))
@@ -342,7 +361,7 @@ async def _render_chat(request: web.Request) -> web.StreamResponse:
 async def _render_completions(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     body = await _body(request)
-    check_model(body, pod.config.model)
+    check_model(body, pod.names)
     salt = validate_cache_salt(body.get("cache_salt"))
     rid = new_id("cmpl")
     # vLLM answers with one prepared request per prompt, in a list.
@@ -375,17 +394,38 @@ async def _version(request: web.Request) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
-    name = pod.config.model
-    card = {
-        "id": name,
-        "object": "model",
-        "created": int(pod.started),
-        "owned_by": "vllm",
-        "root": name,
-        "parent": None,
-        "max_model_len": pod.config.max_model_len,
+    cards = [
+        {
+            "id": name,
+            "object": "model",
+            "created": int(pod.started),
+            "owned_by": "vllm",
+            "root": pod.config.model,
+            "parent": None,
+            "max_model_len": pod.config.max_model_len,
+            "permission": [_permission(int(pod.started))],
+        }
+        for name in pod.names
+    ]
+    return _json({"object": "list", "data": cards})
+
+
+def _permission(created: int) -> dict[str, Any]:
+    """vLLM's (OpenAI's legacy) model permission card: everything a client may do."""
+    return {
+        "id": new_id("modelperm"),
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
     }
-    return _json({"object": "list", "data": [card]})
 
 
 async def _get_load(request: web.Request) -> web.StreamResponse:
@@ -408,13 +448,13 @@ async def _server_info(request: web.Request) -> web.StreamResponse:
 
 async def _reset_prefix_cache(request: web.Request) -> web.StreamResponse:
     request.app[POD].cache.reset()
-    return web.Response(status=200)
+    return _json({"success": True})
 
 
 async def _metrics(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     engine, cache, stats = pod.engine, pod.cache, pod.engine.stats
-    out = Exposition({"model_name": pod.config.model, "engine": "0"})
+    out = Exposition({"engine": "0", "model_name": pod.config.model})
     out.gauge(
         "vllm:num_requests_running",
         engine.running,
@@ -437,7 +477,7 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
     out.counter(
         "vllm:prompt_tokens_cached_total",
         stats.cached_prompt_tokens,
-        "Number of cached prompt tokens (local prefix cache hits).",
+        "Number of cached prompt tokens (local + external).",
     )
     out.counter(
         "vllm:prompt_tokens_total", stats.prompt_tokens, "Number of prefill tokens processed."
@@ -450,7 +490,7 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
     out.labelled_counter(
         "vllm:request_success_total",
         "finished_reason",
-        {"stop": 0, "length": 0, "abort": 0, **stats.finished},
+        {"stop": 0, "length": 0, "abort": 0, "error": 0, "repetition": 0, **stats.finished},
         "Count of successfully processed requests.",
     )
     out.histogram(
@@ -464,9 +504,12 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
             "block_size": str(cache.block_size),
             "cache_dtype": "auto",
             "enable_prefix_caching": "True",
-            "num_gpu_blocks": str(cache.num_gpu_blocks),
-            "prefix_caching_hash_algo": "xxhash",
             "engine": "0",
+            # The KV capacity, as the router reads it: blocks, and (vLLM 0.32) tokens.
+            "num_gpu_blocks": str(cache.num_gpu_blocks),
+            "kv_cache_size_tokens": str(cache.num_gpu_blocks * cache.block_size),
+            # Not vLLM's default (sha256): the sim's block keys are xxh3, and says so.
+            "prefix_caching_hash_algo": "xxhash",
         },
         "Information of the LLMEngine CacheConfig",
     )
@@ -638,7 +681,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.pod_id,
         help="name sent in the x-sim-pod header (default: %(default)s)",
     )
-    add("--model", default=d.model, help="served model name (default: %(default)s)")
+    add(
+        "--model",
+        nargs="+",
+        default=[d.model],
+        metavar="NAME",
+        help="served model names, as vLLM's --served-model-name: answers and metrics say "
+        "the first, requests may use any (default: %(default)s)",
+    )
     add(
         "--block-size",
         type=_positive_int,
@@ -707,7 +757,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         pod_id=args.pod_id,
-        model=args.model,
+        model=args.model[0],
+        aliases=tuple(args.model[1:]),
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
         ttft_model=args.ttft_model,

@@ -1,8 +1,9 @@
 """Prometheus text exposition of the sim's state under vLLM's metric names.
 
 Written by hand (a few dozen lines) so the sim needs no prometheus-client.
-Names, types and labels follow vLLM v1: ``model_name`` and ``engine`` on every
-series, counters exposed with their ``_total`` suffix, TTFT buckets as vLLM's.
+Names, types and labels follow vLLM v1: ``engine`` and ``model_name`` on every
+series, label names sorted as vLLM 0.32 writes them, counters exposed with their
+``_total`` suffix, TTFT buckets as vLLM's.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Mapping
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# What vLLM 0.32's prometheus-client (0.26) answers a GET with; the body is the same text.
+CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
 
 # vLLM's buckets for vllm:time_to_first_token_seconds.
 TTFT_BUCKETS: tuple[float, ...] = (
@@ -41,7 +43,8 @@ def _escape(value: str) -> str:
 
 
 def labels(pairs: Mapping[str, str]) -> str:
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs.items()) + "}"
+    """``{a="1",b="2"}``, names sorted as vLLM writes them."""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(pairs.items())) + "}"
 
 
 def _num(value: float) -> str:

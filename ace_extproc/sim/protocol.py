@@ -1,5 +1,8 @@
 """OpenAI request validation, response bodies and errors, as vLLM produces them.
 
+Response bodies carry every field vLLM 0.32 sends, the null ones included, so their
+size (what a gateway reads and forwards) is a real engine's.
+
 Validation is by hand on the decoded JSON: it is cheaper than building typed
 models and lets each message say which field is wrong.  Unknown fields are
 accepted and ignored (vLLM's request models allow extra keys).
@@ -9,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +23,10 @@ from .tokenizer import VOCAB_SIZE
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder()
 
+# The vLLM release the sim was last checked against, a real pod beside it
+# (python -m bench.sim_vs_real; docs/simulator.md).
+VERSION = "0.32.0+sim"
+SYSTEM_FINGERPRINT = f"vllm-{VERSION}"
 MAX_N = 128  # a guard against absurd fan-out; vLLM has no fixed limit
 MAX_SALT_CHARS = 128  # vLLM 0.33 (older releases: 1024)
 _SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
@@ -70,14 +77,15 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def check_model(body: dict[str, Any], served: str) -> None:
-    """404 for a model this pod does not serve; ``model`` may be omitted, as in vLLM."""
+def check_model(body: dict[str, Any], served: Collection[str]) -> None:
+    """404 for a model this pod does not serve (``served``: its names); ``model`` may be
+    omitted, as in vLLM."""
     model = body.get("model")
     if model is None:
         return
     if not isinstance(model, str):
         raise ApiError("'model' must be a string", param="model")
-    if model != served:
+    if model not in served:
         raise ApiError(
             f"The model `{model}` does not exist.", status=404, type="NotFoundError", param="model"
         )
@@ -196,14 +204,28 @@ def parse_prompts(body: dict[str, Any], key: str = "prompt") -> list[str | list[
     return prompts
 
 
-def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    if prompt_tokens + max_tokens > max_model_len:
+def fit_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """The output tokens a prompt gets, as vLLM 0.32 decides them: a ``max_tokens``
+    (asked for, or the default) over the context length, or a prompt over it, is a 400;
+    otherwise the answer is cut to the room left (a 200 ending in ``length``), and a
+    prompt that leaves no room at all is a 400 about ``max_tokens``."""
+    if max_tokens > max_model_len:
         raise ApiError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion."
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            param="max_tokens",
         )
+    if prompt_tokens > max_model_len:
+        raise ApiError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {prompt_tokens} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt.",
+            param="input_tokens",
+        )
+    room = min(max_tokens, max_model_len - prompt_tokens)
+    if room < 1:
+        raise ApiError(f"max_tokens must be at least 1, got {room}.", param="max_tokens")
+    return room
 
 
 # -- output -------------------------------------------------------------------------------
@@ -235,13 +257,32 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    created_tokens: int | None = None,
+    *,
+    streamed: bool = False,
+) -> dict[str, Any]:
+    """vLLM 0.32's usage object. ``created_tokens`` (``created_cache_tokens``: the prompt's
+    full blocks less the cached ones) is filled on chat only, null on completions; a
+    stream's usage chunk leaves out the null fields (and completions' created count)."""
+    details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }
+    if streamed:
+        if created_tokens is not None:
+            details["created_cache_tokens"] = created_tokens
+        return out
+    details["created_cache_tokens"] = created_tokens
+    details["multimodal_tokens"] = None
+    out["completion_tokens_details"] = None
+    return out
 
 
 def chat_response(
@@ -255,15 +296,32 @@ def chat_response(
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
                 "logprobs": None,
                 "finish_reason": "length",
                 "stop_reason": None,
+                "token_ids": None,
+                "routed_experts": None,
             }
             for i in range(n)
         ],
+        "service_tier": None,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "usage": use,
         "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "prompt_text": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
@@ -272,18 +330,35 @@ def chat_chunk(
     model: str,
     created: int,
     deltas: Sequence[tuple[int, dict[str, Any], str | None]],
+    *,
+    role: bool = False,
 ) -> dict[str, Any]:
-    """One streamed chunk: ``deltas`` are (choice index, delta, finish_reason)."""
-    return {
+    """One streamed chunk: ``deltas`` are (choice index, delta, finish_reason); ``role``:
+    the opening chunk (vLLM's carries the prompt fields and no ``token_ids``)."""
+    choices: list[dict[str, Any]] = []
+    for i, delta, finish in deltas:
+        choice: dict[str, Any] = {
+            "index": i,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        if finish is not None:
+            choice["stop_reason"] = None
+        if not role:
+            choice["token_ids"] = None
+        choices.append(choice)
+    out: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [
-            {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-            for i, delta, finish in deltas
-        ],
+        "choices": choices,
     }
+    if role:
+        out["prompt_token_ids"] = None
+        out["prompt_text"] = None
+    return out
 
 
 def completion_response(
@@ -301,11 +376,19 @@ def completion_response(
                 "logprobs": None,
                 "finish_reason": "length",
                 "stop_reason": None,
+                "token_ids": None,
                 "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "routed_experts": None,
             }
             for i, text in enumerate(texts)
         ],
+        "service_tier": None,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "usage": use,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
@@ -325,6 +408,8 @@ def completion_chunk(
                 "logprobs": None,
                 "finish_reason": finish,
                 "stop_reason": None,
+                "prompt_token_ids": None,
+                "token_ids": None,
             }
             for i, text, finish in pieces
         ],
@@ -341,4 +426,5 @@ def usage_chunk(
         "model": model,
         "choices": [],
         "usage": use,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
     }
