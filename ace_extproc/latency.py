@@ -3,11 +3,14 @@ the simulated engine and the fleet simulation.
 
 With ``n`` uncached prompt tokens and ``c`` cached prefix tokens::
 
-    TTFT_ms = t0 + max(t_step, a*n + b*n*(c + n/2))
+    TTFT_ms = t0 + p*(n + c) + max(t_step, a*n + b*n*(c + n/2))
 
 ``a`` is the per-token cost of the prefill, ``b`` the attention term that grows
 with the context each new token attends to, ``t_step`` the floor of one engine
-step.  The GPU models' coefficients are fitted to public H100 figures (see
+step, ``p`` what every prompt token costs cached or not (the server tokenizes and
+hashes the whole prompt): nothing measurable on the GPU models, most of a warm
+16k-token request's time on the CPU pods.  The GPU models' coefficients are fitted
+to public H100 figures (see
 ``shared/reference/engines.md`` and docs/routing.md); they are estimates, not
 measurements of any particular fleet.  ``vllm-cpu-tiny`` is measured, on the
 real-engine tier's CPU pods (``bench/calibrate_vllm.py``).
@@ -25,6 +28,7 @@ class TTFTModel:
     a_ms: float
     b_ms: float
     t_step_ms: float
+    token_ms: float = 0.0  # p: a prompt token's cost, cached or not (the API server's)
 
     def prefill_ms(self, uncached: int, cached: int = 0) -> float:
         """Compute time of a prefill of ``uncached`` tokens after ``cached`` warm ones."""
@@ -33,18 +37,24 @@ class TTFTModel:
 
     def ttft_ms(self, uncached: int, cached: int = 0) -> float:
         """TTFT of one request alone on an idle engine."""
-        return self.t0_ms + self.prefill_ms(uncached, cached)
+        return self.server_ms(uncached + cached) + self.prefill_ms(uncached, cached)
+
+    def server_ms(self, tokens: int) -> float:
+        """The fixed part and the per-token part of a ``tokens``-token prompt, before the
+        engine: its own time, whatever it holds warm."""
+        return self.t0_ms + self.token_ms * max(tokens, 0)
 
     def gain(self, tokens: int, cached: int) -> tuple[float, float]:
         """What ``cached`` warm tokens of a ``tokens``-token prompt are worth alone on an
         idle engine: the cold TTFT over the warm one, and cold less warm (ms). The same
         arithmetic as ``ttft_ms``, inline: it runs on every decision."""
         n = max(tokens, 0)
-        cold = self.t0_ms + max(self.t_step_ms, self.a_ms * n + self.b_ms * n * (0 + n / 2))
+        server = self.t0_ms + self.token_ms * n
+        cold = server + max(self.t_step_ms, self.a_ms * n + self.b_ms * n * (0 + n / 2))
         if not cached:
             return 1.0, 0.0
         n = max(tokens - cached, 0)
-        warm = self.t0_ms + max(self.t_step_ms, self.a_ms * n + self.b_ms * n * (cached + n / 2))
+        warm = server + max(self.t_step_ms, self.a_ms * n + self.b_ms * n * (cached + n / 2))
         return cold / warm, cold - warm
 
     @property
@@ -60,12 +70,12 @@ MODELS: dict[str, TTFTModel] = {
         TTFTModel("llama-3.3-70b-fp8-tp4", 10.0, 0.040, 1.45e-6, 11.0),
         TTFTModel("llama-3.1-8b-fp8", 5.0, 0.0163, 1.17e-6, 4.6),
         # The real-engine tier's pods: vLLM's CPU build serving the tiny model on these
-        # 2-core machines. Fitted by `python -m bench.calibrate_vllm` on 2026-12-05 (idle
-        # pod, 256 to 16k tokens, medians of 9 runs, bench/results/calibrate-vllm.json):
-        # cold TTFT within ~20%. Warm TTFT there grows with the cached context (6 ms at
-        # 256 tokens, 41 ms at 16k: the server tokenizes the whole prompt, the step reads
-        # the whole context), which this form cannot say; it gives 9-11 ms (docs/simulator.md).
-        TTFTModel("vllm-cpu-tiny", 8.76, 0.00200, 5.07e-6, 0.0),
+        # 2-core machines. Fitted by `python -m bench.calibrate_vllm` on 2026-12-05 (an idle
+        # pod, 256 to 16k tokens, medians of 9 runs; t_step its decode step alone;
+        # bench/results/calibrate-vllm.json): cold and warm TTFT within 10% RMS. The
+        # attention term dominates past 4k tokens (the layers are tiny), and p, the
+        # server's tokenizing, is most of a long warm request's time.
+        TTFTModel("vllm-cpu-tiny", 8.85, 0.00427, 3.80e-6, 1.25, token_ms=0.00205),
     )
 }
 DEFAULT_MODEL = "llama-3.3-70b-fp8-tp4"

@@ -91,6 +91,9 @@ class VllmOptions:
             # Requests with tools (agents) are refused without a tool parser; the
             # pythonic one needs no special tokens in the vocabulary.
             "--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+            # /v1/chat/completions/render: the vLLM Router's cache_aware policy matches on
+            # the token ids it returns (403 without this flag).
+            "--enable-scale-out",
             "--seed", "0",
         ]  # fmt: skip
         if self.kv_blocks is not None:

@@ -12,9 +12,13 @@ the last partial block cached). Each length, ``--repeats`` times, interleaved so
 machine's noise spreads over all lengths; medians. One unmeasured round first warms the
 server up.
 
-The model ``TTFT_ms = t0 + max(t_step, a*n + b*n*(c + n/2))`` (``ace_extproc/latency.py``)
+The model ``TTFT_ms = t0 + p*(n + c) + max(t_step, a*n + b*n*(c + n/2))`` (``latency.py``)
 is fitted to the cold and warm medians (``bench/ttft_fit.py``: least squares on relative
-error), and the cold/warm ratio given per length.
+error), and the cold/warm ratio given per length. Every prefill measured lasts longer than
+one engine step, so TTFT cannot tell ``t_step``: it is measured on the same pod as the
+time between streamed tokens of ``DECODE_BATCHES`` requests decoding together (medians;
+``t_step`` is one request's, the floor of a step), which is also what a step costs the
+requests waiting to prefill behind it.
 
 Then the same measurement on ``ace-extproc sim --ttft-model vllm-cpu-tiny --time-scale 1``
 (prompts sized by the sim's own tokenizer), with the coefficients latency.py holds when it
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -48,6 +53,8 @@ from bench.ttft_fit import Point, fit
 
 OUT = Path("bench/results/calibrate-vllm.json")
 LENGTHS = (256, 1024, 2048, 4096, 8192, 16384)
+DECODE_BATCHES = (1, 4, 16, 32)
+DECODE_TOKENS = 200
 _VOCAB = (
     "return", "value", "self", "import", "class", "def", "None", "list", "item", "data",
     "path", "error", "result", "config", "request", "token", "block", "cache", "engine",
@@ -156,15 +163,48 @@ async def measure(url: str, repeats: int, label: str) -> list[dict[str, Any]]:
     return points
 
 
-def fitted(points: list[dict[str, Any]]) -> dict[str, Any]:
+async def _inter_token_ms(http: aiohttp.ClientSession, url: str, seed: int) -> float:
+    """One streamed request decoding DECODE_TOKENS: the median time between its tokens."""
+    body = {
+        "prompt": f"{seed} " + _words(seed, 50),
+        "max_tokens": DECODE_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    stamps = []
+    async with http.post(f"{url}/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return statistics.median(gaps) * 1000
+
+
+async def decode_steps(url: str) -> dict[str, float]:
+    """Milliseconds between tokens with 1, 4, 16 and 32 requests decoding at once."""
+    out = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        await _inter_token_ms(http, url, 0)  # warm-up
+        for batch in DECODE_BATCHES:
+            gaps = await asyncio.gather(
+                *(_inter_token_ms(http, url, 1000 * batch + i) for i in range(batch))
+            )
+            out[str(batch)] = round(statistics.median(gaps), 3)
+    return out
+
+
+def fitted(points: list[dict[str, Any]], step_ms: float | None = None) -> dict[str, Any]:
     data = []
     for p in points:
         data.append(Point(p["prompt_tokens"], 0, p["cold_median_ms"]))
         cached = p["warm_cached_tokens"]
         data.append(Point(p["prompt_tokens"] - cached, cached, p["warm_median_ms"]))
-    f = fit(data)
+    f = fit(data, t_step_ms=step_ms)  # measured, where the prefills cannot tell it
     out: dict[str, Any] = {k: float(f"{v:.6g}") for k, v in asdict(f).items()}
     out["method"] = "least squares on relative error, cold and warm medians (bench/ttft_fit.py)"
+    if step_ms is not None:
+        out["t_step_from"] = "one request's decode step on the same pod (real.decode_ms['1'])"
     out["predicted"] = [
         {
             "prompt_tokens": p["prompt_tokens"],
@@ -188,16 +228,19 @@ async def measure_real(workdir: Path, url: str | None, repeats: int) -> dict[str
     load = _load()
     if url is not None:
         points = await measure(url, repeats, "real")
+        decode = await decode_steps(url)
         argv: list[str] | str = url
         blocks = await kv_blocks(url)
     else:
         async with real_pod(workdir) as pods:
             points = await measure(pods.urls[0], repeats, "real")
+            decode = await decode_steps(pods.urls[0])
             argv = pods.options.argv("127.0.0.1", pods.ports[0])[1:]
             blocks = await kv_blocks(pods.urls[0])
     return {
         "argv": argv,
         "num_gpu_blocks": blocks,
+        "decode_ms": decode,
         "load_avg_before": load,
         "load_avg_after": _load(),
         "points": points,
@@ -234,11 +277,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "ttft": "request sent to the first SSE data event carrying a token (max_tokens 1)",
         }
         result["real"] = await measure_real(args.workdir, args.real, args.repeats)
-        result["fit"] = fitted(result["real"]["points"])
+        result["fit"] = fitted(result["real"]["points"], result["real"]["decode_ms"]["1"])
     result["sim"] = await measure_sim(args.workdir, args.repeats, result["real"]["num_gpu_blocks"])
     result["sim"]["date"] = time.strftime("%Y-%m-%d")
     result["sim"]["command"] = record.command("bench.calibrate_vllm", args.argv)
-    fit_now = {k: result["fit"][k] for k in ("t0_ms", "a_ms", "b_ms", "t_step_ms")}
+    fit_now = {k: result["fit"][k] for k in ("t0_ms", "a_ms", "b_ms", "t_step_ms", "token_ms")}
     used = {k: result["sim"]["ttft_model"][k] for k in fit_now}
     # latency.py holds them to three significant figures.
     result["sim"]["uses_fitted_coefficients"] = all(

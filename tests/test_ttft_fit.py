@@ -30,10 +30,23 @@ def test_recovers_the_coefficients_of_noiseless_points() -> None:
     assert got.rel_rmse < 0.01
 
 
+def test_recovers_the_cost_of_every_prompt_token_from_warm_points() -> None:
+    """Warm TTFT that grows with the cached context (the server tokenizes and hashes the
+    whole prompt) is the p term, not a larger attention term."""
+    truth = TTFTModel("t", 8.0, 0.002, 5e-6, 1.0, token_ms=0.002)
+    got = fit(points(truth))
+    assert got.token_ms == pytest.approx(0.002, rel=0.05)
+    assert got.b_ms == pytest.approx(5e-6, rel=0.05)
+    warm = (16384 - 1) // 32 * 32
+    assert got.predict(16384 - warm, warm) == pytest.approx(
+        truth.ttft_ms(16384 - warm, warm), rel=0.02
+    )
+
+
 def test_noisy_points_fit_within_the_noise_and_coefficients_stay_non_negative() -> None:
     truth = TTFTModel("t", 30.0, 0.02, 0.0, 5.0)  # no attention term: b must not go negative
     got = fit(points(truth, noise=0.05))
-    assert min(got.t0_ms, got.a_ms, got.b_ms, got.t_step_ms) >= 0.0
+    assert min(got.t0_ms, got.a_ms, got.b_ms, got.t_step_ms, got.token_ms) >= 0.0
     assert got.rel_rmse < 0.06
     for n in LENGTHS:
         assert got.predict(n) == pytest.approx(truth.ttft_ms(n), rel=0.1)
@@ -41,4 +54,4 @@ def test_noisy_points_fit_within_the_noise_and_coefficients_stay_non_negative() 
 
 def test_too_few_points_is_an_error() -> None:
     with pytest.raises(ValueError):
-        fit([Point(1, 0, 1.0)] * 3)
+        fit([Point(1, 0, 1.0)] * 4)

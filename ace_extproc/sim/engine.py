@@ -9,8 +9,9 @@ A request's life, and where it waits:
    arrive while a batch runs wait for it, then go together in the next batch
    (FIFO, up to ``max_num_batched_tokens`` uncached tokens; a longer prompt
    runs alone instead of being chunked).  A batch takes
-   ``t0 + max(t_step, sum of the members' prefill work)`` model milliseconds,
-   which for a request alone is exactly ``TTFTModel.ttft_ms(uncached, cached)``.
+   ``t0 + p * (their prompt tokens) + max(t_step, sum of the members' prefill work)``
+   model milliseconds, which for a request alone is exactly
+   ``TTFTModel.ttft_ms(uncached, cached)``.
    The first output token comes with the end of the batch.
 3. **Decode**: one token every ``tpot_ms``, whatever the batch (decode does
    not slow prefill down here, nor the reverse).
@@ -262,7 +263,10 @@ class Engine:
     def batch_ms(self, members: Sequence[tuple[int, int]]) -> float:
         """Model time of one prefill batch of (uncached, cached) token counts."""
         work = sum(self._work.prefill_ms(n, c) for n, c in members)
-        return self.model.t0_ms + max(self.model.t_step_ms, work)
+        # The server's share: the fixed part once, each prompt's tokens (tokenized one
+        # after another), cached or not.
+        server = self.model.server_ms(sum(n + c for n, c in members))
+        return server + max(self.model.t_step_ms, work)
 
     async def _prefill_loop(self) -> None:
         loop = asyncio.get_running_loop()

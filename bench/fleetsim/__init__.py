@@ -55,8 +55,9 @@ long later, with one exact load view common to all (``_Run.share``).
   A prefill remainder under ``t_step / a`` tokens (~275) is folded into the
   current step rather than left to cost a floor-bound step of its own: with that,
   a request alone on an idle pod gets exactly ``model.ttft_ms(uncached, cached)``.
-* ``t0`` (the model's fixed part, 10 ms by default) is the API server's share: a
-  request reaches the pod's queue ``t0`` after it is routed.  TTFT = first token
+* ``t0 + p*(n + c)`` (the model's fixed part, 10 ms by default, and its cost per prompt
+  token, 0 but on the CPU pods) is the API server's share: a request reaches the pod's
+  queue that long after it is routed.  TTFT = first token
   - arrival; ``queue_s`` = first prefill step - reaching the pod.
 * A run of decode-only steps with nothing to admit is planned as one stretch up
   to the next finish and cut at the current step's end if a request arrives, so

@@ -112,7 +112,6 @@ class _Run:
         self.workload = workload
         self.settings = settings
         self.model = get_model(settings.ttft_model)
-        self.t0_s = self.model.t0_ms / 1000
         config = Config(
             default_fleet(n_pods),
             Settings(
@@ -298,7 +297,8 @@ class _Run:
         load.inflight += 1
         job.charged = job.tokens - pod.cache.match_keys(job.keys, job.tokens)
         load.queued_prefill_tokens += job.charged
-        self.push(self.now + self.t0_s, _ENTER, (slot, job))
+        # The API server's share (t0, and p a prompt token) before the engine's queue.
+        self.push(self.now + self.model.server_ms(job.tokens) / 1000, _ENTER, (slot, job))
 
     def _fallback(self, proc: App) -> int | None:
         """Envoy's default route (LEAST_REQUEST): the available pod with the fewest
