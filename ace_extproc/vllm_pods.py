@@ -32,6 +32,7 @@ SERVED_NAMES = ("tiny", "sim-llama")
 BLOCK_SIZE = 32
 DEFAULT_KV_BLOCKS = 65_536  # what 1 GiB holds of the tiny model (2 layers, 512 B a token)
 MAX_NUM_SEQS = 64
+MAX_MODEL_LEN = 65_536  # the tiny model's positions
 TTFT_MODEL = "vllm-cpu-tiny"  # ace_extproc/latency.py: calibrated on these pods here
 
 
@@ -49,7 +50,7 @@ class VllmOptions:
     python: str  # the engine venv's interpreter
     model: str  # a model directory
     served_names: tuple[str, ...] = SERVED_NAMES
-    max_model_len: int = 65536
+    max_model_len: int = MAX_MODEL_LEN
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
     # The KV cache in blocks (vLLM's --num-gpu-blocks-override): small to force eviction.
     kv_blocks: int | None = None

@@ -39,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from ace_extproc.vllm_pods import BLOCK_SIZE, EnginesMissing
+from ace_extproc.vllm_pods import BLOCK_SIZE, MAX_MODEL_LEN, EnginesMissing
 from bench import record
 from bench.engine_pair import pair
 from bench.parity import expected_cached, exposition, labels_of, shape, shape_diff, value
@@ -311,7 +311,8 @@ async def metrics(p: Pair) -> None:
 # -- errors -----------------------------------------------------------------------------
 
 _MSGS = [{"role": "user", "content": "hi"}]
-_LONG_TEXT = [{"role": "user", "content": "hello " * 40_000}]  # over 32,768 tokens on both
+CONTEXT = MAX_MODEL_LEN  # both pods' max_model_len
+_LONG_TEXT = [{"role": "user", "content": "hello " * 80_000}]  # over the context on both
 # (name, method, path, JSON body or raw bytes). Token-id prompts size exactly on both.
 ERRORS: list[tuple[str, str, str, Any]] = [
     ("unknown model", "POST", "/v1/chat/completions", {"model": "gpt-9", "messages": _MSGS}),
@@ -320,13 +321,13 @@ ERRORS: list[tuple[str, str, str, Any]] = [
     ("bad JSON", "POST", "/v1/chat/completions", b"{not json"),
     ("body not an object", "POST", "/v1/chat/completions", b"[1, 2]"),
     ("max_tokens over max_model_len", "POST", "/v1/chat/completions",
-     {"messages": _MSGS, "max_tokens": 40_000}),
-    ("prompt + max_tokens over max_model_len (32,760 ids + 100)", "POST", "/v1/completions",
-     {"prompt": [5] * 32_760, "max_tokens": 100}),
-    ("prompt of exactly max_model_len (32,768 ids)", "POST", "/v1/completions",
-     {"prompt": [5] * 32_768, "max_tokens": 4}),
-    ("prompt over max_model_len (40,000 ids)", "POST", "/v1/completions",
-     {"prompt": [5] * 40_000}),
+     {"messages": _MSGS, "max_tokens": CONTEXT + 8_000}),
+    ("prompt + max_tokens over max_model_len (8 ids short + 100)", "POST", "/v1/completions",
+     {"prompt": [5] * (CONTEXT - 8), "max_tokens": 100}),
+    ("prompt of exactly max_model_len", "POST", "/v1/completions",
+     {"prompt": [5] * CONTEXT, "max_tokens": 4}),
+    ("prompt over max_model_len (8,000 ids over)", "POST", "/v1/completions",
+     {"prompt": [5] * (CONTEXT + 8_000)}),
     ("chat prompt over max_model_len", "POST", "/v1/chat/completions", {"messages": _LONG_TEXT}),
     ("negative max_tokens", "POST", "/v1/chat/completions", {"messages": _MSGS, "max_tokens": -1}),
     ("zero max_tokens", "POST", "/v1/chat/completions", {"messages": _MSGS, "max_tokens": 0}),

@@ -26,11 +26,12 @@ import aiohttp
 import pytest
 
 from ace_extproc.routing import metrics_text
-from ace_extproc.vllm_pods import BLOCK_SIZE, EnginesMissing, Pods, VllmOptions
+from ace_extproc.vllm_pods import BLOCK_SIZE, MAX_MODEL_LEN, EnginesMissing, Pods, VllmOptions
 from bench.engine_pair import free_port, kv_blocks, sim_argv, sim_pod
 from bench.parity import expected_cached, exposition, labels_of
 
 pytestmark = pytest.mark.engines
+CONTEXT = MAX_MODEL_LEN  # the pods' context, sim and real alike
 
 # Every series the router reads (routing/metrics_text.py), and the restart marker.
 ROUTER_METRICS = (
@@ -220,12 +221,13 @@ BAD_REQUESTS: list[tuple[str, str, str, Any, int]] = [
     ("missing messages", "POST", "/v1/chat/completions", {"model": "sim-llama"}, 400),
     ("bad JSON", "POST", "/v1/chat/completions", b"{not json", 400),
     ("max_tokens over the context", "POST", "/v1/completions",
-     {"prompt": [5, 6], "max_tokens": 40_000}, 400),
-    ("prompt over the context", "POST", "/v1/completions", {"prompt": [5] * 40_000}, 400),
+     {"prompt": [5, 6], "max_tokens": CONTEXT + 8_000}, 400),
+    ("prompt over the context", "POST", "/v1/completions",
+     {"prompt": [5] * (CONTEXT + 8_000)}, 400),
     ("prompt filling the context", "POST", "/v1/completions",
-     {"prompt": [5] * 32_768, "max_tokens": 4}, 400),
+     {"prompt": [5] * CONTEXT, "max_tokens": 4}, 400),
     ("answer cut to the context left", "POST", "/v1/completions",
-     {"prompt": [5] * 32_760, "max_tokens": 100}, 200),
+     {"prompt": [5] * (CONTEXT - 8), "max_tokens": 100}, 200),
     ("negative max_tokens", "POST", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400),
     ("cache_salt not a string", "POST", "/v1/completions", {"prompt": "hi", "cache_salt": 7}, 400),
     ("cache_salt with a slash", "POST", "/v1/completions",
