@@ -87,15 +87,7 @@ def observation(entry: HTTPAccessLogEntry) -> Observation | None:
         obs.flags = _flags(entry)
     meta = common.metadata.filter_metadata
     if METADATA_NAMESPACE in meta:
-        f = meta[METADATA_NAMESPACE].fields
-        obs.mode = f["mode"].string_value if "mode" in f else ""
-        obs.action = f["action"].string_value if "action" in f else ""
-        obs.pinned = f["served_by"].string_value if "served_by" in f else ""
-        obs.would_pick = f["pod"].string_value if "pod" in f else ""
-        obs.saved_tokens = int(f["saved_tokens"].number_value) if "saved_tokens" in f else 0
-        obs.estimated_prompt_tokens = (
-            int(f["prompt_tokens"].number_value) if "prompt_tokens" in f else 0
-        )
+        obs.read_decision(meta[METADATA_NAMESPACE].fields)
     return obs
 
 

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
+from google.protobuf.struct_pb2 import Value
 
 from ace_extproc.request import BODY_FAULTS
 from ace_extproc.routing.fleet import FleetState
@@ -132,18 +134,22 @@ class Observation:
             return self.saved_tokens
         return round(self.saved_tokens * self.prompt_tokens / self.estimated_prompt_tokens)
 
+    def read_decision(self, f: Mapping[str, Value]) -> None:
+        """The routing filter's ``ace`` metadata (``mutate.metadata``), as either report
+        carries it."""
+        self.mode = f["mode"].string_value if "mode" in f else ""
+        self.action = f["action"].string_value if "action" in f else ""
+        self.pinned = f["served_by"].string_value if "served_by" in f else ""
+        self.would_pick = f["pod"].string_value if "pod" in f else ""
+        self.saved_tokens = int(f["saved_tokens"].number_value) if "saved_tokens" in f else 0
+        self.estimated_prompt_tokens = (
+            int(f["prompt_tokens"].number_value) if "prompt_tokens" in f else 0
+        )
+
     def on_headers(self, msg: ProcessingRequest) -> None:
         ace = msg.metadata_context.filter_metadata.get("ace")
         if ace is not None:
-            f = ace.fields
-            self.mode = f["mode"].string_value if "mode" in f else ""
-            self.action = f["action"].string_value if "action" in f else ""
-            self.pinned = f["served_by"].string_value if "served_by" in f else ""
-            self.would_pick = f["pod"].string_value if "pod" in f else ""
-            self.saved_tokens = int(f["saved_tokens"].number_value) if "saved_tokens" in f else 0
-            self.estimated_prompt_tokens = (
-                int(f["prompt_tokens"].number_value) if "prompt_tokens" in f else 0
-            )
+            self.read_decision(ace.fields)
         attrs = msg.attributes.get(ATTRIBUTES_KEY)
         if attrs is not None:
             a = attrs.fields
