@@ -32,10 +32,12 @@ import dataclasses
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..latency import TTFTModel
-from .kvcache import Allocation, PrefixCache, prompt_keys
+from .kvcache import Allocation, CacheEvents, PrefixCache, prompt_keys
 from .metrics import Histogram
+from .tokenizer import BYTES_PER_TOKEN, encode_utf8
 
 
 class CapacityError(ValueError):
@@ -43,6 +45,22 @@ class CapacityError(ValueError):
 
 
 Prompt = Sequence[int] | bytes  # token ids, or UTF-8 text (keyed without tokenizing)
+
+
+class EngineEvents(CacheEvents, Protocol):
+    """KV events (kv_events.KVEventPublisher): the engine reports the blocks a step
+    stored and ends the step; the cache reports what it drops."""
+
+    def stored(
+        self,
+        hashes: list[int],
+        parent: int | None,
+        token_ids: list[int],
+        block_size: int,
+        extra_keys: list[tuple[Any, ...] | None],
+    ) -> None: ...
+
+    def flush(self) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -53,6 +71,7 @@ class EngineRequest:
     max_tokens: int
     n: int
     arrival: float  # loop time
+    prompt: Prompt = b""  # kept for the token ids of KV events
     alloc: Allocation | None = None
     cached_tokens: int = 0
     generated: int = 0  # tokens produced per choice so far
@@ -85,6 +104,7 @@ class Engine:
         max_num_batched_tokens: int = 8192,
         time_scale: float = 1.0,
         tpot_ms: float = 20.0,
+        events: EngineEvents | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
@@ -97,6 +117,8 @@ class Engine:
         self.time_scale = time_scale
         self.tpot_ms = tpot_ms
         self.stats = EngineStats()
+        self.events = events  # None: KV events off, and nothing is collected
+        cache.events = events
         self.running = 0
         self.waiting = 0
         # The model with no step floor gives a request's share of a batch's work.
@@ -130,7 +152,7 @@ class Engine:
         num_tokens, keys = prompt_keys(prompt, self.cache.block_size, salt)
         self.check(num_tokens, max_tokens, n)
         loop = asyncio.get_running_loop()
-        req = EngineRequest(num_tokens, keys, salt, max_tokens, n, loop.time())
+        req = EngineRequest(num_tokens, keys, salt, max_tokens, n, loop.time(), prompt)
         await self._admit(req)
         try:
             await self._prefill(req)
@@ -234,9 +256,7 @@ class Engine:
         self._prefill_queue.append((req, fut))
         if self._prefill_task is None:
             self._prefill_task = asyncio.create_task(self._prefill_loop())
-        await fut
-        assert req.alloc is not None
-        self.cache.commit(req.alloc)
+        await fut  # the prefill loop has committed its blocks
         req.generated = 1  # the first token comes out of the prefill step
         req.ttft_s = req.wait_s + (self._prefill_clock_ms - req.prefill_enqueued_ms) / 1000
         stats = self.stats
@@ -279,12 +299,45 @@ class Engine:
                 await self._sleep_ms(ms, yield_always=True)
                 self._prefill_clock_ms += ms
                 self._batch_ms = 0.0
+                self._commit(batch)
                 for _, fut in batch:
                     if not fut.done():
                         fut.set_result(None)
         finally:
             self._batch_ms = 0.0
             self._prefill_task = None
+            if self.events is not None:
+                self.events.flush()  # evictions of requests that left before their batch
+
+    def _commit(self, batch: list[tuple[EngineRequest, asyncio.Future[None]]]) -> None:
+        """The batch is computed: cache its full prompt blocks and, as vLLM does at
+        the end of a step, publish the step's KV events before its first tokens go out."""
+        events = self.events
+        for req, fut in batch:
+            if fut.done():
+                continue  # its client went away: aborted, blocks released
+            assert req.alloc is not None
+            blocks = self.cache.commit(req.alloc)
+            if events is not None and blocks:
+                self._report_stored(events, req, blocks)
+        if events is not None:
+            events.flush()
+
+    def _report_stored(self, events: EngineEvents, req: EngineRequest, blocks: range) -> None:
+        """BlockStored of ``req``'s prompt blocks ``blocks``, as vLLM builds it."""
+        size = self.cache.block_size
+        start, end = blocks.start * size, blocks.stop * size
+        prompt = req.prompt
+        if isinstance(prompt, bytes):  # text: block keys hash bytes, events carry token ids
+            tokens = encode_utf8(prompt[start * BYTES_PER_TOKEN : end * BYTES_PER_TOKEN])
+        else:
+            tokens = list(prompt[start:end])
+        # One entry per block; the salt is block 0's only extra key.
+        extra: list[tuple[Any, ...] | None] = [None] * len(blocks)
+        if blocks.start == 0 and req.salt:
+            extra[0] = (req.salt,)
+        parent = req.keys[blocks.start - 1] if blocks.start else None
+        events.stored(req.keys[blocks.start : blocks.stop], parent, tokens, size, extra)
 
     async def _sleep_ms(self, ms: float, *, yield_always: bool) -> None:
         delay = ms * self.time_scale / 1000

@@ -35,6 +35,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import xxhash
 
@@ -120,6 +121,15 @@ class Allocation:
     released: bool = False
 
 
+class CacheEvents(Protocol):
+    """Where the cache reports what leaves it (kv_events.KVEventPublisher).  What
+    enters it is reported by the engine, which has the prompt's token ids."""
+
+    def removed(self, hashes: Sequence[int]) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 class PrefixCache:
     """Block pool + prefix index for one pod.  Not thread-safe (one event loop)."""
 
@@ -134,6 +144,7 @@ class PrefixCache:
         self.queries = 0  # prompt tokens looked up (vllm:prefix_cache_queries)
         self.hits = 0  # of which found cached (vllm:prefix_cache_hits)
         self.evictions = 0  # cached blocks evicted
+        self.events: CacheEvents | None = None  # KV events off: nothing is collected
 
     # -- accounting -----------------------------------------------------------------
     @property
@@ -213,28 +224,41 @@ class PrefixCache:
             refs[h] = r + 1
         shortfall = needed - self._empty()
         if shortfall > 0:
-            popitem = free.popitem
-            for _ in range(shortfall):
-                victim, _none = popitem(last=False)
-                del refs[victim]
-            self.evictions += shortfall
+            self._evict(shortfall)
         self._anonymous += needed
         self.queries += num_tokens
         self.hits += matched * self.block_size
         return Allocation(hashes, matched * self.block_size, held, needed)
 
-    def commit(self, alloc: Allocation, blocks: int | None = None) -> None:
+    def _evict(self, count: int) -> None:
+        """Drop the ``count`` least recently freed cached blocks."""
+        refs, popitem = self._refs, self._free.popitem
+        if self.events is None:
+            for _ in range(count):
+                victim, _none = popitem(last=False)
+                del refs[victim]
+        else:
+            victims = [popitem(last=False)[0] for _ in range(count)]
+            for victim in victims:
+                del refs[victim]
+            self.events.removed(victims)
+        self.evictions += count
+
+    def commit(self, alloc: Allocation, blocks: int | None = None) -> range:
         """The prefill is done: index the prompt's newly computed full blocks.
 
         ``blocks`` limits it to the first ``blocks`` full blocks, for a prefill done
-        in chunks (vLLM caches each full block as soon as it is computed).
+        in chunks (vLLM caches each full block as soon as it is computed).  Returns
+        the indexes of the blocks committed now, among them any that another request
+        committed meanwhile (vLLM reports those as stored again, too).
         """
+        first = len(alloc.held)
         if alloc.released:
-            return
+            return range(first, first)
         end = len(alloc.hashes) if blocks is None else min(blocks, len(alloc.hashes))
-        new = alloc.hashes[len(alloc.held) : end]
+        new = alloc.hashes[first:end]
         if not new:
-            return
+            return range(first, first)
         refs, free = self._refs, self._free
         for h in new:
             r = refs.get(h)
@@ -249,6 +273,7 @@ class PrefixCache:
         self._anonymous -= len(new)
         alloc.anonymous -= len(new)
         alloc.held.extend(new)
+        return range(first, end)
 
     def release(self, alloc: Allocation) -> None:
         """The request finished: drop its references (idempotent)."""
@@ -265,9 +290,19 @@ class PrefixCache:
         alloc.anonymous = 0
 
     def reset(self) -> int:
-        """Drop every unreferenced cached block (vLLM's /reset_prefix_cache)."""
-        dropped = len(self._free)
-        for h in self._free:
+        """Drop every unreferenced cached block (vLLM's /reset_prefix_cache).
+
+        Reported as AllBlocksCleared when the index ends up empty; while running
+        requests keep blocks cached, as BlockRemoved of those dropped (vLLM refuses
+        a reset then, so it has no event for this case).
+        """
+        dropped = list(self._free)
+        for h in dropped:
             del self._refs[h]
         self._free.clear()
-        return dropped
+        if self.events is not None:
+            if self._refs:
+                self.events.removed(dropped)
+            else:
+                self.events.cleared()
+        return len(dropped)

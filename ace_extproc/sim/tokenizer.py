@@ -49,7 +49,11 @@ class TemplateError(ValueError):
 
 def encode(text: str) -> list[int]:
     """Token ids of ``text``: one per 4-byte chunk of its UTF-8 encoding."""
-    data = text.encode("utf-8")
+    return encode_utf8(text.encode("utf-8"))
+
+
+def encode_utf8(data: bytes) -> list[int]:
+    """:func:`encode` of text already in UTF-8."""
     return [
         _hash(data[i : i + BYTES_PER_TOKEN]) % VOCAB_SIZE
         for i in range(0, len(data), BYTES_PER_TOKEN)
