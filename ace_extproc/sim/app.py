@@ -4,8 +4,8 @@ Endpoints (vLLM's shapes unless noted): ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (streaming and not), ``GET /health``,
 ``GET /v1/models``, ``GET /version``, ``POST /tokenize``,
 ``POST /v1/chat/completions/render`` and ``POST /v1/completions/render``,
-``POST /reset_prefix_cache``, ``GET /metrics``; SGLang's ``GET /get_load`` and
-``GET /server_info``; and, sim only, ``GET``/``DELETE /debug/requests``.
+``POST /reset_prefix_cache``, ``GET /metrics``, ``GET /kv_event_sources``; SGLang's
+``GET /get_load`` and ``GET /server_info``; and, sim only, ``GET``/``DELETE /debug/requests``.
 
 Every response carries ``x-sim-pod: <pod id>``, a sim-only debug header
 (no real engine sends it) so tests can see which pod answered. The object that
@@ -23,6 +23,9 @@ lower-cased (repeats joined with ", "), the raw body as UTF-8 text.
 ``DELETE /debug/requests`` clears them.  Without ``--record`` both answer 404
 and bodies are never kept or logged.
 
+``--kv-events-config`` (vLLM's flag and JSON) publishes KV cache events on ZMQ in
+vLLM's wire format (:mod:`.kv_events`); ``--kv-events-delay-ms`` holds each batch back.
+
 Performance: the sim is the backend of overhead benchmarks, so the small
 non-streaming path stays short (msgspec JSON, no access log, no middleware
 unless ``--record`` is on).  aiohttp sets TCP_NODELAY on every connection.
@@ -37,7 +40,7 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -45,6 +48,7 @@ from aiohttp import web
 
 from ..latency import DEFAULT_MODEL, MODELS, get_model
 from .engine import CapacityError, Engine, Prompt
+from .kv_events import KVEventPublisher, KVEventsConfig
 from .kvcache import PrefixCache, text_tokens
 from .metrics import CONTENT_TYPE, Exposition
 from .protocol import (
@@ -94,14 +98,22 @@ class SimConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 131072
     record: int = 0  # keep the last N requests for GET /debug/requests; 0 = off
+    kv_events: KVEventsConfig | None = None  # vLLM's --kv-events-config; None = off
+    kv_events_delay_ms: float = 0.0  # sim only: hold each event batch back this long
 
 
 class SimPod:
     """The state of one pod: its prefix cache, engine and recorded requests."""
 
-    def __init__(self, config: SimConfig) -> None:
+    def __init__(self, config: SimConfig, host: str = "127.0.0.1") -> None:
         self.config = config
         self.cache = PrefixCache(config.block_size, config.num_gpu_blocks)
+        events = config.kv_events
+        self.events = (
+            KVEventPublisher(events, host=host, delay_ms=config.kv_events_delay_ms)
+            if events is not None and events.enabled
+            else None
+        )
         self.engine = Engine(
             get_model(config.ttft_model),
             self.cache,
@@ -109,6 +121,7 @@ class SimPod:
             max_num_batched_tokens=config.max_num_batched_tokens,
             time_scale=config.time_scale,
             tpot_ms=config.tpot_ms,
+            events=self.events,
         )
         self.records: collections.deque[dict[str, Any]] = collections.deque(
             maxlen=max(config.record, 1)
@@ -447,8 +460,18 @@ async def _server_info(request: web.Request) -> web.StreamResponse:
 
 
 async def _reset_prefix_cache(request: web.Request) -> web.StreamResponse:
-    request.app[POD].cache.reset()
+    pod = request.app[POD]
+    pod.cache.reset()
+    if pod.events is not None:
+        pod.events.flush()  # now, not at the next step (see docs/simulator.md)
     return _json({"success": True})
+
+
+async def _kv_event_sources(request: web.Request) -> web.StreamResponse:
+    """vLLM's shape: the publisher config of each data-parallel rank, ``{}`` when off;
+    unlike vLLM the endpoints are the ones to dial (no ``*``)."""
+    events = request.app[POD].events
+    return _json({"0": events.source()} if events is not None else {})
 
 
 async def _metrics(request: web.Request) -> web.StreamResponse:
@@ -567,11 +590,15 @@ async def _debug_requests(request: web.Request) -> web.StreamResponse:
 # -- wiring -----------------------------------------------------------------------------
 
 
-def build_app(config: SimConfig) -> web.Application:
-    pod = SimPod(config)
+def build_app(config: SimConfig, host: str = "127.0.0.1") -> web.Application:
+    """The pod's app; ``host`` (its HTTP address) is what KV event endpoints report
+    in place of a wildcard."""
+    pod = SimPod(config, host)
     middlewares = [_record_middleware(pod)] if config.record > 0 else []
     app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
     app[POD] = pod
+    if pod.events is not None:
+        app.cleanup_ctx.append(_publishing(pod.events))
 
     async def pod_header(request: web.Request, response: web.StreamResponse) -> None:
         response.headers[POD_HEADER] = config.pod_id
@@ -590,11 +617,27 @@ def build_app(config: SimConfig) -> web.Application:
         web.get("/get_load", _get_load),
         web.get("/server_info", _server_info),
         web.post("/reset_prefix_cache", _reset_prefix_cache),
+        web.get("/kv_event_sources", _kv_event_sources),
         web.get("/debug/requests", _api(_debug_requests)),
         web.delete("/debug/requests", _api(_debug_requests)),
     ]
     app.add_routes(routes)
     return app
+
+
+def _publishing(
+    events: KVEventPublisher,
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """The publisher's sockets live as long as the app."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        await events.start()
+        try:
+            yield
+        finally:
+            await events.stop()
+
+    return ctx
 
 
 class SimServer:
@@ -614,7 +657,7 @@ class SimServer:
         self.host = host
         self.port = port
         self.ssl_context = ssl_context  # serve https, as vLLM with --ssl-certfile
-        self.app = build_app(self.config)
+        self.app = build_app(self.config, host)
         self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=1.0)
 
     @property
@@ -752,6 +795,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="keep the last N requests for GET /debug/requests (default: off)",
     )
+    add(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="publish KV cache events on ZMQ, as vLLM's flag: e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:0"}\'; '
+        "GET /kv_event_sources gives the endpoint (default: off)",
+    )
+    add(
+        "--kv-events-delay-ms",
+        type=_non_negative_float,
+        default=d.kv_events_delay_ms,
+        metavar="MS",
+        help="sim only: publish each KV event batch this long after its step "
+        "(default: %(default)s)",
+    )
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"--kv-events-config: {exc}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -769,6 +836,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         record=args.record,
+        kv_events=args.kv_events_config,
+        kv_events_delay_ms=args.kv_events_delay_ms,
     )
 
 
@@ -782,6 +851,8 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     async with SimServer(config, host, port, ssl_context) as server:
         print(f"sim {config.pod_id} listening on {server.url}", flush=True)
+        if server.pod.events is not None:
+            print(f"sim {config.pod_id} KV events on {server.pod.events.endpoint}", flush=True)
         await stop.wait()
 
 
