@@ -21,11 +21,15 @@ from ace_extproc.processor import Processor
 from ace_extproc.routing import BlockIndex, FleetState, Policy, policies
 from ace_extproc.routing.discovery import Discovery, for_destination
 from ace_extproc.routing.fleet import ADDED, RETIRED
+from ace_extproc.routing.kv_events import KvEvents
 from ace_extproc.routing.load import LoadAccounting
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.routing.outlier import OutlierDetector
 from ace_extproc.routing.placements import PrefixPlacements
 from ace_extproc.routing.policies import PolicyFactory
+from ace_extproc.routing.precise import PreciseIndex
+from ace_extproc.routing.precise_metrics import PreciseMetrics
+from ace_extproc.routing.precise_routing import PreciseRouting
 from ace_extproc.routing.replicas import Learner, ReplicaSync
 from ace_extproc.telemetry import Telemetry
 from ace_extproc.tenants import Tenants
@@ -48,6 +52,7 @@ class App:
     monitor: FleetMonitor | None  # probes and scrapes; None with probe_interval_s <= 0
     discoveries: tuple[Discovery, ...]  # pods found at run time
     sharing: ReplicaSync | None  # placements shared with the other replicas
+    kv_events: KvEvents | None  # the engines' KV event streams (precise routing)
 
     async def start(self) -> None:
         """Start what runs in the background. Sharing connects in the background: Redis
@@ -59,6 +64,8 @@ class App:
             await discovery.start()
         if self.sharing is not None:
             await self.sharing.start()
+        if self.kv_events is not None:
+            await self.kv_events.start()
 
     async def stop(self) -> None:
         """Stop it; the pods discovery found stay as they are."""
@@ -68,6 +75,8 @@ class App:
             await self.monitor.stop()
         if self.sharing is not None:
             await self.sharing.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
 
 
 def build(config: Config, picker: PolicyFactory | None = None) -> App:
@@ -81,7 +90,20 @@ def build(config: Config, picker: PolicyFactory | None = None) -> App:
     # The accounting runs where scrapes correct it: without them it would only grow.
     watching = s.probe_interval_s > 0
     load = LoadAccounting(fleet, s, active=watching)
-    monitor = FleetMonitor(fleet, index, s, load) if watching else None
+    # Precise routing: the pods of destinations with a tokenizer follow their events.
+    precise_index = PreciseIndex(s.precise.confirm_s)
+    precise = PreciseRouting(
+        precise_index,
+        fleet,
+        config.fleet.destinations,
+        offloaded_cost=s.precise.offloaded_cost,
+    )
+    kv_events = None
+    if precise.tokenizers:
+        kv_events = KvEvents(
+            fleet, precise_index, frozenset(precise.tokenizers), rebuild_s=s.precise.rebuild_s
+        )
+    monitor = FleetMonitor(fleet, index, s, load, precise_index) if watching else None
     discoveries = tuple(
         for_destination(fleet, index, d)
         for d in config.fleet.destinations
@@ -97,6 +119,8 @@ def build(config: Config, picker: PolicyFactory | None = None) -> App:
     observer = Observer(fleet, outliers)
     placements = PrefixPlacements()
     telemetry = Telemetry(s, fleet, index, monitor, ledger=observer.ledger, sharing=sharing)
+    if kv_events is not None or precise.failed:
+        telemetry.registry.register(PreciseMetrics(kv_events, precise))
     processor = Processor(
         s,
         fleet,
@@ -107,6 +131,7 @@ def build(config: Config, picker: PolicyFactory | None = None) -> App:
         ttft_models(config.fleet, s),
         placements=placements,
         sharing=sharing,
+        precise=precise if kv_events is not None else None,
     )
 
     def forget(slot: int, change: str) -> None:
@@ -133,6 +158,7 @@ def build(config: Config, picker: PolicyFactory | None = None) -> App:
         monitor,
         discoveries,
         sharing,
+        kv_events,
     )
 
 

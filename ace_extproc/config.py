@@ -56,6 +56,8 @@ class Pod:
     port: int
     weight: float = 1.0
     tls: bool = False  # its base_url is https: Envoy and the monitor speak TLS to it
+    kv_events: str = ""  # its KV event publisher (tcp://); empty: asked of the engine
+    kv_events_replay: str = ""
     # Derived once (read on every decision): ``destination/pod``, the id reported in
     # ``x-ace-served-by``; the Envoy cluster that holds exactly this pod (the
     # ``x-ace-upstream`` value in cluster mode); and how Envoy names its host
@@ -138,6 +140,8 @@ class Destination:
     # index from the start. 0: the router's index_blocks_per_pod until a scrape tells.
     # A size the engine reports replaces it.
     kv_capacity_tokens: int = 0
+    # Precise routing: its model's tokenizer directory (or "sim"); empty: approximate.
+    tokenizer: str = ""
 
     @property
     def cluster(self) -> str:
@@ -350,7 +354,11 @@ def _destination(d: ff.Destination, where: str, env: Mapping[str, str]) -> Desti
                 f"{pw}.base_url: {p.base_url!r} and the destination's base_url "
                 f"{base_url!r} must both be http or both https"
             )
-        pods.append(Pod(d.id, p.id, host, port, p.weight, tls))
+        for name in ("kv_events", "kv_events_replay"):
+            endpoint = getattr(p, name)
+            if endpoint and not endpoint.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"{pw}.{name}: {endpoint!r} is not tcp://host:port")
+        pods.append(Pod(d.id, p.id, host, port, p.weight, tls, p.kv_events, p.kv_events_replay))
     # Unset is checked by the server only (check_api_keys): Envoy's renderer, which
     # reads the same file, has no use for the key and need not be given it.
     api_key = env.get(d.api_key_env, "") if d.api_key_env else ""
@@ -372,6 +380,7 @@ def _destination(d: ff.Destination, where: str, env: Mapping[str, str]) -> Desti
         api_key=api_key,
         ttft_model=d.ttft_model,
         kv_capacity_tokens=d.kv_capacity_tokens,
+        tokenizer=d.tokenizer,
     )
 
 
@@ -607,6 +616,15 @@ def sim_fleet(addresses: Sequence[str], destination: str = "sim") -> Fleet:
     return Fleet((Destination(destination, "vllm", pods[0].base_url, tuple(pods)),))
 
 
+def _pod_to_dict(p: Pod) -> dict[str, Any]:
+    doc: dict[str, Any] = {"id": p.id, "base_url": p.base_url, "weight": p.weight}
+    if p.kv_events:
+        doc["kv_events"] = p.kv_events
+    if p.kv_events_replay:
+        doc["kv_events_replay"] = p.kv_events_replay
+    return doc
+
+
 def ttft_models(fleet: Fleet, settings: Settings) -> dict[str, TTFTModel]:
     """Each destination's calibrated TTFT model: its own ``ttft_model``, else the
     router's (both checked when they were read)."""
@@ -626,7 +644,8 @@ def fleet_to_dict(fleet: Fleet) -> dict[str, Any]:
                 **({"api_key_env": d.api_key_env} if d.api_key_env else {}),
                 **({"ttft_model": d.ttft_model} if d.ttft_model else {}),
                 **({"kv_capacity_tokens": d.kv_capacity_tokens} if d.kv_capacity_tokens else {}),
-                "pods": [{"id": p.id, "base_url": p.base_url, "weight": p.weight} for p in d.pods],
+                **({"tokenizer": d.tokenizer} if d.tokenizer else {}),
+                "pods": [_pod_to_dict(p) for p in d.pods],
             }
             for d in fleet.destinations
         ]

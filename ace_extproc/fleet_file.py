@@ -99,6 +99,17 @@ class Pod(Section, frozen=True):
             gt=0,
         ),
     ] = 1.0
+    kv_events: Annotated[
+        str,
+        _doc(
+            "Its engine's KV event publisher, tcp://host:port (vLLM's --kv-events-config "
+            "endpoint). Empty: asked of the engine (GET /kv_event_sources) where its "
+            "destination has a tokenizer."
+        ),
+    ] = ""
+    kv_events_replay: Annotated[
+        str, _doc("Its engine's KV event replay socket, tcp://host:port (optional).")
+    ] = ""
 
 
 class Discovery(Section, frozen=True, tag_field="type"):
@@ -196,6 +207,15 @@ class Destination(Section, frozen=True):
             ge=0,
         ),
     ] = 0
+    tokenizer: Annotated[
+        str,
+        _doc(
+            "Precise routing: the directory of its model's tokenizer.json, "
+            "tokenizer_config.json and chat_template.jinja (or sim, the simulated "
+            "engine's). Its pods' KV events are then followed (docs/kv-events.md). "
+            "Empty: routed by the approximate index."
+        ),
+    ] = ""
 
 
 # ---------------------------------------------------------------- router
@@ -279,6 +299,32 @@ class Pipeline(Section, frozen=True):
         tuple[PluginSpec, ...] | None, _doc("Default: [prefill, eviction, queue].")
     ] = None
     picker: Annotated[PluginSpec | None, _doc("Default: near-best.")] = None
+
+
+class Precise(Section, frozen=True):
+    """Precise routing from the engines' KV events (destinations with a tokenizer)."""
+
+    confirm_s: Annotated[
+        float,
+        _doc("A pick counts as held this long until the pod's events confirm it.", gt=0),
+    ] = 30.0
+    rebuild_s: Annotated[
+        float,
+        _doc(
+            "After events were lost and could not be replayed, the pod is routed "
+            "approximately this long (its cache turns over meanwhile).",
+            ge=0,
+        ),
+    ] = 60.0
+    offloaded_cost: Annotated[
+        float,
+        _doc(
+            "A block offloaded to CPU or storage, as a share of its prefill: read back "
+            "before use, cheaper than a miss.",
+            ge=0,
+            le=1,
+        ),
+    ] = 0.3
 
 
 class RouterBase(Section, frozen=True):
@@ -452,6 +498,7 @@ class RouterBase(Section, frozen=True):
         "json"
     )
     pipeline: Pipeline = field(default_factory=Pipeline)
+    precise: Precise = field(default_factory=Precise)
 
 
 class Router(RouterBase, frozen=True):

@@ -24,6 +24,7 @@ from ace_extproc.prefix import PrefixHashes, cache_prefix_id, hash_prompt, scope
 from ace_extproc.routing import FleetState, Policy, RoutingRequest
 from ace_extproc.routing.load import LoadAccounting
 from ace_extproc.routing.placements import PrefixPlacements
+from ace_extproc.routing.precise_routing import PreciseRouting
 from ace_extproc.telemetry import Telemetry
 from ace_extproc.tenants import MissingKey, Tenants, UnknownKey
 
@@ -76,6 +77,7 @@ class Processor:
         *,
         placements: PrefixPlacements | None = None,
         sharing: PlacementSink | None = None,
+        precise: PreciseRouting | None = None,
     ) -> None:
         """``ttft``: each destination's TTFT model, for the estimate the trace and the
         metrics report. ``placements``: where recent prefixes went, for the admin
@@ -89,6 +91,7 @@ class Processor:
         self.ttft = ttft
         self.placements = placements
         self.sharing = sharing
+        self.precise = precise  # token-exact keys for pods that publish KV events
         self._endpoint = settings.upstream_mode == "endpoint"
         # Tenants configured: no request reaches an engine without its tenant's salt.
         self._isolated = settings.tenants.isolated
@@ -290,10 +293,22 @@ class Processor:
         routing = RoutingRequest(
             hashes, parsed.prompt, prompt_tokens, ctx.tenant, parsed.model, ctx.session
         )
+        candidates = self.fleet.candidates(destination)
+        precise = None
+        if self.precise is not None:
+            # Keyed from the salt the engine will see (none: shadow, no tenants).
+            salt = self.tenants.salt(ctx.tenant) if mode is Mode.PROD or self._isolated else None
+            precise = self.precise.view(
+                destination.id, ctx.path, body, salt, candidates, len(hashes.blocks)
+            )
+            if precise is not None:
+                routing.known, routing.known_depths = precise.live, precise.depths
         self.load.drain()
-        pick = self.picker.pick(routing, self.fleet.candidates(destination))
+        pick = self.picker.pick(routing, candidates)
         if pick is None:
             return self._seal(ctx, _bypass(mode, "no_pod"), body, parsed, destination)
+        if precise is not None and self.precise is not None and mode is Mode.PROD:
+            self.precise.picked(pick.slot, precise)
         if self.placements is not None:
             self.placements.note(hashes.prefix_key, pick.slot)
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)

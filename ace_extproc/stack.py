@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -105,6 +106,9 @@ class StackOptions:
     # Real vLLM servers instead of simulated pods (vllm_pods.py); ``time_scale`` and
     # ``sim_args`` then do not apply.
     vllm: VllmOptions | None = None
+    # Precise routing: the pods publish KV events (a ZMQ port each) and the fleet's
+    # destination has their tokenizer (the sim's, or the engine model's).
+    precise: bool = False
     router: dict[str, object] = field(default_factory=dict)  # `router:` settings for sim fleets
     # ace-extproc servers behind Envoy (its ext_proc cluster gives each request's stream
     # to the less busy of two): the first on ``ext_proc``, the others on free ports,
@@ -190,6 +194,8 @@ class Stack:
                 router.setdefault("drain_file", str(self.workdir / "drains.json"))
                 if o.share:
                     router["share_url"] = await self._start_redis()
+                if o.precise:
+                    fleet = self._publishing(fleet)
                 doc = {**config_mod.fleet_to_dict(fleet), "router": router}
                 fleet_path.write_text(yaml.safe_dump(doc))
                 await self._start_pods(fleet)
@@ -242,16 +248,40 @@ class Stack:
                 )
             )
 
+    def _publishing(self, fleet: config_mod.Fleet) -> config_mod.Fleet:
+        """The fleet with each pod's KV event port and the destination's tokenizer."""
+        vllm = self.options.vllm
+        tokenizer = vllm.model if vllm is not None else "sim"
+        destinations = []
+        for d in fleet.destinations:
+            pods = tuple(replace(p, kv_events=f"tcp://{p.host}:{_free_port()}") for p in d.pods)
+            destinations.append(replace(d, pods=pods, tokenizer=tokenizer))
+        return replace(fleet, destinations=tuple(destinations))
+
     async def _spawn_pod(self, pod: config_mod.Pod) -> None:
         vllm = self.options.vllm
+        events_port = int(pod.kv_events.rpartition(":")[2]) if pod.kv_events else None
         if vllm is not None:
-            await self._spawn(pod.id, *vllm.argv(pod.host, pod.port), env=vllm.environment())
+            if events_port is not None:
+                vllm = replace(vllm, kv_events=True)
+            argv = vllm.argv(pod.host, pod.port, events_port)
+            await self._spawn(pod.id, *argv, env=vllm.environment())
             return
+        events = []
+        if events_port is not None:
+            config = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{events_port}",
+                "topic": "kv",
+            }
+            events = ["--kv-events-config", json.dumps(config)]
         await self._spawn(
             pod.id,
             sys.executable, "-m", "ace_extproc.cli", "sim",
             "--host", pod.host, "--port", str(pod.port), "--pod-id", pod.id,
             "--time-scale", str(self.options.time_scale),
+            *events,
             *self.options.sim_args,
         )  # fmt: skip
 
@@ -556,6 +586,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="real pods' KV cache in 32-token blocks (default: 1 GiB, 65,536 blocks)",
     )
     parser.add_argument(
+        "--precise",
+        action="store_true",
+        help="precise routing: the pods publish KV events, the router follows them "
+        "with the model's tokenizer (docs/kv-events.md)",
+    )
+    parser.add_argument(
         "--ext-proc-replicas",
         type=int,
         default=1,
@@ -601,7 +637,14 @@ def run(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         ext_proc_replicas=args.ext_proc_replicas,
         share=args.share,
+        precise=args.precise,
     )
+    if args.precise and args.fleet:
+        print(
+            "error: --precise starts pods that publish; a fleet file sets tokenizer and kv_events",
+            file=sys.stderr,
+        )
+        return 2
     try:
         return asyncio.run(_up(options))
     except (ConfigError, StackError, RuntimeError) as exc:

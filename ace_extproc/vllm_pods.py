@@ -239,17 +239,28 @@ class Pods:
         await self.stop()
 
 
-def fleet_doc(urls: Sequence[str], router: dict[str, object] | None = None) -> dict[str, object]:
+def fleet_doc(
+    urls: Sequence[str],
+    router: dict[str, object] | None = None,
+    *,
+    tokenizer: str = "",
+    kv_events: Sequence[str] = (),
+) -> dict[str, object]:
     """The fleet.yaml of real pods at ``urls`` (one destination, ``vllm``), with the
-    router settings their TTFT model needs and ``router``'s own."""
+    router settings their TTFT model needs and ``router``'s own. ``tokenizer`` and
+    ``kv_events`` (each pod's publisher): precise routing."""
+    pods: list[dict[str, object]] = [{"id": f"pod-{i}", "base_url": u} for i, u in enumerate(urls)]
+    for pod, endpoint in zip(pods, kv_events, strict=False):
+        pod["kv_events"] = endpoint
+    destination: dict[str, object] = {
+        "id": "vllm",
+        "provider": "vllm",
+        "base_url": urls[0],
+        "pods": pods,
+    }
+    if tokenizer:
+        destination["tokenizer"] = tokenizer
     return {
-        "destinations": [
-            {
-                "id": "vllm",
-                "provider": "vllm",
-                "base_url": urls[0],
-                "pods": [{"id": f"pod-{i}", "base_url": u} for i, u in enumerate(urls)],
-            }
-        ],
+        "destinations": [destination],
         "router": {"ttft_model": TTFT_MODEL, **(router or {})},
     }

@@ -59,13 +59,22 @@ class Client:
     async def _post(
         self, path: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None
     ) -> tuple[int, dict[str, str], bytes]:
+        return await self._post_url(self.stack.url + path, body, headers)
+
+    async def _post_url(
+        self, url: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         hdrs = {"content-type": "application/json", **(headers or {})}
         async with (
             aiohttp.ClientSession() as http,
-            http.post(self.stack.url + path, data=data, headers=hdrs) as resp,
+            http.post(url, data=data, headers=hdrs) as resp,
         ):
             return resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read()
+
+    async def _text(self, url: str) -> str:
+        async with aiohttp.ClientSession() as http, http.get(url) as resp:
+            return await resp.text()
 
     def post(self, path: str, body: bytes | dict[str, Any], **headers: str):
         return self.run(self._post(path, body, headers))

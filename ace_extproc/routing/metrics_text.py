@@ -86,6 +86,7 @@ class EngineStats:
     waiting: int | None = None
     kv_usage: float | None = None  # 0..1
     capacity_tokens: int | None = None  # the KV cache in tokens
+    block_size: int | None = None  # tokens a KV block (vllm:cache_config_info)
     hit_rate: float | None = None  # prefix cache hits / queried tokens, 0..1
     prompt_tokens: float | None = None  # counters: never decrease while the engine lives
     cache_queries: float | None = None
@@ -118,6 +119,7 @@ def parse(text: bytes | str) -> EngineStats:
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     capacity_tokens = 0.0
+    block_size: int | None = None
     engine: str | None = None
     bad: list[str] = []
     for m in _SAMPLE.finditer(text):
@@ -134,11 +136,12 @@ def parse(text: bytes | str) -> EngineStats:
         if engine is None and field != "start_time":
             engine = "vllm" if name in _VLLM else "sglang"
         if field == "cache_config":  # an info series: the figures are its labels
-            tokens = _cache_config_tokens(labels or b"")
-            if tokens is None:
+            config = _cache_config(labels or b"")
+            if config is None:
                 bad.append("vllm:cache_config_info: no block_size/num_gpu_blocks")
                 continue
-            capacity_tokens += tokens
+            block_size, blocks = config
+            capacity_tokens += block_size * blocks
             continue
         if field == "capacity":
             capacity_tokens += value
@@ -172,6 +175,7 @@ def parse(text: bytes | str) -> EngineStats:
         waiting=None if waiting is None else max(0, round(waiting)),
         kv_usage=None if (kv := total("kv_usage")) is None else min(max(kv, 0.0), 1.0),
         capacity_tokens=int(capacity_tokens) if capacity_tokens >= 1 else None,
+        block_size=block_size,
         hit_rate=hit_rate,
         prompt_tokens=total("prompt_tokens"),
         cache_queries=queries,
@@ -182,13 +186,14 @@ def parse(text: bytes | str) -> EngineStats:
     )
 
 
-def _cache_config_tokens(labels: bytes) -> int | None:
+def _cache_config(labels: bytes) -> tuple[int, int] | None:
+    """``(block_size, num_gpu_blocks)`` from the info series' labels."""
     found = {k: v for k, v in _LABEL.findall(labels) if k in (b"block_size", b"num_gpu_blocks")}
     try:
-        tokens = int(found[b"block_size"]) * int(found[b"num_gpu_blocks"])
+        block_size, blocks = int(found[b"block_size"]), int(found[b"num_gpu_blocks"])
     except (KeyError, ValueError):
         return None
-    return tokens if tokens > 0 else None
+    return (block_size, blocks) if block_size > 0 and blocks > 0 else None
 
 
 def restarted(before: EngineStats, after: EngineStats) -> str | None:

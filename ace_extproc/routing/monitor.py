@@ -54,6 +54,7 @@ from ace_extproc.routing.fleet import ADDED, REMOVED, FleetState
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.load import LoadAccounting
 from ace_extproc.routing.metrics_text import EngineStats
+from ace_extproc.routing.precise import PreciseIndex
 
 log = logging.getLogger("ace_extproc.monitor")
 
@@ -80,11 +81,14 @@ class FleetMonitor:
         index: BlockIndex,
         settings: Settings,
         load: LoadAccounting | None = None,
+        precise: PreciseIndex | None = None,
     ) -> None:
         """``load``: the accounting each scrape corrects (the process's one; a test's
-        own where None)."""
+        own where None). ``precise``: the event-driven index, told each engine's block
+        size and KV size, and its restarts."""
         self.fleet = fleet
         self.index = index
+        self.precise = precise
         self.settings = settings
         self.load = load if load is not None else LoadAccounting(fleet, settings)
         self._destinations = {d.id: d for d in fleet.fleet.destinations}
@@ -294,6 +298,8 @@ class FleetMonitor:
                 log.info("pod %s restarted (%s): its index is emptied", self._name(slot), why)
                 self._forget(slot)
         st.last = stats
+        if self.precise is not None and slot in self.precise.pods and stats.block_size:
+            self.precise.set_engine_cache(slot, stats.block_size, stats.capacity_tokens)
         tokens = stats.capacity_tokens
         if tokens is not None and tokens != self.fleet.capacity_tokens[slot]:
             self.fleet.capacity_tokens[slot] = tokens
@@ -339,6 +345,8 @@ class FleetMonitor:
     def _forget(self, slot: int) -> None:
         self.index.drop_pod(slot)
         self.index.add_pod(slot)
+        if self.precise is not None:
+            self.precise.clear(slot)
 
     def _complain(self, slot: int, what: str) -> None:
         st = self._state[slot]

@@ -29,13 +29,17 @@ class RoutingRequest:
     tenant: str
     model: str
     session: str | None = None  # x-session-id / x-user-id, for session-affinity policies
+    # Precise routing (routing/precise_routing.py): the candidates whose KV events are
+    # trusted (a bitmask), and the depth each of them holds, in the index's blocks.
+    known: int = 0
+    known_depths: dict[int, float] | None = None
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ is ~4x slower
 class Pick:
     pod: Pod
     slot: int
-    matched_blocks: int  # leading blocks the router believes the pod holds warm
+    matched_blocks: float  # leading blocks the router believes the pod holds warm
     action: str  # "hit": went to a warm pod; "miss": placed fresh; "spill": hot prefix moved on
     fallbacks: tuple[int, ...] = ()  # next-best slots, for Envoy's retries (endpoint mode)
 

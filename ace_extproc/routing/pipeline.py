@@ -41,7 +41,9 @@ class Candidates:
 
     request: RoutingRequest
     slots: tuple[int, ...]  # the filtered candidates, ascending
-    depths: dict[int, int]  # leading blocks each holds warm that may steer (slot -> depth)
+    # Leading blocks each holds warm that may steer (slot -> depth; fractional where a
+    # pod's events say it holds part of a block's tokens, or some offloaded).
+    depths: dict[int, float]
     fleet: FleetState
     index: BlockIndex
     model: TTFTModel  # the candidates' destination's
@@ -304,7 +306,11 @@ class Pipeline:
             candidates = keep(request, candidates, fleet) or candidates
         blocks = request.hashes.blocks
         n = len(blocks)
-        held = index.match_depths(blocks, candidates)  # what the pods hold
+        # What the pods hold, in blocks: the index's guess, or their events' word.
+        held: dict[int, float] = index.match_depths(blocks, candidates)  # type: ignore[assignment]
+        if known := request.known:  # pods whose own events say what they hold
+            held = {slot: d for slot, d in held.items() if not (known >> slot) & 1}
+            held.update(request.known_depths or {})
         depths = held  # what may steer
         if not steer:
             depths = {}
@@ -316,7 +322,7 @@ class Pipeline:
                 # Its own key, not the shared prefix's: its first block past the shared
                 # prefix, the same for every turn of a conversation, so a replica that has
                 # not seen the earlier turns still places it where they went.
-                route_key = blocks[min(max(held.values()), n - 1)]
+                route_key = blocks[min(int(max(held.values())), n - 1)]
         c = Candidates(
             request,
             self._slots(candidates),

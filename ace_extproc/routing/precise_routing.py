@@ -1,0 +1,110 @@
+"""A request's side of precise routing: its token-exact block keys, and how much of it
+each candidate whose events are trusted really holds.
+
+The processor asks ``view`` before the pick: the destination's tokenizer turns the
+body into the engine's token ids (``tokens.py``), cut into the block size the pods'
+events use and keyed from the salt the engine will see. The precise index answers
+for the live pods; the approximate index still answers for the rest (pods that
+publish no events, or whose stream is not trusted now), in the same fleet. After the
+pick, ``picked`` records the blocks on the chosen pod speculatively.
+
+Depths go to the picker in the approximate index's units (its blocks of the
+canonical prompt), as the share of the prompt the pod holds, so both kinds of pod
+are priced alike. A block offloaded to CPU or storage counts ``1 - offloaded_cost``
+of a GPU block: cheaper than a miss, dearer than a hit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ace_extproc.config import Destination
+from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.precise import PreciseIndex
+from ace_extproc.tokens import RequestTokens, TokenizerError, block_keys, chain_seed, load
+
+log = logging.getLogger("ace_extproc.precise")
+
+
+@dataclass(slots=True)
+class PreciseView:
+    keys: list[int]  # the prompt's block keys, in the pods' block size
+    tokens: int  # the prompt's tokens, exact
+    live: int  # candidates whose events are trusted (bitmask)
+    depths: dict[int, float]  # live candidate -> depth in approximate-index blocks
+
+
+class PreciseRouting:
+    def __init__(
+        self,
+        index: PreciseIndex,
+        fleet: FleetState,
+        destinations: tuple[Destination, ...],
+        *,
+        offloaded_cost: float = 0.3,
+    ) -> None:
+        self.index = index
+        self.fleet = fleet
+        self.offloaded_cost = offloaded_cost
+        self.tokenizers: dict[str, RequestTokens] = {}
+        self.failed: dict[str, str] = {}  # destination -> why its tokenizer did not load
+        for d in destinations:
+            if d.tokenizer is None:
+                continue
+            try:
+                self.tokenizers[d.id] = load(d.tokenizer)
+            except TokenizerError as exc:
+                self.failed[d.id] = str(exc)
+                log.error(
+                    "destination %s: tokenizer not loaded, routed approximately: %s", d.id, exc
+                )
+        self.views = 0  # requests keyed token-exact
+        self.unkeyed = 0  # requests the tokenizer could not render (routed approximately)
+
+    def view(
+        self,
+        destination: str,
+        path: str,
+        body: bytes,
+        salt: str | None,
+        candidates: int,
+        router_blocks: int,
+    ) -> PreciseView | None:
+        """None where no candidate's events are trusted, or the request cannot be
+        tokenized as the engine would: then the approximate index decides alone."""
+        live = candidates & self.index.live_mask
+        tokenizer = self.tokenizers.get(destination)
+        if not live or tokenizer is None:
+            return None
+        block_size = self._block_size(live)
+        ids = tokenizer.token_ids(path, body)
+        if not ids or not block_size:
+            self.unkeyed += 1
+            return None
+        self.views += 1
+        keys = block_keys(ids, block_size, chain_seed(salt))
+        tokens = len(ids)
+        depths: dict[int, float] = {}
+        if keys:
+            discount = 1.0 - self.offloaded_cost
+            scale = router_blocks / tokens
+            for slot, (warm, held) in self.index.match(keys, live).items():
+                cached = min((warm + discount * (held - warm)) * block_size, tokens - 1)
+                depths[slot] = scale * cached
+        return PreciseView(keys, tokens, live, depths)
+
+    def picked(self, slot: int, view: PreciseView) -> None:
+        if slot in self.index.pods:
+            self.index.speculate(slot, view.keys)
+
+    def _block_size(self, live: int) -> int:
+        """The block size the live candidates' events use (one destination: one)."""
+        pods = self.index.pods
+        while live:
+            low = live & -live
+            view = pods.get(low.bit_length() - 1)
+            if view is not None and (view.block_size or view.expected_block_size):
+                return view.block_size or view.expected_block_size
+            live ^= low
+        return 0

@@ -1,0 +1,278 @@
+"""The prompt as the engine sees it: the model's own chat template and tokenizer, so
+that precise routing (``routing/precise.py``) keys blocks token-exact, as the engine's
+KV events do.
+
+A deployment mounts the model's files (``tokenizer.json``, ``tokenizer_config.json``,
+``chat_template.jinja``) and names the directory in its destination's ``tokenizer``.
+The template renders as vLLM renders it (Jinja2 in a sandbox, ``trim_blocks`` and
+``lstrip_blocks``, the generation prompt added); the text is tokenized by Hugging
+Face's ``tokenizers`` (Rust) without adding special tokens, as vLLM does for chat.
+
+Tokenizing is the one new cost on the request path, and a conversation's later turns
+repeat the earlier ones. The rendered text is cut at the tokenizer's special tokens,
+which the tokenizer itself never merges across, so each piece tokenizes alone to the
+same ids as in the whole; pieces are cached by their text. A new turn then tokenizes
+only its new messages (``bench.tokenize_cost`` measures both).
+
+Block keys (``block_keys``) chain 64-bit hashes of each block's token ids from a seed
+that holds the request's ``cache_salt`` (and LoRA): the router's own names for the
+engine's blocks, computed the same way from the token ids an event carries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+import xxhash
+
+log = logging.getLogger("ace_extproc.tokens")
+
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+class TokenizerError(ValueError):
+    """A model directory whose tokenizer or template cannot be loaded."""
+
+
+# ------------------------------------------------------------------ block keys
+
+
+def chain_seed(salt: str | None, lora: str | None = None) -> int:
+    """Block 0's parent key: the salt (and LoRA) namespace the chain, as they enter
+    the engine's block 0 hash. An unsalted chain has a seed of its own, which no
+    request ace-extproc salted ever uses."""
+    return _xxh3(f"ace-precise\x00{salt or ''}\x00{lora or ''}".encode())
+
+
+def block_keys(
+    ids: Sequence[int], block_size: int, parent: int, limit: int | None = None
+) -> list[int]:
+    """Chained keys of the full blocks of ``ids`` (at most ``limit``), block 0 chained
+    from ``parent`` (a ``chain_seed``, or the key of the block before ``ids``)."""
+    full = len(ids) // block_size
+    if limit is not None:
+        full = min(full, limit)
+    if full <= 0:
+        return []
+    data = array("I", ids[: full * block_size]).tobytes()
+    step = 4 * block_size
+    out: list[int] = []
+    key = parent
+    for start in range(0, full * step, step):
+        key = _xxh3(data[start : start + step], key)
+        out.append(key)
+    return out
+
+
+# ------------------------------------------------------------------ a request's tokens
+
+
+class RequestTokens(Protocol):
+    """What turns a request body into the engine's prompt token ids."""
+
+    name: str
+
+    def token_ids(self, path: str, body: bytes) -> list[int] | None:
+        """The prompt's token ids as the engine computes them; None where this cannot
+        say (a body or template it does not render): the request is routed
+        approximately."""
+        ...
+
+
+class _Chat(msgspec.Struct):
+    messages: list[dict[str, Any]] = []
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class _Completion(msgspec.Struct):
+    prompt: Any = None
+
+
+_chat = msgspec.json.Decoder(_Chat)
+_completion = msgspec.json.Decoder(_Completion)
+
+
+@dataclass(frozen=True, slots=True)
+class _Files:
+    tokenizer: Any  # tokenizers.Tokenizer
+    template: str
+    bos: str
+    eos: str
+
+
+class ModelTokens:
+    """A model's tokenizer and chat template, loaded from its directory."""
+
+    def __init__(self, directory: str | Path, *, cache_tokens: int = 4_000_000) -> None:
+        self.name = str(directory)
+        files = _load(Path(directory))
+        self._tokenizer = files.tokenizer
+        self._bos, self._eos = files.bos, files.eos
+        self._template = _environment().from_string(files.template)
+        specials = [
+            t.content for t in files.tokenizer.get_added_tokens_decoder().values() if t.special
+        ]
+        self._special_ids = {t: files.tokenizer.token_to_id(t) for t in specials}
+        # Longest first, so a special token that begins another is not cut short.
+        alternatives = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
+        self._split = re.compile(f"({alternatives})") if alternatives else None
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._cached_tokens = 0
+        self._cache_tokens = cache_tokens
+        self.pieces_tokenized = 0  # pieces the tokenizer ran on (the cache missed)
+        self.pieces_reused = 0
+
+    # -- the request path ----------------------------------------------------------
+    def token_ids(self, path: str, body: bytes) -> list[int] | None:
+        try:
+            if path.endswith("/chat/completions"):
+                return self.chat_ids(_chat.decode(body))
+            prompt = _completion.decode(body).prompt
+        except (msgspec.DecodeError, RecursionError):
+            return None
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            # A completion's text gets the tokenizer's own special tokens, as in vLLM.
+            return list(self._tokenizer.encode(prompt, add_special_tokens=True).ids)
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt
+        return None  # several prompts: several requests to the engine
+
+    def chat_ids(self, chat: _Chat) -> list[int] | None:
+        if chat.continue_final_message or chat.chat_template_kwargs:
+            return None  # rendered otherwise than here; rare
+        try:
+            text = self.render(chat.messages, chat.tools, chat.add_generation_prompt)
+        except Exception as exc:  # a template raises what it likes (raise_exception)
+            log.debug("chat template: %s", exc)
+            return None
+        return self.encode(text)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        text: str = self._template.render(
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._bos,
+            eos_token=self._eos,
+        )
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s ids without added special tokens, piece by cached piece."""
+        if self._split is None:
+            return self._encode_piece(text)
+        ids: list[int] = []
+        special = self._special_ids
+        for i, piece in enumerate(self._split.split(text)):
+            if i % 2:  # the separators: a special token, one id
+                ids.append(special[piece])
+            elif piece:
+                ids += self._encode_piece(piece)
+        return ids
+
+    def _encode_piece(self, piece: str) -> list[int]:
+        pieces = self._pieces
+        ids = pieces.get(piece)
+        if ids is not None:
+            pieces.move_to_end(piece)
+            self.pieces_reused += 1
+            return ids
+        ids = list(self._tokenizer.encode(piece, add_special_tokens=False).ids)
+        self.pieces_tokenized += 1
+        pieces[piece] = ids
+        self._cached_tokens += len(ids)
+        while self._cached_tokens > self._cache_tokens and pieces:
+            _, old = pieces.popitem(last=False)
+            self._cached_tokens -= len(old)
+        return ids
+
+
+def _load(directory: Path) -> _Files:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise TokenizerError(f"the tokenizers package is missing: {exc}") from None
+    path = directory / "tokenizer.json"
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise TokenizerError(f"{path}: {exc}") from None
+    config: dict[str, Any] = {}
+    config_path = directory / "tokenizer_config.json"
+    if config_path.exists():
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"{config_path}: {exc}") from None
+    template_path = directory / "chat_template.jinja"
+    template: Any
+    if template_path.exists():
+        template = template_path.read_text()
+    else:
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or ""
+    if not isinstance(template, str) or not template:
+        raise TokenizerError(f"{directory}: no chat template (chat_template.jinja)")
+    return _Files(
+        tokenizer,
+        template,
+        _token_text(config.get("bos_token")),
+        _token_text(config.get("eos_token")),
+    )
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, dict):  # {"content": "<s>", ...}, older configs
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _environment() -> Any:
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    def tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def load(name: str) -> RequestTokens:
+    """A destination's ``tokenizer``: a model directory, or ``sim`` (the simulated
+    engine's own). Raises ``TokenizerError``."""
+    if name == "sim":
+        from ace_extproc.sim.tokens import SimTokens
+
+        return SimTokens()
+    return ModelTokens(name)

@@ -1,0 +1,137 @@
+"""The event-driven index (routing/precise.py): stores, removals, clears, tiers,
+speculation and its expiry, tenants, bounds, and the block-size check."""
+
+from __future__ import annotations
+
+from ace_extproc.routing.kv_wire import Cleared, Removed, Stored
+from ace_extproc.routing.precise import PreciseIndex
+from ace_extproc.tokens import block_keys, chain_seed
+
+BS = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stored(
+    hashes: list[int],
+    ids: list[int],
+    parent: int | None = None,
+    *,
+    salt: str | None = "s",
+    medium: str = "GPU",
+    keyable: int | None = None,
+) -> Stored:
+    return Stored(
+        hashes,
+        parent,
+        ids,
+        BS,
+        medium,
+        None,
+        salt if parent is None else None,
+        len(hashes) if keyable is None else keyable,
+    )
+
+
+IDS = list(range(1, 17))  # four blocks of four
+
+
+def keys(ids: list[int] = IDS, salt: str | None = "s") -> list[int]:
+    return block_keys(ids, BS, chain_seed(salt))
+
+
+def live_index(*slots: int, clock: Clock | None = None) -> PreciseIndex:
+    index = PreciseIndex(confirm_s=5.0, clock=clock or Clock())
+    for slot in slots:
+        index.add_pod(slot)
+        index.set_live(slot, True)
+    return index
+
+
+def test_a_stored_chain_matches_a_request_with_the_same_tokens_and_salt() -> None:
+    index = live_index(0, 1)
+    index.apply(0, [stored([10, 11], IDS[:8]), stored([12], IDS[8:12], parent=11)])
+    assert index.match(keys(), 0b11) == {0: (3, 3)}
+    assert index.match(keys(salt="other"), 0b11) == {}  # another tenant's salt
+    assert index.match(keys(salt=None), 0b11) == {}  # unsalted: nobody's
+
+
+def test_a_block_whose_parent_was_never_seen_is_not_keyed() -> None:
+    index = live_index(0)
+    index.apply(0, [stored([12], IDS[8:12], parent=999)])
+    assert index.match(keys(), 1) == {}
+    assert index.pods[0].orphans == 1
+
+
+def test_removal_and_clear() -> None:
+    index = live_index(0)
+    index.apply(0, [stored([10, 11, 12, 13], IDS)])
+    index.apply(0, [Removed([12], "GPU")])
+    assert index.match(keys(), 1) == {0: (2, 2)}  # the chain breaks at the removed block
+    index.apply(0, [Cleared()])
+    assert index.match(keys(), 1) == {} and index.blocks_held(0) == 0
+
+
+def test_an_offloaded_block_is_held_but_not_warm() -> None:
+    index = live_index(0)
+    index.apply(0, [stored([10, 11, 12, 13], IDS)])
+    index.apply(0, [stored([12, 13], IDS[8:], parent=11, medium="CPU"), Removed([12, 13], "GPU")])
+    assert index.match(keys(), 1) == {0: (2, 4)}
+    index.apply(0, [Removed([12, 13], "CPU")])
+    assert index.match(keys(), 1) == {0: (2, 2)} and index.blocks_held(0) == 2
+
+
+def test_speculation_is_confirmed_by_a_store_or_expires() -> None:
+    clock = Clock()
+    index = live_index(0, 1, clock=clock)
+    index.speculate(1, keys())
+    assert index.match(keys(), 0b11) == {1: (4, 4)}  # found at once, before any event
+    index.apply(1, [stored([20, 21], IDS[:8])])  # the engine stored half of it
+    clock.now += 10  # past confirm_s: the unconfirmed half expires
+    assert index.match(keys(), 0b11) == {1: (2, 2)}
+    assert index.confirmed == 2 and index.expired == 2
+
+
+def test_only_live_pods_answer() -> None:
+    index = live_index(0)
+    index.apply(0, [stored([10], IDS[:4])])
+    index.set_live(0, False)
+    assert index.match(keys(), 1) == {}
+    index.set_live(0, True)
+    assert index.match(keys(), 1) == {0: (1, 1)}
+
+
+def test_a_block_size_that_disagrees_with_the_engine_untrusts_the_pod() -> None:
+    index = live_index(0)
+    index.set_engine_cache(0, 16, 16 * 100)
+    index.apply(0, [stored([10], IDS[:4])])  # events cut blocks of 4
+    assert index.pods[0].mismatched and not index.live_mask
+    index.set_live(0, True)  # a stream's refresh cannot trust it again
+    assert not index.live_mask
+
+
+def test_the_view_holds_no_more_than_the_engine_can() -> None:
+    index = live_index(0)
+    index.set_engine_cache(0, BS, BS * 3)
+    index.apply(0, [stored([10, 11, 12, 13], IDS)])
+    assert index.blocks_held(0) == 3  # the oldest stored went
+    assert index.match(keys(), 1) == {}  # block 0 was the oldest
+
+
+def test_events_for_a_pod_that_left_change_nothing() -> None:
+    index = live_index(0)
+    index.drop_pod(0)
+    index.apply(0, [stored([10], IDS[:4])])
+    assert index.blocks_held(0) == 0 and index.match(keys(), 1) == {}
+
+
+def test_an_unkeyable_block_ends_the_chain() -> None:
+    index = live_index(0)
+    index.apply(0, [stored([10, 11, 12], IDS[:12], keyable=1)])
+    assert index.match(keys(), 1) == {0: (1, 1)}

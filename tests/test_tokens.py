@@ -1,0 +1,150 @@
+"""The prompt as the engine sees it (ace_extproc/tokens.py): a model directory's
+template and tokenizer, pieces cached across turns, and token-exact block keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from ace_extproc.tokens import ModelTokens, TokenizerError, block_keys, chain_seed, load
+from tests.model_files import write_model_files
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_files(tmp_path_factory.mktemp("model"))
+
+
+def chat(*contents: str, **extra: object) -> bytes:
+    roles = ["system"] + ["user", "assistant"] * len(contents)
+    messages = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=False)]
+    return json.dumps({"model": "m", "messages": messages, **extra}).encode()
+
+
+def test_pieces_tokenize_to_the_same_ids_as_the_whole_text(model_dir: Path) -> None:
+    tokens = ModelTokens(model_dir)
+    whole = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    texts = [
+        tokens.render([{"role": "user", "content": "def f(x):\n    return x  # <|end|> inside"}]),
+        tokens.render(
+            [
+                {"role": "system", "content": "  leading spaces"},
+                {"role": "user", "content": "ünïcödé 🚀"},
+            ]
+        ),
+        "<|begin|><|begin|>no text between<|end|>",
+        "plain text with no special token at all",
+    ]
+    for text in texts:
+        assert tokens.encode(text) == whole.encode(text, add_special_tokens=False).ids, text
+
+
+def test_a_later_turn_tokenizes_only_its_new_messages(model_dir: Path) -> None:
+    tokens = ModelTokens(model_dir)
+    turn1 = ["You are terse.", "first question " * 200]
+    tokens.token_ids(CHAT, chat(*turn1))
+    tokenized = tokens.pieces_tokenized
+    tokens.token_ids(CHAT, chat(*turn1, "an answer", "second question"))
+    # The system and first user messages came from the cache; the answer and the new
+    # question (and the generation prompt's trailing newline) were tokenized.
+    assert tokens.pieces_tokenized - tokenized <= 3
+    assert tokens.pieces_reused >= 2
+
+
+def test_the_piece_cache_is_bounded_by_tokens(model_dir: Path) -> None:
+    tokens = ModelTokens(model_dir, cache_tokens=500)
+    for i in range(20):
+        tokens.token_ids(CHAT, chat(f"document {i} " * 100))
+    assert tokens._cached_tokens <= 500 + 400  # the last piece may exceed it alone
+
+
+def test_a_turn_extends_the_previous_turns_tokens(model_dir: Path) -> None:
+    """What prefix caching needs: turn 2's ids start with turn 1's, up to the
+    generation prompt the answer now fills."""
+    tokens = ModelTokens(model_dir)
+    one = tokens.token_ids(CHAT, chat("sys", "question"))
+    two = tokens.token_ids(CHAT, chat("sys", "question", "answer", "next"))
+    assert one is not None and two is not None
+    assert two[: len(one)] == one
+
+
+def test_completions_and_unrenderable_bodies(model_dir: Path) -> None:
+    tokens = ModelTokens(model_dir)
+    text = tokens.token_ids("/v1/completions", b'{"prompt": "hello there"}')
+    assert text and text == tokens.token_ids("/v1/completions", b'{"prompt": ["hello there"]}')
+    assert tokens.token_ids("/v1/completions", b'{"prompt": [5, 6, 7]}') == [5, 6, 7]
+    assert tokens.token_ids("/v1/completions", b'{"prompt": ["a", "b"]}') is None
+    assert tokens.token_ids(CHAT, b"not json") is None
+    assert tokens.token_ids(CHAT, chat("x", continue_final_message=True)) is None
+    assert (
+        tokens.token_ids(CHAT, b'{"messages": [{"role": "user", "content": "x"}], "tools": 5}')
+        is None
+    )
+
+
+def test_a_template_that_raises_is_not_rendered(tmp_path: Path, model_dir: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bad / name).write_bytes((model_dir / name).read_bytes())
+    (bad / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
+    assert ModelTokens(bad).token_ids(CHAT, chat("x")) is None
+
+
+def test_a_directory_that_cannot_load_says_why(tmp_path: Path, model_dir: Path) -> None:
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json"):
+        load(str(tmp_path / "missing"))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{")
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json"):
+        load(str(tmp_path / "broken"))
+    (tmp_path / "untemplated").mkdir()
+    (tmp_path / "untemplated" / "tokenizer.json").write_bytes(
+        (model_dir / "tokenizer.json").read_bytes()
+    )
+    with pytest.raises(TokenizerError, match="chat template"):
+        load(str(tmp_path / "untemplated"))
+
+
+def test_the_template_may_live_in_tokenizer_config(tmp_path: Path, model_dir: Path) -> None:
+    d = tmp_path / "inline"
+    d.mkdir()
+    (d / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    template = (model_dir / "chat_template.jinja").read_text()
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": "<|begin|>"},
+                "chat_template": [{"name": "default", "template": template}],
+            }
+        )
+    )
+    assert ModelTokens(d).token_ids(CHAT, chat("x")) == ModelTokens(model_dir).token_ids(
+        CHAT, chat("x")
+    )
+
+
+def test_block_keys_chain_from_the_salt() -> None:
+    ids = list(range(100))
+    keys = block_keys(ids, 16, chain_seed("tenant-a"))
+    assert len(keys) == 6  # the partial seventh block has no key
+    assert block_keys(ids, 16, chain_seed("tenant-a"), limit=2) == keys[:2]
+    # Later blocks chain from the earlier: the keys of ids[32:] from keys[1] are the tail.
+    assert block_keys(ids[32:], 16, keys[1]) == keys[2:]
+    other = block_keys(ids, 16, chain_seed("tenant-b"))
+    assert not set(keys) & set(other)  # another salt shares no block
+    assert not set(keys) & set(block_keys(ids, 16, chain_seed(None)))
+    assert block_keys(ids[:15], 16, chain_seed("x")) == []
+
+
+def test_sim_tokens_match_the_sims_own_rendering() -> None:
+    from ace_extproc.sim.tokenizer import encode, render_chat
+
+    messages = [{"role": "user", "content": "hello " * 30}]
+    body = json.dumps({"messages": messages}).encode()
+    assert load("sim").token_ids(CHAT, body) == encode(render_chat(messages))
