@@ -97,6 +97,7 @@ def build(config: Config, picker: PolicyFactory | None = None) -> App:
         fleet,
         config.fleet.destinations,
         offloaded_cost=s.precise.offloaded_cost,
+        speculate=s.precise.speculate,
     )
     kv_events = None
     if precise.tokenizers:

@@ -308,6 +308,13 @@ class Precise(Section, frozen=True):
         float,
         _doc("A pick counts as held this long until the pod's events confirm it.", gt=0),
     ] = 30.0
+    speculate: Annotated[
+        bool,
+        _doc(
+            "Record each pick as held until the events confirm it (false: only what "
+            "the events said, so a conversation's next turn may arrive first)."
+        ),
+    ] = True
     rebuild_s: Annotated[
         float,
         _doc(

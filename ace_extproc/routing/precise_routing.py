@@ -43,8 +43,10 @@ class PreciseRouting:
         destinations: tuple[Destination, ...],
         *,
         offloaded_cost: float = 0.3,
+        speculate: bool = True,
     ) -> None:
         self.index = index
+        self.speculate = speculate
         self.fleet = fleet
         self.offloaded_cost = offloaded_cost
         self.tokenizers: dict[str, RequestTokens] = {}
@@ -95,7 +97,7 @@ class PreciseRouting:
         return PreciseView(keys, tokens, live, depths)
 
     def picked(self, slot: int, view: PreciseView) -> None:
-        if slot in self.index.pods:
+        if self.speculate and slot in self.index.pods:
             self.index.speculate(slot, view.keys)
 
     def _block_size(self, live: int) -> int:
