@@ -121,7 +121,11 @@ class ModelTokens:
         files = _load(Path(directory))
         self._tokenizer = files.tokenizer
         self._bos, self._eos = files.bos, files.eos
-        self._template = _environment().from_string(files.template)
+        env = _environment()
+        self._template = env.from_string(files.template)
+        # Whether the template loops over a message's content parts (vLLM's "openai"
+        # content format), or reads content as a string, parts joined by newlines.
+        self._content_parts = _loops_over_content(env, files.template)
         specials = [
             t.content for t in files.tokenizer.get_added_tokens_decoder().values() if t.special
         ]
@@ -155,8 +159,11 @@ class ModelTokens:
     def chat_ids(self, chat: _Chat) -> list[int] | None:
         if chat.continue_final_message or chat.chat_template_kwargs:
             return None  # rendered otherwise than here; rare
+        messages = _as_vllm_renders(chat.messages, self._content_parts)
+        if messages is None:
+            return None
         try:
-            text = self.render(chat.messages, chat.tools, chat.add_generation_prompt)
+            text = self.render(messages, chat.tools, chat.add_generation_prompt)
         except Exception as exc:  # a template raises what it likes (raise_exception)
             log.debug("chat template: %s", exc)
             return None
@@ -205,6 +212,89 @@ class ModelTokens:
             _, old = pieces.popitem(last=False)
             self._cached_tokens -= len(old)
         return ids
+
+
+def _as_vllm_renders(
+    messages: list[dict[str, Any]], content_parts: bool
+) -> list[dict[str, Any]] | None:
+    """The messages as vLLM hands them to the template: content as a string (text parts
+    joined by newlines) unless the template loops over parts, then as text parts; tool
+    call arguments as objects. None where a message has other parts (images: not keyed
+    from text)."""
+    out = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if content is None:
+            texts = []
+        elif isinstance(content, str):
+            texts = [content]
+        elif isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                return None
+            texts = [str(p.get("text", "")) for p in content]
+        else:
+            return None
+        shown: Any = (
+            [{"type": "text", "text": t} for t in texts] if content_parts else "\n".join(texts)
+        )
+        message = {**message, "content": shown}
+        calls = message.get("tool_calls")
+        if message.get("role") == "assistant" and isinstance(calls, list):
+            if not calls:
+                del message["tool_calls"]
+            else:
+                message["tool_calls"] = [_with_object_arguments(c) for c in calls]
+        out.append(message)
+    return out
+
+
+def _with_object_arguments(call: Any) -> Any:
+    """A tool call as vLLM renders it: the OpenAI types' key order (id, function,
+    type; arguments, name), arguments parsed to an object (``{}`` where not one)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = {}
+    if not isinstance(arguments, dict):
+        arguments = {}
+    function = _ordered({**function, "arguments": arguments}, ("arguments", "name"))
+    return _ordered({**call, "function": function}, ("id", "function", "type"))
+
+
+def _ordered(doc: dict[str, Any], order: tuple[str, ...]) -> dict[str, Any]:
+    first = {key: doc[key] for key in order if key in doc}
+    return {**first, **{k: v for k, v in doc.items() if k not in first}}
+
+
+def _loops_over_content(env: Any, template: str) -> bool:
+    """Whether some ``{% for x in message['content'] %}`` (or ``in content``) loop
+    exists: vLLM then gives the template content parts, not strings."""
+    from jinja2 import nodes
+
+    try:
+        tree = env.parse(template)
+    except Exception:
+        return False
+    for loop in tree.find_all(nodes.For):
+        target = loop.iter
+        if isinstance(target, nodes.Name) and target.name == "content":
+            return True
+        if isinstance(target, nodes.Getattr) and target.attr == "content":
+            return True
+        if (
+            isinstance(target, nodes.Getitem)
+            and isinstance(target.arg, nodes.Const)
+            and target.arg.value == "content"
+        ):
+            return True
+    return False
 
 
 def _load(directory: Path) -> _Files:

@@ -93,18 +93,26 @@ from bench.ceiling import ceiling
 from bench.overhead import free_ports, metric_sums, percentile
 from bench.workloads.base import Workload
 
-ROUTERS = ("ace", "envoy_rr", *peers.PEERS)
+ROUTERS = ("ace", "ace_precise", "envoy_rr", *peers.PEERS)
 # Also accepted: ace_xN (N ace-extproc servers behind one Envoy, each learning only from
-# what it routes) and ace_xN_shared (the same sharing placements through a redis-server).
-_REPLICATED = re.compile(r"ace_x([2-9]|[1-9][0-9])(_shared)?")
+# what it routes), ace_xN_shared (the same sharing placements through a redis-server),
+# and ace_precise_xN (N servers, each following the pods' KV events).
+_ACE = re.compile(r"ace(_precise)?(?:_x([2-9]|[1-9][0-9])(_shared)?)?")
 
 
-def ace_replicas(name: str) -> tuple[int, bool] | None:
-    """``(servers, sharing)`` for an ace router name, else None."""
-    if name == "ace":
-        return 1, False
-    m = _REPLICATED.fullmatch(name)
-    return (int(m.group(1)), m.group(2) is not None) if m else None
+@dataclass(frozen=True, slots=True)
+class AceVariant:
+    servers: int = 1
+    shared: bool = False  # placements shared through Redis
+    precise: bool = False  # the pods publish KV events, which the router follows
+
+
+def ace_variant(name: str) -> AceVariant | None:
+    """How an ace router name runs ace-extproc, else None (a peer)."""
+    m = _ACE.fullmatch(name)
+    if m is None:
+        return None
+    return AceVariant(int(m.group(2) or 1), m.group(3) is not None, m.group(1) is not None)
 
 
 COUNTERS = {
@@ -118,6 +126,7 @@ COUNTERS = {
 # prediction for it (real engines only).
 SIMULATED_AS = {
     "ace": "ace",
+    "ace_precise": "ace",
     "envoy_rr": "round_robin",
     "sglang": "sglang_cache_aware",
     "vllm": "vllm_cache_aware",
@@ -446,10 +455,18 @@ async def _start(
     return [stack.url, *(p.base_url for p in stack.config.fleet.pods)]
 
 
-def _real_fleet(pods: Pods, options: LiveOptions) -> str:
-    """A fleet.yaml naming the real servers, for ace-extproc and plain Envoy."""
+def _real_fleet(pods: Pods, options: LiveOptions, precise: bool = False) -> str:
+    """A fleet.yaml naming the real servers, for ace-extproc and plain Envoy; with
+    ``precise``, their tokenizer and KV event publishers too."""
     path = Path(tempfile.mkdtemp(prefix="bench-live-")) / "fleet.yaml"
-    path.write_text(yaml.safe_dump(vllm_pods.fleet_doc(pods.urls, dict(options.router))))
+    events = [f"tcp://{pods.host}:{port}" for port in pods.kv_events_ports] if precise else []
+    doc = vllm_pods.fleet_doc(
+        pods.urls,
+        dict(options.router),
+        tokenizer=pods.options.model if precise else "",
+        kv_events=events,
+    )
+    path.write_text(yaml.safe_dump(doc))
     return str(path)
 
 
@@ -475,13 +492,15 @@ async def run_router(
         router=dict(options.router),
         env={"ACE_SALT_SECRET": SALT_SECRET},
     )
+    variant = ace_variant(name)
     if real is not None:
         await real.reset_prefix_caches()
-        stack_options.fleet_path = _real_fleet(real, options)
-    replicas = ace_replicas(name)
-    if replicas is not None:
-        stack_options.ext_proc_replicas, stack_options.share = replicas
-    stack = Stack(stack_options) if replicas is not None else peers.PeerStack(stack_options)
+        precise = variant is not None and variant.precise
+        stack_options.fleet_path = _real_fleet(real, options, precise)
+    if variant is not None:
+        stack_options.ext_proc_replicas, stack_options.share = variant.servers, variant.shared
+        stack_options.precise = variant.precise and real is None
+    stack = Stack(stack_options) if variant is not None else peers.PeerStack(stack_options)
     try:
         url, *pod_urls = await _start(name, stack, ports, options, real)
         before = await scrape(pod_urls)
@@ -509,10 +528,15 @@ async def run_all(
     requests = prepare(workload, options.stream)
     if options.engine != "vllm":
         return await _each(requests, routers, options, progress, None)
-    vllm = VllmOptions.find(kv_blocks=options.kv_blocks, dev_mode=True)
+    # Every server publishes KV events (a port each): ace_precise follows them, the
+    # other routers ignore them.
+    vllm = VllmOptions.find(kv_blocks=options.kv_blocks, dev_mode=True, kv_events=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-live-vllm-"))
     progress(f"starting {options.pods} vLLM servers (logs in {workdir})")
-    async with Pods(vllm, free_ports(options.pods), workdir) as real:
+    ports = free_ports(2 * options.pods)
+    async with Pods(
+        vllm, ports[: options.pods], workdir, kv_events_ports=ports[options.pods :]
+    ) as real:
         return await _each(requests, routers, options, progress, real)
 
 
@@ -725,10 +749,11 @@ def load_workload(name: str, limit: int | None, rate: float | None, seed: int = 
 
 def _routers(text: str) -> list[str]:
     names = [x for x in text.split(",") if x]
-    bad = [x for x in names if x not in ROUTERS and ace_replicas(x) is None]
+    bad = [x for x in names if x not in ROUTERS and ace_variant(x) is None]
     if not names or bad:
         raise argparse.ArgumentTypeError(
-            f"expected some of {','.join(ROUTERS)}, ace_xN or ace_xN_shared, got {text!r}"
+            f"expected some of {','.join(ROUTERS)}, ace_xN, ace_xN_shared or "
+            f"ace_precise_xN, got {text!r}"
         )
     return names
 

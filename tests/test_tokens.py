@@ -148,3 +148,33 @@ def test_sim_tokens_match_the_sims_own_rendering() -> None:
     messages = [{"role": "user", "content": "hello " * 30}]
     body = json.dumps({"messages": messages}).encode()
     assert load("sim").token_ids(CHAT, body) == encode(render_chat(messages))
+
+
+def test_messages_are_rendered_as_vllm_hands_them_to_the_template(model_dir: Path) -> None:
+    """Checked against the engine itself in tests/engines/test_precise.py; here, what
+    that showed: text parts joined by newlines (this template reads content as a
+    string), tool call arguments as objects in the OpenAI types' key order."""
+    tokens = ModelTokens(model_dir)
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    as_parts = tokens.token_ids(
+        CHAT, json.dumps({"messages": [{"role": "user", "content": parts}]}).encode()
+    )
+    assert as_parts == tokens.token_ids(CHAT, chat_user("one\ntwo"))
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    assert (
+        tokens.token_ids(
+            CHAT, json.dumps({"messages": [{"role": "user", "content": image}]}).encode()
+        )
+        is None
+    )
+    call = {"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}, "id": "c"}
+    body = {"messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}
+    text = tokens._tokenizer.decode(tokens.token_ids(CHAT, json.dumps(body).encode()))
+    assert (
+        '[{"id": "c", "function": {"arguments": {"a": 1}, "name": "f"}, "type": "function"}]'
+        in text
+    )
+
+
+def chat_user(text: str) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": text}]}).encode()

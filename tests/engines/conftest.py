@@ -50,7 +50,7 @@ def engines() -> VllmOptions:
     """What ``make engines`` built (skips every test here without it)."""
     try:
         envoy_binary()
-        return VllmOptions.find(kv_blocks=KV_BLOCKS, dev_mode=True)
+        return VllmOptions.find(kv_blocks=KV_BLOCKS, dev_mode=True, kv_events=True)
     except (EnginesMissing, RuntimeError) as exc:
         pytest.skip(str(exc))
 
@@ -59,7 +59,9 @@ def engines() -> VllmOptions:
 def vllm(engines: VllmOptions, loop: asyncio.AbstractEventLoop) -> Iterator[Pods]:
     options = engines
     workdir = Path(tempfile.mkdtemp(prefix="ace-engines-"))
-    pods = Pods(options, free_ports(PODS), workdir)
+    # Each server publishes its KV events (a port each); precise routing follows them.
+    ports = free_ports(2 * PODS)
+    pods = Pods(options, ports[:PODS], workdir, kv_events_ports=ports[PODS:])
     loop.run_until_complete(pods.__aenter__())
     try:
         yield pods
@@ -138,11 +140,15 @@ def front(
     router: dict[str, Any] | None = None,
     mode: str | None = None,
     addresses: list[str] | None = None,
+    precise: bool = False,
 ) -> Iterator[Front]:
-    """A Stack before ``pods`` (or before ``addresses``, e.g. a recording proxy)."""
+    """A Stack before ``pods`` (or before ``addresses``, e.g. a recording proxy);
+    ``precise``: following the servers' KV events with the model's tokenizer."""
     workdir = Path(tempfile.mkdtemp(prefix="ace-engines-front-"))
     urls = pods.urls if addresses is None else [f"http://{a}" for a in addresses]
-    doc = fleet_doc(urls, router)
+    events = [f"tcp://{pods.host}:{p}" for p in pods.kv_events_ports] if precise else []
+    tokenizer = pods.options.model if precise else ""
+    doc = fleet_doc(urls, router, tokenizer=tokenizer, kv_events=events)
     (workdir / "fleet.yaml").write_text(yaml.safe_dump(doc))
     ports = free_ports(5)
     options = StackOptions(
