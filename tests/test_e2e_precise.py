@@ -42,7 +42,8 @@ def _wait_precise(client: Client) -> None:
 def chat(topic: str, turns: int = 0) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": f"{topic} " + "context " * 400}]
     for i in range(turns):
-        messages += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+        messages.append({"role": "user", "content": f"q{i}"})
+        messages.append({"role": "assistant", "content": f"a{i}"})
     return [*messages, {"role": "user", "content": "next?"}]
 
 
