@@ -407,6 +407,7 @@ def summarize(
         "rps": round(len(ok) / wall_s, 1) if wall_s > 0 else None,
         "pods": dict(sorted(pods.items())),
         "busiest_pod_share": _ratio(max(pods.values(), default=0), sum(pods.values())),
+        "stayed_share": stayed_share(records),
         "families": _families(ok),
         "engine": None,
     }
@@ -417,6 +418,21 @@ def summarize(
             "cached_share": _ratio(engine["prompt_tokens_cached"], engine["prompt_tokens"]),
         }
     return out
+
+
+def stayed_share(records: Sequence[Record]) -> float | None:
+    """Of the answered requests that follow an answered one of their session, the share
+    served by the same pod: where replicas disagree on a conversation's pod, its turns
+    move (and miss the cache)."""
+    ordered = sorted(records, key=lambda r: r.index)
+    served = [r.error is None and bool(r.pod) for r in ordered]
+    prev = previous_in_session([r.session for r in ordered])
+    pairs = [
+        (r, ordered[p])
+        for i, (r, p) in enumerate(zip(ordered, prev, strict=True))
+        if p is not None and served[i] and served[p]
+    ]
+    return _ratio(sum(1 for r, q in pairs if r.pod == q.pod), len(pairs))
 
 
 # ------------------------------------------------------------------ one router
@@ -606,7 +622,7 @@ def format_table(runs: Sequence[RouterRun], predicted: dict[str, Any] | None = N
     head = (
         f"{'router':<{w}}{'reqs':>6}{'errors':>7}{'hit%':>8}{'cached%':>8}{'engine%':>8}"
         f"{'lat p50':>9}{'p99':>9}{'ttft p50':>9}{'p99':>9}{'sim p50':>9}{'p99':>9}"
-        f"{'req/s':>8}{'busiest':>8}"
+        f"{'req/s':>8}{'busiest':>8}{'stayed':>8}"
     )
     lines = [head]
     for run in runs:
@@ -623,6 +639,7 @@ def format_table(runs: Sequence[RouterRun], predicted: dict[str, Any] | None = N
             f"{_ms(s['ttft_ms'], 'p50')}{_ms(s['ttft_ms'], 'p99')}"
             f"{_ms(s.get('engine_ttft_ms'), 'p50')}{_ms(s.get('engine_ttft_ms'), 'p99')}"
             f"{s['rps'] or 0:>8.1f}{_pct(s['busiest_pod_share'])}"
+            f"{_pct(s.get('stayed_share'))}"
         )
         if run.failed:
             lines.append(f"{'':<{w}}FAILED: {run.failed}")
@@ -646,7 +663,7 @@ def format_table(runs: Sequence[RouterRun], predicted: dict[str, Any] | None = N
         "hit%: answered requests with any cached token; cached%: cached / prompt tokens "
         "(engine usage); engine%: pods' prefix_cache_hits / queries (/metrics); "
         "ms; sim: TTFT on the simulated pods' clock; busiest: the busiest pod's share of "
-        "requests"
+        "requests; stayed: a conversation's next turn on its previous turn's pod"
     )
     families = sorted({f for run in runs if run.summary for f in run.summary["families"]})
     if len(families) > 1:

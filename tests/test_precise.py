@@ -3,6 +3,11 @@ speculation and its expiry, tenants, bounds, and the block-size check."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
 from ace_extproc.routing.kv_wire import Cleared, Removed, Stored
 from ace_extproc.routing.precise import PreciseIndex
 from ace_extproc.tokens import block_keys, chain_seed
@@ -120,8 +125,27 @@ def test_the_view_holds_no_more_than_the_engine_can() -> None:
     index = live_index(0)
     index.set_engine_cache(0, BS, BS * 3)
     index.apply(0, [stored([10, 11, 12, 13], IDS)])
-    assert index.blocks_held(0) == 3  # the oldest stored went
-    assert index.match(keys(), 1) == {}  # block 0 was the oldest
+    assert index.match(keys(), 1) == {}  # block 0, the least recently used, went
+    assert index.pods[0].predicted == 1
+
+
+def test_what_was_sent_since_evicts_what_the_engine_holds_now() -> None:
+    """Under KV pressure the engine's cache now is not what a queued request finds: the
+    requests sent before it are admitted first and evict the least recently used."""
+    index = live_index(0)
+    index.set_engine_cache(0, BS, BS * 6)
+    index.apply(0, [stored([10, 11, 12, 13], IDS)])
+    other = block_keys([i + 100 for i in IDS], BS, chain_seed("s"))
+    assert index.match(keys(), 1) == {0: (4, 4)}
+    index.speculate(0, other)  # four new blocks sent: two of the held ones must go
+    assert index.match(keys(), 1) == {}  # its head was least recently used
+    # A request that uses the held prefix makes it recent: then the other goes first.
+    index = live_index(0)
+    index.set_engine_cache(0, BS, BS * 6)
+    index.apply(0, [stored([10, 11, 12, 13], IDS)])
+    index.speculate(0, keys())  # a hit on it: touched, nothing new
+    index.speculate(0, other[:2])
+    assert index.match(keys(), 1) == {0: (4, 4)}
 
 
 def test_events_for_a_pod_that_left_change_nothing() -> None:
@@ -135,3 +159,31 @@ def test_an_unkeyable_block_ends_the_chain() -> None:
     index = live_index(0)
     index.apply(0, [stored([10, 11, 12], IDS[:12], keyable=1)])
     assert index.match(keys(), 1) == {0: (1, 1)}
+
+
+def test_a_destination_without_a_tokenizer_is_approximate_and_says_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from ace_extproc.app import build
+    from ace_extproc.config import Config, Settings, sim_fleet
+
+    app = build(Config(sim_fleet(["127.0.0.1:1"]), Settings(probe_interval_s=0)))
+    assert app.kv_events is None and app.processor.precise is None
+    assert "tokenizer" not in caplog.text
+
+
+def test_a_tokenizer_that_fails_to_load_leaves_its_destination_approximate(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    from dataclasses import replace
+
+    from ace_extproc.app import build
+    from ace_extproc.config import Config, Fleet, Settings, sim_fleet
+
+    fleet = sim_fleet(["127.0.0.1:1"])
+    broken = replace(fleet.destinations[0], tokenizer=str(tmp_path / "nowhere"))
+    app = build(Config(Fleet((broken,)), Settings(probe_interval_s=0)))
+    assert app.kv_events is None and app.processor.precise is None
+    assert "routed approximately" in caplog.text and "nowhere" in caplog.text
+    text = generate_latest(app.telemetry.registry).decode()
+    assert 'ace_tokenizer_loaded{destination="sim"} 0.0' in text

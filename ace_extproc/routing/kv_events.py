@@ -436,4 +436,4 @@ class KvEvents:
 
     def states(self) -> dict[str, str]:
         """Each followed pod's state, by ``destination/pod``."""
-        return {stream.name: stream.refresh() for stream in self.streams.values()}
+        return {stream.name: stream.stats.state for stream in self.streams.values()}

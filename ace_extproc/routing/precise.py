@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +42,9 @@ class PodView:
     """One pod's engine, as its events tell it."""
 
     blocks: dict[BlockHash, list[int]] = field(default_factory=dict)  # hash -> [key, tiers]
+    # Keys on GPU or just sent there, least recently used first: what the engine's LRU
+    # will evict first as the requests sent meanwhile come in.
+    recent: OrderedDict[int, None] = field(default_factory=OrderedDict)
     block_size: int = 0  # from its events; 0 until the first store
     expected_block_size: int = 0  # from its cache_config_info; 0: not known
     live: bool = False  # connected, no unrecovered gap: its view is trusted
@@ -51,6 +54,7 @@ class PodView:
     orphans: int = 0  # stored blocks whose parent it never saw: not keyable
     mismatched: bool = False  # its events' block size is not its engine's
     capacity: int = 0  # the engine's KV blocks, where known: the view holds no more
+    predicted: int = 0  # blocks taken as evicted by what was sent since (not yet said)
 
 
 class PreciseIndex:
@@ -110,6 +114,7 @@ class PreciseIndex:
             _unset(self._warm, key, keep)
             _unset(self._offloaded, key, keep)
         view.blocks.clear()
+        view.recent.clear()
         for key in [k for k, mask in self._speculative.items() if mask & ~keep]:
             _unset(self._speculative, key, keep)
             self._deadlines.pop((slot, key), None)
@@ -144,6 +149,7 @@ class PreciseIndex:
         bit = 1 << slot
         blocks = view.blocks
         held = self._warm if tier == GPU else self._offloaded
+        recent = view.recent
         for engine_hash, key in zip(event.hashes, keys, strict=False):
             entry = blocks.get(engine_hash)
             if entry is None:
@@ -151,13 +157,19 @@ class PreciseIndex:
             else:
                 entry[0], entry[1] = key, entry[1] | tier
             held[key] = held.get(key, 0) | bit
-            if tier == GPU and self._speculative.get(key, 0) & bit:
-                _unset(self._speculative, key, ~bit)
-                self._deadlines.pop((slot, key), None)
-                self.confirmed += 1
+            if tier == GPU:
+                if key in recent:
+                    recent.move_to_end(key)
+                else:
+                    recent[key] = None
+                if self._speculative.get(key, 0) & bit:
+                    _unset(self._speculative, key, ~bit)
+                    self._deadlines.pop((slot, key), None)
+                    self.confirmed += 1
         view.stored += len(keys)
         view.orphans += len(event.hashes) - len(keys)
-        if view.capacity and len(blocks) > view.capacity:
+        self._fit(slot, view)
+        if view.capacity and len(blocks) > 2 * view.capacity:
             self._trim(slot, view)
 
     def _removed(self, slot: int, view: PodView, event: Removed) -> None:
@@ -170,19 +182,39 @@ class PreciseIndex:
             if entry is None:
                 continue
             _unset(held, entry[0], keep)
+            if tier == GPU and not self._speculative.get(entry[0], 0) & ~keep:
+                view.recent.pop(entry[0], None)
             entry[1] &= ~tier
             if not entry[1]:
                 del blocks[engine_hash]
             view.removed += 1
 
+    def _fit(self, slot: int, view: PodView) -> None:
+        """The engine holds no more than its capacity: the least recently used of what
+        it holds and what was sent to it since are taken as evicted, as the engine's
+        LRU will evict them when the requests sent meanwhile are admitted (what it
+        holds now is not what a queued request will find). Its events say so later."""
+        recent, capacity = view.recent, view.capacity
+        if not capacity or len(recent) <= capacity:
+            return
+        keep = ~(1 << slot)
+        for _ in range(len(recent) - capacity):
+            key, _ = recent.popitem(last=False)
+            _unset(self._warm, key, keep)
+            if self._speculative.get(key, 0) & ~keep:
+                _unset(self._speculative, key, keep)
+                self._deadlines.pop((slot, key), None)
+            view.predicted += 1
+
     def _trim(self, slot: int, view: PodView) -> None:
-        """Forget the pod's oldest-stored blocks past its engine's capacity: the engine
-        cannot hold them all, and a lost removal must not be believed forever."""
-        blocks, keep = view.blocks, ~(1 << slot)
+        """Bound the map from the engine's hashes: its oldest-stored entries go, their
+        blocks forgotten unless recently used (a lost removal is not kept forever)."""
+        blocks, keep, recent = view.blocks, ~(1 << slot), view.recent
         for engine_hash in list(itertools.islice(blocks, len(blocks) - view.capacity)):
             key, _tiers = blocks.pop(engine_hash)
-            _unset(self._warm, key, keep)
-            _unset(self._offloaded, key, keep)
+            if key not in recent:
+                _unset(self._warm, key, keep)
+                _unset(self._offloaded, key, keep)
 
     def _check_block_size(self, slot: int, view: PodView) -> None:
         expected, seen = view.expected_block_size, view.block_size
@@ -197,12 +229,21 @@ class PreciseIndex:
         bit = 1 << slot
         warm, speculative, deadlines = self._warm, self._speculative, self._deadlines
         deadline = self._clock() + self.confirm_s
+        view = self.pods.get(slot)
+        if view is None:
+            return
+        recent = view.recent
         for key in keys:
+            if key in recent:  # the engine will use it: recently used
+                recent.move_to_end(key)
+            else:
+                recent[key] = None
             if warm.get(key, 0) & bit:
                 continue
             speculative[key] = speculative.get(key, 0) | bit
             deadlines[(slot, key)] = deadline
             self._expiry.append((deadline, slot, key))
+        self._fit(slot, view)
 
     def expire(self) -> None:
         """Drop speculative entries past their deadline (a pick the engine never
@@ -215,6 +256,9 @@ class PreciseIndex:
                 del deadlines[(slot, key)]
                 _unset(self._speculative, key, ~(1 << slot))
                 self.expired += 1
+                view = self.pods.get(slot)
+                if view is not None and not self._warm.get(key, 0) & (1 << slot):
+                    view.recent.pop(key, None)
 
     def match(self, keys: Sequence[int], candidates: int) -> dict[int, tuple[int, int]]:
         """For each live candidate holding the first block: ``(warm, held)``, the

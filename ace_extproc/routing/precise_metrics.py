@@ -1,6 +1,7 @@
 """Precise routing's metrics: each followed pod's event stream (state, lag, gaps,
 replays, bad frames) and view, and each destination's tokenizer. Registered beside
-``Telemetry`` on the same registry (``app.py``)."""
+``Telemetry`` on the same registry (``app.py``). Scrapes run on the metrics server's
+thread, so this only reads."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class PreciseMetrics(Collector):
         }
         index = events.index
         for stream in events.streams.values():
-            now = stream.refresh()
+            now = stream.stats.state  # read only: the scrape runs on its own thread
             for name in STATES:
                 state.add_metric([stream.name, name], 1.0 if name == now else 0.0)
             stats = stream.stats

@@ -52,7 +52,7 @@ class PreciseRouting:
         self.tokenizers: dict[str, RequestTokens] = {}
         self.failed: dict[str, str] = {}  # destination -> why its tokenizer did not load
         for d in destinations:
-            if d.tokenizer is None:
+            if not d.tokenizer:
                 continue
             try:
                 self.tokenizers[d.id] = load(d.tokenizer)
