@@ -187,3 +187,12 @@ def test_a_tokenizer_that_fails_to_load_leaves_its_destination_approximate(
     assert "routed approximately" in caplog.text and "nowhere" in caplog.text
     text = generate_latest(app.telemetry.registry).decode()
     assert 'ace_tokenizer_loaded{destination="sim"} 0.0' in text
+
+
+def test_sglang_pages_one_event_each_and_a_partial_last_page_is_ignored() -> None:
+    index = live_index(0)
+    # SGLang: one event a page, the salt on every one of them.
+    index.apply(0, [stored([10], IDS[:4])])
+    index.apply(0, [Stored([11], 10, IDS[4:8], BS, "GPU", None, "s", 1)])
+    index.apply(0, [Stored([12], 11, IDS[8:10], 2, "GPU", None, "s", 1)])  # a partial page
+    assert index.match(keys(), 1) == {0: (2, 2)} and index.pods[0].block_size == BS

@@ -133,6 +133,8 @@ class PreciseIndex:
                 self.clear(slot)
 
     def _stored(self, slot: int, view: PodView, event: Stored) -> None:
+        if 0 < event.block_size < view.block_size and len(event.hashes) == 1:
+            return  # SGLang's partial last page: no whole block of ours
         if view.block_size != event.block_size:
             view.block_size = event.block_size
             self._check_block_size(slot, view)
