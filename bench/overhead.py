@@ -20,10 +20,12 @@ engine pod (no sleeping, one output token):
   ace-pure-python  ace-buffered on the pure-Python path (ACE_EXTPROC_PURE_PYTHON=1):
                    what the C fast path saves end to end
   ace-full-duplex  + ace-extproc, FULL_DUPLEX_STREAMED body (1 round trip)
+  ace-precise      ace-buffered with precise routing: the pod publishes KV events, the
+                   server tokenizes each body with a real tokenizer (docs/kv-events.md)
   sglang           client -> SGLang Model Gateway -> engine (no Envoy), --peer-policy
   vllm             client -> vLLM Router -> engine (no Envoy); its cache_aware policy
                    also POSTs every body to the engine's render endpoint first
-The default is the seven Envoy variants; ``--variants all`` adds the peers that are
+The default is the eight Envoy variants; ``--variants all`` adds the peers that are
 installed (``bench/peers.py``), a peer named but not installed is skipped with the reason.
 For the peers, the "envoy" CPU column is the peer router's process (the proxy).
 
@@ -80,7 +82,7 @@ from ace_extproc import config as config_mod
 from ace_extproc import envoy_config, native
 from ace_extproc.config import Config
 from ace_extproc.stack import TRACE_HEADER, StackError, StackOptions, envoy_binary
-from bench import peers
+from bench import peers, tokenize_cost
 
 # (ext_proc server, processing mode, how responses are observed) per Envoy variant: the
 # default set. ace as shipped observes on Envoy's access log ("access-log", batched);
@@ -94,6 +96,10 @@ VARIANTS: dict[str, tuple[str | None, str, str]] = {
     "ace-observe-stream": ("ace", "buffered", "stream"),
     "ace-pure-python": ("ace-pure", "buffered", "access-log"),
     "ace-full-duplex": ("ace", "full_duplex", "access-log"),
+    # Precise routing: the pod publishes KV events and the server follows them with a
+    # real tokenizer (the tiny engine model's, else one trained for the tests), so each
+    # request is rendered, tokenized (the same body: its pieces cached) and keyed.
+    "ace-precise": ("ace-precise", "buffered", "access-log"),
 }
 # ace-buffered with one native piece on Python instead (``native/__init__.py``): what
 # that piece saves end to end. Named by ``--variants``, not in the default set.
@@ -272,8 +278,14 @@ class Bench(peers.PeerStack):
         # One pod: trivial pins it, ace-extproc picks it (the only one), direct balances
         # onto it, so every variant hands the same engine process the same work.
         fleet = config_mod.default_fleet(1, self.options.first_pod_port)
+        # The pod publishes its KV events (for ace-precise; the others ignore them).
+        fleet = self._publishing(fleet)
         path = self.workdir / "fleet.yaml"
-        path.write_text(yaml.safe_dump(config_mod.fleet_to_dict(fleet)))
+        doc = config_mod.fleet_to_dict(fleet)
+        del doc["destinations"][0]["tokenizer"]  # approximate, as shipped
+        path.write_text(yaml.safe_dump(doc))
+        doc["destinations"][0]["tokenizer"] = str(tokenize_cost.model_dir(None))
+        (self.workdir / "fleet-precise.yaml").write_text(yaml.safe_dump(doc))
         await self._start_pods(fleet)
         # As the servers will read it: their environment is ours plus the options'.
         return config_mod.load(path, env={**os.environ, **self.options.env})
@@ -301,7 +313,8 @@ class Bench(peers.PeerStack):
             argv = [str(TRIVIAL), "--listen", grpc_addr, "--cluster", pod.cluster]
             await self._spawn(f"{name}-server", sys.executable, *argv, "--served-by", pod.key)
         elif server is not None and server.startswith("ace"):
-            fleet = str(self.workdir / "fleet.yaml")
+            name_ = "fleet-precise.yaml" if server == "ace-precise" else "fleet.yaml"
+            fleet = str(self.workdir / name_)
             argv = ["-m", "ace_extproc.cli", "serve", "--fleet", fleet, "--listen", grpc_addr]
             argv += ["--metrics-listen", "off", "--admin-listen", "off"]  # several variants
             # env execs the server in its own place: the pid measured is the server's.

@@ -139,6 +139,10 @@ def test_what_was_sent_since_evicts_what_the_engine_holds_now() -> None:
     assert index.match(keys(), 1) == {0: (4, 4)}
     index.speculate(0, other)  # four new blocks sent: two of the held ones must go
     assert index.match(keys(), 1) == {}  # its head was least recently used
+    # Expected, not known: a request sent over it (the engine may well still hold it)
+    # brings it back, its blocks untouched by the prediction.
+    index.speculate(0, keys())
+    assert index.match(keys(), 1) == {0: (4, 4)} and index.confirmed == 0
     # A request that uses the held prefix makes it recent: then the other goes first.
     index = live_index(0)
     index.set_engine_cache(0, BS, BS * 6)

@@ -62,11 +62,14 @@ class PreciseIndex:
         self, confirm_s: float = 30.0, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.confirm_s = confirm_s
-        self._clock = clock
+        self.clock = clock  # speculation's deadlines (the fleet simulation's own clock)
         self.pods: dict[int, PodView] = {}
         self._warm: dict[int, int] = {}  # key -> bitmask of pods holding it on GPU
         self._offloaded: dict[int, int] = {}  # key -> bitmask of pods holding it offloaded
         self._speculative: dict[int, int] = {}  # key -> bitmask of pods picked for it
+        # key -> bitmask of pods expected to evict it (what was sent since pushes it out
+        # of their LRU): not matched, but still held until the events say otherwise.
+        self._doomed: dict[int, int] = {}
         self._deadlines: dict[tuple[int, int], float] = {}  # (slot, key) -> expiry
         self._expiry: deque[tuple[float, int, int]] = deque()  # in deadline order
         self.live_mask = 0  # pods whose view is trusted
@@ -115,6 +118,8 @@ class PreciseIndex:
             _unset(self._offloaded, key, keep)
         view.blocks.clear()
         view.recent.clear()
+        for key in [k for k, mask in self._doomed.items() if mask & ~keep]:
+            _unset(self._doomed, key, keep)
         for key in [k for k, mask in self._speculative.items() if mask & ~keep]:
             _unset(self._speculative, key, keep)
             self._deadlines.pop((slot, key), None)
@@ -164,6 +169,7 @@ class PreciseIndex:
                     recent.move_to_end(key)
                 else:
                     recent[key] = None
+                    _unset(self._doomed, key, ~bit)
                 if self._speculative.get(key, 0) & bit:
                     _unset(self._speculative, key, ~bit)
                     self._deadlines.pop((slot, key), None)
@@ -186,6 +192,7 @@ class PreciseIndex:
             _unset(held, entry[0], keep)
             if tier == GPU and not self._speculative.get(entry[0], 0) & ~keep:
                 view.recent.pop(entry[0], None)
+                _unset(self._doomed, entry[0], keep)
             entry[1] &= ~tier
             if not entry[1]:
                 del blocks[engine_hash]
@@ -193,19 +200,18 @@ class PreciseIndex:
 
     def _fit(self, slot: int, view: PodView) -> None:
         """The engine holds no more than its capacity: the least recently used of what
-        it holds and what was sent to it since are taken as evicted, as the engine's
-        LRU will evict them when the requests sent meanwhile are admitted (what it
-        holds now is not what a queued request will find). Its events say so later."""
+        it holds and what was sent to it since are expected to be evicted, as its LRU
+        will evict them when the requests sent meanwhile are admitted (what it holds
+        now is not what a queued request will find). Expected, not known: such a block
+        stops matching, but stays held until its removal comes; a request sent over it
+        (the engine may still have it) or its store brings it back."""
         recent, capacity = view.recent, view.capacity
         if not capacity or len(recent) <= capacity:
             return
-        keep = ~(1 << slot)
+        bit, doomed = 1 << slot, self._doomed
         for _ in range(len(recent) - capacity):
             key, _ = recent.popitem(last=False)
-            _unset(self._warm, key, keep)
-            if self._speculative.get(key, 0) & ~keep:
-                _unset(self._speculative, key, keep)
-                self._deadlines.pop((slot, key), None)
+            doomed[key] = doomed.get(key, 0) | bit
             view.predicted += 1
 
     def _trim(self, slot: int, view: PodView) -> None:
@@ -217,6 +223,7 @@ class PreciseIndex:
             if key not in recent:
                 _unset(self._warm, key, keep)
                 _unset(self._offloaded, key, keep)
+                _unset(self._doomed, key, keep)
 
     def _check_block_size(self, slot: int, view: PodView) -> None:
         expected, seen = view.expected_block_size, view.block_size
@@ -230,7 +237,7 @@ class PreciseIndex:
         them, or ``confirm_s`` passes without."""
         bit = 1 << slot
         warm, speculative, deadlines = self._warm, self._speculative, self._deadlines
-        deadline = self._clock() + self.confirm_s
+        deadline = self.clock() + self.confirm_s
         view = self.pods.get(slot)
         if view is None:
             return
@@ -240,6 +247,7 @@ class PreciseIndex:
                 recent.move_to_end(key)
             else:
                 recent[key] = None
+                _unset(self._doomed, key, ~bit)
             if warm.get(key, 0) & bit:
                 continue
             speculative[key] = speculative.get(key, 0) | bit
@@ -250,7 +258,7 @@ class PreciseIndex:
     def expire(self) -> None:
         """Drop speculative entries past their deadline (a pick the engine never
         stored: it failed, or evicted before its events said so)."""
-        now, expiry, deadlines = self._clock(), self._expiry, self._deadlines
+        now, expiry, deadlines = self.clock(), self._expiry, self._deadlines
         while expiry and expiry[0][0] <= now:
             _, slot, key = expiry.popleft()
             deadline = deadlines.get((slot, key))
@@ -261,6 +269,7 @@ class PreciseIndex:
                 view = self.pods.get(slot)
                 if view is not None and not self._warm.get(key, 0) & (1 << slot):
                     view.recent.pop(key, None)
+                    _unset(self._doomed, key, ~(1 << slot))
 
     def match(self, keys: Sequence[int], candidates: int) -> dict[int, tuple[int, int]]:
         """For each live candidate holding the first block: ``(warm, held)``, the
@@ -270,12 +279,13 @@ class PreciseIndex:
             return {}
         self.expire()
         warm_get, off_get, spec_get = self._warm.get, self._offloaded.get, self._speculative.get
+        doomed_get = self._doomed.get
         warm = candidates  # pods still matching on GPU
         held = candidates  # pods still matching on any tier
         warm_depth: dict[int, int] = {}
         depth: dict[int, int] = {}
         for i, key in enumerate(keys):
-            on_gpu = warm_get(key, 0) | spec_get(key, 0)
+            on_gpu = (warm_get(key, 0) | spec_get(key, 0)) & ~doomed_get(key, 0)
             anywhere = on_gpu | off_get(key, 0)
             if lost := warm & ~on_gpu:
                 _settle(warm_depth, lost, i)
