@@ -145,6 +145,26 @@ def table(name: str, fleets: dict[str, dict[str, dict[str, Any]]]) -> str:
     return "\n".join(rows)
 
 
+def markdown(doc: dict[str, Any]) -> str:
+    """The file's figures as one Markdown table (for bench/RESULTS.md)."""
+    rows = [
+        "| workload | fleet | variant | TTFT p50 ms | p99 ms | saved % | hit % | est. err % "
+        "| evictions |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, entry in doc.get("workloads", {}).items():
+        label = name + (f" (first {entry['limit']})" if entry.get("limit") else "")
+        for fleet, by_variant in entry["fleets"].items():
+            for variant, f in by_variant.items():
+                rows.append(
+                    f"| {label} | {fleet} | {variant} | {f['ttft_p50_ms']:.1f} "
+                    f"| {f['ttft_p99_ms']:.0f} | {f['prefill_saved_ratio'] * 100:.1f} "
+                    f"| {f['hit_ratio'] * 100:.1f} | {f['estimate_error'] * 100:.1f} "
+                    f"| {f['evictions']} |"
+                )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Approximate vs precise routing, per workload.")
     ap.add_argument("--workload", default="all", help=f"one of {', '.join(workloads.NAMES)}, all")
@@ -156,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--markdown", action="store_true", help="print --out's table; run nothing")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.out).read_text())))
+        return 0
     names = list(workloads.NAMES) if args.workload == "all" else [args.workload]
     fleets = {f: FLEETS[f] for f in args.fleets.split(",") if f}
     chosen = variants(tuple(float(d) / 1000 for d in args.delays_ms.split(",") if d))
