@@ -39,6 +39,10 @@ class Job:
     first_step_s: float = -1.0  # start of its first prefill step
     first_token_s: float = -1.0
     charged: int = 0  # what it counts in the router's queued_prefill_tokens
+    # For KV events (kept only while they are on): the prompt the block token ids
+    # come from, and the salt of block 0.
+    prompt: bytes | list[int] = b""
+    salt: str | None = None
 
     @property
     def uncached(self) -> int:
@@ -50,6 +54,9 @@ class Listener(Protocol):
 
     def admitted(self, job: Job) -> None: ...
     def prefilled(self, job: Job, tokens: int) -> None: ...
+    def committed(self, job: Job, blocks: range) -> None:
+        """The prefill step cached these of ``job``'s full prompt blocks (BlockStored)."""
+
     def finished(self, job: Job, now: float) -> None: ...
 
 
@@ -143,7 +150,11 @@ class SimPod:
             listener.prefilled(job, chunk)
             assert job.alloc is not None and job.cache is not None
             # vLLM caches each full block as soon as it is computed.
-            job.cache.commit(job.alloc, (job.cached + job.prefilled) // job.cache.block_size)
+            blocks = job.cache.commit(
+                job.alloc, (job.cached + job.prefilled) // job.cache.block_size
+            )
+            if blocks:
+                listener.committed(job, blocks)
             if job.prefilled >= job.uncached:
                 done_prefill = True
                 job.first_token_s = now
@@ -255,5 +266,6 @@ class SimPod:
         job.cache.release(job.alloc)
         job.alloc = None
         job.keys = []
+        job.prompt = b""
         self.running -= 1
         self.listener.finished(job, now)

@@ -37,6 +37,10 @@ _decoder = msgspec.json.Decoder(_Body)
 class EnginePrompt:
     tokens: int
     keys: list[int]  # chained keys of the full KV blocks, salt in block 0
+    # What the KV events' token ids come from: the UTF-8 text (the sim tokenizer's
+    # 4-byte chunks), or the ids a prompt was sent as.
+    prompt: bytes | list[int] = b""
+    salt: str | None = None  # the cache_salt the engine hashed into block 0
 
 
 def engine_prompt(path: str, body: bytes, block_size: int) -> EnginePrompt:
@@ -55,16 +59,16 @@ def engine_prompt(path: str, body: bytes, block_size: int) -> EnginePrompt:
         except TemplateError as exc:
             raise PromptError(str(exc)) from None
         data = text.encode()
-        return EnginePrompt(text_tokens(data), text_block_keys(data, block_size, salt))
+        return EnginePrompt(text_tokens(data), text_block_keys(data, block_size, salt), data, salt)
     prompt = parsed.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         data = prompt.encode()
-        return EnginePrompt(text_tokens(data), text_block_keys(data, block_size, salt))
+        return EnginePrompt(text_tokens(data), text_block_keys(data, block_size, salt), data, salt)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         try:
-            return EnginePrompt(len(prompt), block_hashes(prompt, block_size, salt))
+            return EnginePrompt(len(prompt), block_hashes(prompt, block_size, salt), prompt, salt)
         except OverflowError:
             raise PromptError("token ids out of range") from None
     # vLLM would run a list of prompts as separate requests; a workload sends one.

@@ -8,14 +8,19 @@ import heapq
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ace_extproc.app import App, build
-from ace_extproc.config import Config, Mode, Settings, TenantConfig, default_fleet
+from ace_extproc.config import Config, Fleet, Mode, Settings, TenantConfig, default_fleet
+from ace_extproc.fleet_file import Precise
 from ace_extproc.latency import get_model
+from ace_extproc.routing.kv_wire import Cleared, Event, Removed, Stored
 from ace_extproc.routing.policies import PolicyFactory
+from ace_extproc.routing.precise import PreciseIndex
 from ace_extproc.routing.replicas import Learner, Placement
 from ace_extproc.sim.kvcache import PrefixCache
+from ace_extproc.sim.tokenizer import BYTES_PER_TOKEN, encode_utf8
 from bench.fleetsim.metrics import RequestRecord, RunResult
 from bench.fleetsim.pod import Job, SimPod
 from bench.fleetsim.prompt import EnginePrompt, PromptError, engine_prompt
@@ -23,11 +28,11 @@ from bench.fleetsim.settings import SimSettings
 from bench.workloads.base import FleetEvent, Request, Workload
 
 # Event kinds, in the order they run when simultaneous: steps end (freeing blocks)
-# before the fleet changes, before new requests arrive, before routed ones land,
-# before an idle pod starts (so all requests landing at one instant share a step),
-# and last, a placement shared between replicas is learned (a request arriving at
-# that same instant has not seen it).
-_STEP_END, _FLEET, _ARRIVAL, _ENTER, _WAKE, _SHARED = 0, 1, 2, 3, 4, 5
+# and the KV events due then reach the router, before the fleet changes, before new
+# requests arrive, before routed ones land, before an idle pod starts (so all
+# requests landing at one instant share a step), and last, a placement shared between
+# replicas is learned (a request arriving at that same instant has not seen it).
+_STEP_END, _KV_EVENTS, _FLEET, _ARRIVAL, _ENTER, _WAKE, _SHARED = 0, 1, 2, 3, 4, 5, 6
 _UNBOUNDED_BLOCKS = 1 << 60
 
 
@@ -79,7 +84,7 @@ def simulate(
         rejected=sim.rejected,
         rerouted=sim.rerouted,
         replicas=replicas,
-        extra={"scrapes": sim.scrapes},
+        extra={"scrapes": sim.scrapes, **sim.precise_stats()},
     )
 
 
@@ -112,18 +117,30 @@ class _Run:
         self.workload = workload
         self.settings = settings
         self.model = get_model(settings.ttft_model)
+        fleet = default_fleet(n_pods)
+        if settings.kv_events:
+            # The production path: a destination with a tokenizer gets precise routing.
+            fleet = Fleet(tuple(replace(d, tokenizer="sim") for d in fleet.destinations))
         config = Config(
-            default_fleet(n_pods),
+            fleet,
             Settings(
                 mode=mode,
                 salt_secret=salt_secret,
                 tenants=tenant_config(workload),
                 ttft_model=settings.ttft_model,
                 probe_interval_s=0,
+                precise=Precise(speculate=settings.speculate),
             ),
         )
         # No monitor (probe_interval_s 0): the simulation keeps the load view exact itself.
         self.procs = [build(config, picker) for _ in range(replicas)]
+        # Each replica's precise index (KV events on), on the simulated clock.
+        self.precise: list[PreciseIndex] = []
+        for proc in self.procs:
+            routing = proc.processor.precise
+            if routing is not None:
+                routing.index._clock = lambda: self.now  # confirm_s in simulated time
+                self.precise.append(routing.index)
         self.learners: list[Learner] = []  # set by share()
         self.load_shared = False
         if not settings.unbounded_cache:
@@ -149,6 +166,11 @@ class _Run:
             )
             for slot in range(n_pods)
         ]
+        # KV events not yet delivered, per pod: (the instant they were published, events).
+        self.kv_batch: dict[int, tuple[float, list[Event]]] = {}
+        self.kv_delivered = 0
+        for slot in range(n_pods):
+            self._events_on(slot)
         # kv_usage is over the nominal capacity (the pooled cache over all of it).
         self.usage_blocks = settings.num_gpu_blocks * (n_pods if settings.pooled_cache else 1)
         self.heap: list[tuple[float, int, int, Any]] = []
@@ -165,6 +187,77 @@ class _Run:
         self.bypassed = self.rejected = self.rerouted = 0
         self.fallback_rr = 0
         self.tick: Callable[[], None] = lambda: None
+
+    # -- KV events (precise routing) -------------------------------------------------
+    def _events_on(self, slot: int) -> None:
+        """The pod publishes its KV events and the router trusts its stream (as the
+        monitor and ``KvEvents`` do on the first scrape and a connected stream)."""
+        if not self.precise:
+            return
+        s = self.settings
+        tokens = None if s.unbounded_cache else s.num_gpu_blocks * s.block_size
+        for index in self.precise:
+            index.set_engine_cache(slot, s.block_size, tokens)
+            index.set_live(slot, True)
+        self.pods[slot].cache.events = _CacheEvents(self, slot)
+
+    def _publish(self, slot: int, event: Event) -> None:
+        """One step's events of a pod go as one batch, ``event_delay_s`` later."""
+        batch = self.kv_batch.get(slot)
+        if batch is None or batch[0] != self.now:
+            events: list[Event] = []
+            self.kv_batch[slot] = (self.now, events)
+            self.push(self.now + self.settings.event_delay_s, _KV_EVENTS, (slot, events))
+        else:
+            events = batch[1]
+        events.append(event)
+
+    def _deliver(self, slot: int, events: list[Event]) -> None:
+        batch = self.kv_batch.get(slot)
+        if batch is not None and batch[1] is events:
+            del self.kv_batch[slot]
+        self.kv_delivered += len(events)
+        for index in self.precise:
+            index.apply(slot, events)
+
+    def committed(self, job: Job, blocks: range) -> None:
+        """BlockStored of the blocks the step cached, as vLLM builds it (see
+        ``sim.engine._report_stored``): the engine's keys, the parent's, the blocks'
+        token ids under the sim tokenizer (only these blocks are encoded), block 0's salt."""
+        if not self.precise or job.cache is not self.pods[job.slot].cache:
+            return  # events off, or a request draining into a cache the pod left behind
+        size = self.settings.block_size
+        start, end = blocks.start * size, blocks.stop * size
+        prompt = job.prompt
+        if isinstance(prompt, bytes):
+            ids = encode_utf8(prompt[start * BYTES_PER_TOKEN : end * BYTES_PER_TOKEN])
+        else:
+            ids = prompt[start:end]
+        parent = job.keys[blocks.start - 1] if blocks.start else None
+        hashes: list[int | bytes] = list(job.keys[blocks.start : blocks.stop])
+        salt = job.salt if blocks.start == 0 else None
+        self._publish(job.slot, Stored(hashes, parent, ids, size, "GPU", None, salt, len(hashes)))
+
+    def precise_stats(self) -> dict[str, Any]:
+        """What the first replica's precise index made of the events (none: {})."""
+        if not self.precise:
+            return {}
+        index = self.precise[0]
+        routing = self.procs[0].processor.precise
+        views = routing.views if routing is not None else 0
+        unkeyed = routing.unkeyed if routing is not None else 0
+        pods = index.pods.values()
+        return {
+            "kv_events_delivered": self.kv_delivered,
+            "precise_views": views,
+            "precise_unkeyed": unkeyed,
+            "speculative_confirmed": index.confirmed,
+            "speculative_expired": index.expired,
+            "blocks_stored": sum(v.stored for v in pods),
+            "blocks_removed": sum(v.removed for v in pods),
+            "blocks_orphaned": sum(v.orphans for v in pods),
+            "blocks_predicted_evicted": sum(v.predicted for v in pods),
+        }
 
     def _new_cache(self, pods: int) -> PrefixCache:
         s = self.settings
@@ -198,6 +291,8 @@ class _Run:
                 self._schedule(slot, self.pods[slot].end_step(at, epoch))
             elif kind == _ENTER:
                 self._enter(payload)
+            elif kind == _KV_EVENTS:
+                self._deliver(*payload)
             elif kind == _WAKE:
                 pod = self.pods[payload]
                 pod.wake_pending = False
@@ -289,6 +384,8 @@ class _Run:
                 self._reject()  # vLLM refuses what can never fit
                 return
             job = _job(index, r, prompt, replica)
+            if self.precise:  # the events' token ids come from the prompt
+                job.prompt, job.salt = prompt.prompt, prompt.salt
         pod = self.pods[slot]
         job.slot = slot
         # The router's own counters, exact here: requests it sent and has not seen
@@ -360,6 +457,8 @@ class _Run:
         for proc in self.procs:
             proc.fleet.set_available(slot, False)
             proc.index.drop_pod(slot)
+        for index in self.precise:
+            index.drop_pod(slot)
         pod = self.pods[slot]
         if pod.present:
             self.present_s[slot] += self.now - self.joined_at[slot]
@@ -374,12 +473,14 @@ class _Run:
         if pod.present:
             return  # already in the fleet: nothing changes
         if not self.settings.pooled_cache:
+            pod.cache.events = None  # what the old one drops is no longer the pod's
             pod.cache = self._new_cache(1)  # draining requests release into their own
         pod.present = True
         self.joined_at[slot] = self.now
         for proc in self.procs:
             proc.index.add_pod(slot)
             proc.fleet.set_available(slot, True)
+        self._events_on(slot)
 
     # -- what pods report (the Listener) -----------------------------------------------
     def admitted(self, job: Job) -> None:
@@ -420,6 +521,20 @@ class _Run:
             for pod in self.pods:
                 if pod.slot != slot and pod.waiting:
                     self._schedule(pod.slot, pod.poke(now))
+
+
+class _CacheEvents:
+    """A pod cache's ``CacheEvents``: what it evicts goes out as BlockRemoved."""
+
+    def __init__(self, run: _Run, slot: int) -> None:
+        self.run = run
+        self.slot = slot
+
+    def removed(self, hashes: Sequence[int]) -> None:
+        self.run._publish(self.slot, Removed(list(hashes), "GPU"))
+
+    def cleared(self) -> None:  # the sim never resets a pod's cache
+        self.run._publish(self.slot, Cleared())
 
 
 class _Shared:

@@ -27,6 +27,16 @@ class SimSettings:
     scrape_interval_s: float = 0.1  # how often the router's PodLoad view is refreshed
     pooled_cache: bool = False  # bound: all pods share ONE cache of pods x capacity
     unbounded_cache: bool = False  # bound: caches never evict (nor refuse admission)
+    # Precise routing: the pods publish KV events (BlockStored as prefill chunks commit
+    # blocks, BlockRemoved on eviction) and the destination has ``tokenizer: sim``, so
+    # the router keys requests token-exact and routes the pods by what they hold.
+    kv_events: bool = False
+    # How long after the engine's step an event reaches the router's index (the
+    # publisher's batching, ZMQ, the router's reader). Simulated seconds.
+    event_delay_s: float = 0.05
+    # The router's ``router.precise.speculate``: a pick counts as held on the pod
+    # until its events confirm it (False: only what the events said).
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_gpu_blocks < 1:
@@ -37,4 +47,8 @@ class SimSettings:
             raise ValueError("tpot_ms must be positive (or None)")
         if self.scrape_interval_s <= 0:
             raise ValueError("scrape_interval_s must be positive")
+        if self.event_delay_s < 0:
+            raise ValueError("event_delay_s must be >= 0")
+        if self.kv_events and self.pooled_cache:
+            raise ValueError("kv_events: a pooled cache is no pod's own (no events to publish)")
         latency.get_model(self.ttft_model)  # raises on an unknown name
