@@ -113,7 +113,7 @@ class StackOptions:
     # ace-extproc servers behind Envoy (its ext_proc cluster gives each request's stream
     # to the less busy of two): the first on ``ext_proc``, the others on free ports,
     # without metrics or admin API. ``share``: they share placements through a
-    # redis-server the stack starts (router.share_url; simulated fleets only).
+    # redis-server the stack starts (router.share_url; a fleet file gets it in a copy).
     ext_proc_replicas: int = 1
     share: bool = False
     env: dict[str, str] = field(default_factory=dict)
@@ -183,8 +183,6 @@ class Stack:
     async def start(self) -> None:
         o = self.options
         try:
-            if o.share and o.fleet_path is not None:
-                raise StackError("share: for simulated fleets; a fleet file sets share_url")
             if o.fleet_path is None:
                 fleet = config_mod.default_fleet(o.pods, o.first_pod_port)
                 if o.vllm is not None:
@@ -201,8 +199,13 @@ class Stack:
                 await self._start_pods(fleet)
             else:
                 fleet_path = Path(o.fleet_path)
+                settings: dict[str, object] = {}
                 if o.upstream_mode:
-                    fleet_path = self._with_upstream_mode(fleet_path, o.upstream_mode)
+                    settings["upstream_mode"] = o.upstream_mode
+                if o.share:
+                    settings["share_url"] = await self._start_redis()
+                if settings:
+                    fleet_path = self._with_router(fleet_path, settings)
             self.fleet_file = fleet_path
             # As the children will read it: their environment is ours plus the options'.
             cfg = config_mod.load(fleet_path, env={**os.environ, **o.env})
@@ -337,9 +340,10 @@ class Stack:
             return str(self.fleet_file)
         return self.options.fleet_path or str(self.workdir / "fleet.yaml")
 
-    def _with_upstream_mode(self, path: Path, upstream_mode: str) -> Path:
-        """A copy of the user's fleet file with ``router.upstream_mode`` set, so the
-        server (which reads the file) and Envoy (rendered from it) agree."""
+    def _with_router(self, path: Path, settings: dict[str, object]) -> Path:
+        """A copy of the user's fleet file with these ``router`` settings (the upstream
+        mode, the sharing Redis), so the server (which reads the file) and Envoy
+        (rendered from it) agree."""
         try:
             doc = yaml.safe_load(path.read_text())
         except (OSError, yaml.YAMLError) as exc:
@@ -349,7 +353,7 @@ class Stack:
         router = doc.get("router") or {}
         if not isinstance(router, dict):
             raise ConfigError(f"{path}: router: expected a mapping")
-        doc["router"] = {**router, "upstream_mode": upstream_mode}
+        doc["router"] = {**router, **settings}
         copy = self.workdir / "fleet.yaml"
         copy.write_text(yaml.safe_dump(doc, sort_keys=False))
         return copy
@@ -601,7 +605,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--share",
         action="store_true",
         help="the replicas share placements through a redis-server started here "
-        "(router.share_url; simulated pods only)",
+        "(router.share_url)",
     )
 
 

@@ -156,7 +156,6 @@ class PreciseIndex:
         bit = 1 << slot
         blocks = view.blocks
         held = self._warm if tier == GPU else self._offloaded
-        recent = view.recent
         for engine_hash, key in zip(event.hashes, keys, strict=False):
             entry = blocks.get(engine_hash)
             if entry is None:
@@ -164,16 +163,12 @@ class PreciseIndex:
             else:
                 entry[0], entry[1] = key, entry[1] | tier
             held[key] = held.get(key, 0) | bit
-            if tier == GPU:
-                if key in recent:
-                    recent.move_to_end(key)
-                else:
-                    recent[key] = None
-                    _unset(self._doomed, key, ~bit)
-                if self._speculative.get(key, 0) & bit:
-                    _unset(self._speculative, key, ~bit)
-                    self._deadlines.pop((slot, key), None)
-                    self.confirmed += 1
+            if tier == GPU and self._speculative.get(key, 0) & bit:
+                _unset(self._speculative, key, ~bit)
+                self._deadlines.pop((slot, key), None)
+                self.confirmed += 1
+        if tier == GPU:
+            self._touch(view, keys, bit)
         view.stored += len(keys)
         view.orphans += len(event.hashes) - len(keys)
         self._fit(slot, view)
@@ -197,6 +192,19 @@ class PreciseIndex:
             if not entry[1]:
                 del blocks[engine_hash]
             view.removed += 1
+
+    def _touch(self, view: PodView, keys: Sequence[int], bit: int) -> None:
+        """Make a chain's blocks the most recently used, its head last: an engine frees
+        a request's blocks tail first, so a chain's tail is evicted before its head
+        (vLLM's free-block queue), and a chain whose head went matches nothing."""
+        recent, doomed = view.recent, self._doomed
+        for key in reversed(keys):
+            if key in recent:
+                recent.move_to_end(key)
+            else:
+                recent[key] = None
+                if doomed.get(key, 0) & bit:
+                    _unset(doomed, key, ~bit)
 
     def _fit(self, slot: int, view: PodView) -> None:
         """The engine holds no more than its capacity: the least recently used of what
@@ -241,13 +249,8 @@ class PreciseIndex:
         view = self.pods.get(slot)
         if view is None:
             return
-        recent = view.recent
+        self._touch(view, keys, bit)  # the engine will use them: recently used
         for key in keys:
-            if key in recent:  # the engine will use it: recently used
-                recent.move_to_end(key)
-            else:
-                recent[key] = None
-                _unset(self._doomed, key, ~bit)
             if warm.get(key, 0) & bit:
                 continue
             speculative[key] = speculative.get(key, 0) | bit

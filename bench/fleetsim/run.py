@@ -139,7 +139,7 @@ class _Run:
         for proc in self.procs:
             routing = proc.processor.precise
             if routing is not None:
-                routing.index._clock = lambda: self.now  # confirm_s in simulated time
+                routing.index.clock = lambda: self.now  # confirm_s in simulated time
                 self.precise.append(routing.index)
         self.learners: list[Learner] = []  # set by share()
         self.load_shared = False
