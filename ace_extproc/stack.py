@@ -604,8 +604,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--share",
         action="store_true",
-        help="the replicas share placements through a redis-server started here "
-        "(router.share_url)",
+        help="the replicas share placements through a redis-server started here (router.share_url)",
     )
 
 

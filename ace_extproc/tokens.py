@@ -12,7 +12,9 @@ Tokenizing is the one new cost on the request path, and a conversation's later t
 repeat the earlier ones. The rendered text is cut at the tokenizer's special tokens,
 which the tokenizer itself never merges across, so each piece tokenizes alone to the
 same ids as in the whole; pieces are cached by their text. A new turn then tokenizes
-only its new messages (``bench.tokenize_cost`` measures both).
+only its new messages (``bench.tokenize_cost`` measures both). A long piece the cache
+lacks (a new document) is tokenized on a worker thread, off the event loop, and the
+one request that found it cold is routed approximately.
 
 Block keys (``block_keys``) chain 64-bit hashes of each block's token ids from a seed
 that holds the request's ``cache_salt`` (and LoRA): the router's own names for the
@@ -21,12 +23,14 @@ engine's blocks, computed the same way from the token ids an event carries.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -116,7 +120,17 @@ class _Files:
 class ModelTokens:
     """A model's tokenizer and chat template, loaded from its directory."""
 
-    def __init__(self, directory: str | Path, *, cache_tokens: int = 4_000_000) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        cache_tokens: int = 4_000_000,
+        defer_bytes: int = 16_384,
+    ) -> None:
+        """``defer_bytes``: a piece this long not in the cache is tokenized on a worker
+        thread (the tokenizer's batch call lets go of the GIL) when the caller runs on
+        an event loop, and the request that found it cold is not keyed: a long document
+        costs the loop nothing, and the next request with it finds its ids."""
         self.name = str(directory)
         files = _load(Path(directory))
         self._tokenizer = files.tokenizer
@@ -138,6 +152,10 @@ class ModelTokens:
         self._cache_tokens = cache_tokens
         self.pieces_tokenized = 0  # pieces the tokenizer ran on (the cache missed)
         self.pieces_reused = 0
+        self.deferred = 0  # requests not keyed: a long piece was being tokenized aside
+        self._defer_bytes = defer_bytes
+        self._pending: set[str] = set()
+        self._worker: ThreadPoolExecutor | None = None
 
     # -- the request path ----------------------------------------------------------
     def token_ids(self, path: str, body: bytes) -> list[int] | None:
@@ -167,7 +185,45 @@ class ModelTokens:
         except Exception as exc:  # a template raises what it likes (raise_exception)
             log.debug("chat template: %s", exc)
             return None
-        return self.encode(text)
+        return self.encode_deferring(text)
+
+    def encode_deferring(self, text: str) -> list[int] | None:
+        """``encode``, or None while a long cold piece of it is tokenized aside (only
+        on an event loop; elsewhere, as ``encode``)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return self.encode(text)
+        pieces = self._split.split(text) if self._split is not None else [text]
+        cold = [
+            p
+            for i, p in enumerate(pieces)
+            if not i % 2 and len(p) >= self._defer_bytes and p not in self._pieces
+        ]
+        if not cold:
+            return self.encode(text)
+        for piece in cold:
+            if piece not in self._pending:
+                self._pending.add(piece)
+                self._aside(loop, piece)
+        self.deferred += 1
+        return None
+
+    def _aside(self, loop: asyncio.AbstractEventLoop, piece: str) -> None:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        tokenizer = self._tokenizer
+
+        def work() -> None:
+            ids = list(tokenizer.encode_batch([piece], add_special_tokens=False)[0].ids)
+            loop.call_soon_threadsafe(self._keep, piece, ids)
+
+        self._worker.submit(work)
+
+    def _keep(self, piece: str, ids: list[int]) -> None:
+        self._pending.discard(piece)
+        self.pieces_tokenized += 1
+        self._store(piece, ids)
 
     def render(
         self,
@@ -206,12 +262,18 @@ class ModelTokens:
             return ids
         ids = list(self._tokenizer.encode(piece, add_special_tokens=False).ids)
         self.pieces_tokenized += 1
+        self._store(piece, ids)
+        return ids
+
+    def _store(self, piece: str, ids: list[int]) -> None:
+        pieces = self._pieces
+        if piece in pieces:
+            return
         pieces[piece] = ids
         self._cached_tokens += len(ids)
         while self._cached_tokens > self._cache_tokens and pieces:
             _, old = pieces.popitem(last=False)
             self._cached_tokens -= len(old)
-        return ids
 
 
 def _as_vllm_renders(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -36,7 +37,7 @@ def write_model_files(out: Path, vocab: int = 2000, corpus_bytes: int = 1_000_00
         show_progress=False,
     )
 
-    def texts():  # type: ignore[no-untyped-def]
+    def texts() -> Iterator[str]:
         total = 0
         for text in mm.corpus():
             yield text

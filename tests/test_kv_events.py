@@ -367,3 +367,32 @@ def test_sources_are_read_as_vllm_writes_them() -> None:
     assert sources_from({"0": {"publisher": "null"}}, "h") is None
     assert sources_from([1, 2], "h") is None
     assert sources_from({"0": {"endpoint": 5}}, "h") is None
+
+
+def test_a_pod_that_leaves_stops_its_stream_and_its_view_and_one_that_joins_starts() -> None:
+    from dataclasses import replace
+
+    from ace_extproc.config import Fleet, Pod, sim_fleet
+    from ace_extproc.routing.fleet import FleetState
+    from ace_extproc.routing.kv_events import KvEvents
+
+    async def go() -> None:
+        base = sim_fleet(["127.0.0.1:1", "127.0.0.1:2"])
+        fleet = FleetState(Fleet((replace(base.destinations[0], tokenizer="sim"),)))
+        index = PreciseIndex()
+        events = KvEvents(fleet, index, frozenset({"sim"}), rebuild_s=1)
+        await events.start()
+        try:
+            assert set(events.streams) == {0, 1}
+            index.apply(1, [stored([10], IDS[:4])])
+            fleet.remove_pod(1)
+            await asyncio.sleep(0.05)
+            assert set(events.streams) == {0} and 1 not in index.pods
+            index.apply(1, [stored([10], IDS[:4])])  # a late event for it: ignored
+            assert index.blocks_held(1) == 0
+            slot = fleet.add_pod(Pod("sim", "pod-2", "127.0.0.1", 3))
+            assert slot in events.streams and events.streams[slot].name == "sim/pod-2"
+        finally:
+            await events.stop()
+
+    run(go)

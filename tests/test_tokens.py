@@ -178,3 +178,27 @@ def test_messages_are_rendered_as_vllm_hands_them_to_the_template(model_dir: Pat
 
 def chat_user(text: str) -> bytes:
     return json.dumps({"messages": [{"role": "user", "content": text}]}).encode()
+
+
+def test_a_long_new_document_is_tokenized_aside_on_an_event_loop(model_dir: Path) -> None:
+    """On the loop the request path runs on, a long piece the cache lacks goes to a
+    worker thread: that request is not keyed (None), the next one with it is, to the
+    same ids as inline; short pieces are tokenized inline as before."""
+    import asyncio
+
+    tokens = ModelTokens(model_dir, defer_bytes=1000)
+    long_body = chat("sys", "a long document. " * 400)
+
+    async def go() -> tuple[list[int] | None, list[int] | None, list[int] | None]:
+        first = tokens.token_ids(CHAT, long_body)
+        short = tokens.token_ids(CHAT, chat("sys", "short"))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if not tokens._pending:
+                break
+        return first, short, tokens.token_ids(CHAT, long_body)
+
+    first, short, again = asyncio.run(go())
+    assert first is None and tokens.deferred == 1
+    assert short is not None
+    assert again == ModelTokens(model_dir).token_ids(CHAT, long_body)  # off a loop: inline

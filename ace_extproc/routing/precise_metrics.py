@@ -73,12 +73,15 @@ class PreciseMetrics(Collector):
     def _routing_families(self, routing: PreciseRouting) -> Iterator[Metric]:
         requests = CounterMetricFamily(
             "ace_precise_requests",
-            "Requests with a live event-publishing candidate: keyed token-exact, or "
-            "not (a body or template the tokenizer does not render: routed approximately).",
+            "Requests with a live event-publishing candidate: keyed token-exact; deferred "
+            "(a long new document tokenized aside meanwhile); or unkeyed (a body or "
+            "template the tokenizer does not render). Both routed approximately.",
             labels=["result"],
         )
+        deferred = sum(getattr(t, "deferred", 0) for t in routing.tokenizers.values())
         requests.add_metric(["keyed"], routing.views)
-        requests.add_metric(["unkeyed"], routing.unkeyed)
+        requests.add_metric(["deferred"], deferred)
+        requests.add_metric(["unkeyed"], routing.unkeyed - deferred)
         yield requests
         loaded = GaugeMetricFamily(
             "ace_tokenizer_loaded",
