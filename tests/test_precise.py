@@ -201,3 +201,59 @@ def test_sglang_pages_one_event_each_and_a_partial_last_page_is_ignored() -> Non
     index.apply(0, [Stored([11], 10, IDS[4:8], BS, "GPU", None, "s", 1)])
     index.apply(0, [Stored([12], 11, IDS[8:10], 2, "GPU", None, "s", 1)])  # a partial page
     assert index.match(keys(), 1) == {0: (2, 2)} and index.pods[0].block_size == BS
+
+
+def test_one_fleet_routes_event_pods_by_their_events_and_the_rest_approximately() -> None:
+    """Two pods, one publishing (live) and one not: a prompt the publishing pod's events
+    say it holds goes there though the router never sent it; a prompt the router sent
+    to the other pod follows the approximate index there."""
+    from dataclasses import replace
+
+    import msgspec
+
+    from ace_extproc.app import build
+    from ace_extproc.config import Config, Fleet, Settings, sim_fleet
+    from ace_extproc.sim.tokens import SimTokens
+
+    base = sim_fleet(["127.0.0.1:1", "127.0.0.1:2"])
+    fleet = Fleet((replace(base.destinations[0], tokenizer="sim"),))
+    app = build(Config(fleet, Settings(salt_secret=b"k", probe_interval_s=0)))
+    precise = app.processor.precise
+    assert precise is not None
+    index = precise.index
+    index.set_live(0, True)
+    salt = app.processor.tenants.salt("anon")
+    head = {":path": "/v1/chat/completions", ":method": "POST", "content-type": "application/json"}
+
+    def send(topic: str) -> tuple[str, str]:
+        messages = [
+            {"role": "system", "content": f"{topic} " * 300},
+            {"role": "user", "content": "?"},
+        ]
+        body = msgspec.json.encode({"model": "sim-llama", "messages": messages})
+        outcome = app.processor.on_body(app.processor.on_headers(head, False), body)
+        assert outcome.pod is not None
+        return outcome.pod.id, outcome.action
+
+    # What another gateway placed on pod 0: its events, the router never saw the request.
+    placed = msgspec.json.encode(
+        {
+            "messages": [
+                {"role": "system", "content": "elsewhere " * 300},
+                {"role": "user", "content": "?"},
+            ]
+        }
+    )
+    ids = SimTokens().token_ids("/v1/chat/completions", placed)
+    assert ids is not None
+    n = len(ids) // 16
+    index.apply(0, [Stored(list(range(1, n + 1)), None, ids[: n * 16], 16, "GPU", None, salt, n)])
+    assert send("elsewhere") == ("pod-0", "hit")
+    # Pod 1 publishes nothing: a prompt first sent there is found by the approximate index.
+    for i in range(8):
+        pod, _ = send(f"own-{i}")
+        if pod == "pod-1":
+            assert send(f"own-{i}") == ("pod-1", "hit")
+            break
+    else:
+        raise AssertionError("no new prompt was placed on pod 1")
