@@ -39,6 +39,8 @@ from typing import Any, Protocol
 import msgspec
 import xxhash
 
+from ace_extproc import native
+
 log = logging.getLogger("ace_extproc.tokens")
 
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -68,14 +70,8 @@ def block_keys(
         full = min(full, limit)
     if full <= 0:
         return []
-    data = array("I", ids[: full * block_size]).tobytes()
-    step = 4 * block_size
-    out: list[int] = []
-    key = parent
-    for start in range(0, full * step, step):
-        key = _xxh3(data[start : start + step], key)
-        out.append(key)
-    return out
+    # The prompt's block chain (``native.chain``), over the ids as 32-bit words.
+    return native.chain(array("I", ids[: full * block_size]).tobytes(), 4 * block_size, parent)
 
 
 # ------------------------------------------------------------------ a request's tokens

@@ -103,6 +103,19 @@ def test_speculation_is_confirmed_by_a_store_or_expires() -> None:
     assert index.confirmed == 2 and index.expired == 2
 
 
+def test_a_block_sent_again_waits_once_from_its_latest_send() -> None:
+    clock = Clock()
+    index = live_index(0, clock=clock)
+    for _ in range(50):  # the same prompt, again and again, none of it stored yet
+        index.speculate(0, keys())
+        clock.now += 0.1
+    assert len(index._expiry) == len(keys())  # one entry a waiting block, not 50
+    clock.now += 5.0 - 0.1 - 0.01  # past the first send's deadline, not the last's
+    assert index.match(keys(), 1) == {0: (4, 4)} and index.expired == 0
+    clock.now += 0.02
+    assert index.match(keys(), 1) == {} and index.expired == 4
+
+
 def test_only_live_pods_answer() -> None:
     index = live_index(0)
     index.apply(0, [stored([10], IDS[:4])])

@@ -253,7 +253,11 @@ class PreciseIndex:
         for key in keys:
             if warm.get(key, 0) & bit:
                 continue
-            speculative[key] = speculative.get(key, 0) | bit
+            held = speculative.get(key, 0)
+            if held & bit:  # already waiting: a later deadline (``expire`` requeues it)
+                deadlines[(slot, key)] = deadline
+                continue
+            speculative[key] = held | bit
             deadlines[(slot, key)] = deadline
             self._expiry.append((deadline, slot, key))
         self._fit(slot, view)
@@ -265,7 +269,12 @@ class PreciseIndex:
         while expiry and expiry[0][0] <= now:
             _, slot, key = expiry.popleft()
             deadline = deadlines.get((slot, key))
-            if deadline is not None and deadline <= now:
+            if deadline is not None and deadline > now:
+                # Sent again since: one entry a pending block, requeued at its new
+                # deadline. Behind later deadlines it may expire late (by less than
+                # confirm_s), never early.
+                expiry.append((deadline, slot, key))
+            elif deadline is not None:
                 del deadlines[(slot, key)]
                 _unset(self._speculative, key, ~(1 << slot))
                 self.expired += 1
