@@ -3,8 +3,11 @@ or Ctrl-C leaves no process behind."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ace_extproc.stack import envoy_binary
+from ace_extproc.stack import Stack, StackOptions, envoy_binary
 from tests.conftest import alive, children, up_command
 
 try:
@@ -82,3 +85,54 @@ def test_up_refuses_replica_options_it_cannot_honour(args: list[str], says: str)
     )  # fmt: skip
     assert out.returncode != 0
     assert says in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("mode", ["off", "shadow", "prod"])
+def test_up_is_ready_in_every_mode(mode: str) -> None:
+    listen, argv, env = up_command(2, "--mode", mode, "--metrics", "off", "--admin-api", "off")
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line == f"ready: http://{listen}\n", proc.stderr.read() if proc.stderr else ""
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_second_up_on_a_port_in_use_fails_clearly() -> None:
+    listen, argv, env = up_command(2)
+    host, _, port = listen.rpartition(":")
+    with socket.socket() as taken:
+        taken.bind((host, int(port)))
+        taken.listen()
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 1
+    assert f"{listen} (Envoy's listener) is already in use" in out.stderr
+    assert "Traceback" not in out.stderr and "ready:" not in out.stdout
+
+
+def test_a_process_that_cannot_come_back_names_its_cause() -> None:
+    asyncio.run(_a_process_that_cannot_come_back())
+
+
+async def _a_process_that_cannot_come_back() -> None:
+    # A redis-server is never started again: the supervisor gives up and says why.
+    stack = Stack(StackOptions())
+    await stack._spawn("redis", "sh", "-c", "echo the disk is full; exit 3")
+    said: list[str] = []
+    supervising = asyncio.create_task(stack.supervise(said.append, poll_s=0.01))
+    await asyncio.wait_for(stack.broken.wait(), 10)
+    supervising.cancel()
+    failure = stack.failure or ""
+    assert "redis exited with 3 and could not be started again" in failure
+    assert f"logs kept in {stack.workdir}" in failure
+    assert "the disk is full" in said[0] and str(stack.workdir / "redis.log") in said[0]
+    await stack.stop()
+    assert (stack.workdir / "redis.log").read_text() == "the disk is full\n"
+    shutil.rmtree(stack.workdir)
