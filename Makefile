@@ -13,7 +13,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 RUN_STAMP := $(VENV)/.installed-run
 
-.PHONY: up test test-all test-asan test-engines engines lint schema bench clean
+.PHONY: up test test-all test-asan test-engines engines lint schema lock bench clean
 
 PROTOS := $(shell find protos -name '*.proto')
 SOURCES := pyproject.toml setup.py $(PROTOS) $(wildcard ace_extproc/native/*.c ace_extproc/native/*.h)
@@ -72,6 +72,11 @@ lint: $(STAMP)
 # types in ace_extproc/fleet_file.py (tests/test_config.py fails while one is stale).
 schema: $(STAMP)
 	$(BIN)/ace-extproc schema --write
+
+# requirements.lock, the image's pinned runtime dependencies (the Dockerfile installs
+# through it), from this venv's versions: after changing dependencies in pyproject.toml.
+lock: $(STAMP)
+	$(BIN)/python tools/lock_requirements.py
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.decision
