@@ -95,3 +95,9 @@ def test_docker_compose_accepts_the_gpu_profile() -> None:
     argv = ["docker", "compose", "-f", str(COMPOSE), "--profile", "gpu", "config", "-q"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_docs_say_what_breaks_without_each_flag() -> None:
+    section = (ROOT / "docs/engines.md").read_text().split("## Engine flags", 1)[1]
+    for flag in (*VLLM_FLAGS, "--block-size", "--enable-metrics", "--enable-cache-report"):
+        assert f"| `{flag}" in section, flag
