@@ -4,6 +4,7 @@ or Ctrl-C leaves no process behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,9 +29,11 @@ except RuntimeError:  # pragma: no cover
 pytestmark = pytest.mark.envoy
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_up_prints_ready_serves_and_stops_cleanly(sig: signal.Signals) -> None:
-    listen, argv, env = up_command()
+@contextlib.contextmanager
+def running_up(*extra: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """``ace-extproc up`` (two pods) once it printed its ready line: its listen address
+    and process, killed on the way out if the test did not stop it."""
+    listen, argv, env = up_command(2, *extra)
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -37,6 +41,16 @@ def test_up_prints_ready_serves_and_stops_cleanly(sig: signal.Signals) -> None:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # blocks until ready (or exit)
         assert line == f"ready: http://{listen}\n", proc.stderr.read() if proc.stderr else ""
+        yield listen, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_up_prints_ready_serves_and_stops_cleanly(sig: signal.Signals) -> None:
+    with running_up() as (listen, proc):
         spawned = children(proc.pid)
         assert len(spawned) >= 4  # 2 pods, ace-extproc, envoy
         body = json.dumps({"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}]})
@@ -54,10 +68,6 @@ def test_up_prints_ready_serves_and_stops_cleanly(sig: signal.Signals) -> None:
         while any(alive(p) for p in spawned) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not [p for p in spawned if alive(p)]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_up_reports_a_bad_fleet_file(tmp_path: Path) -> None:
@@ -89,20 +99,9 @@ def test_up_refuses_replica_options_it_cannot_honour(args: list[str], says: str)
 
 @pytest.mark.parametrize("mode", ["off", "shadow", "prod"])
 def test_up_is_ready_in_every_mode(mode: str) -> None:
-    listen, argv, env = up_command(2, "--mode", mode, "--metrics", "off", "--admin-api", "off")
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line == f"ready: http://{listen}\n", proc.stderr.read() if proc.stderr else ""
+    with running_up("--mode", mode, "--metrics", "off", "--admin-api", "off") as (_, proc):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_second_up_on_a_port_in_use_fails_clearly() -> None:
