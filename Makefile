@@ -66,7 +66,7 @@ test-asan: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy ace_extproc bench
+	$(BIN)/mypy ace_extproc bench tools
 
 # fleet.yaml's JSON Schema, docs/configuration.md and the chart's fleet schema, from the
 # types in ace_extproc/fleet_file.py (tests/test_config.py fails while one is stale).
