@@ -7,6 +7,11 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib import metadata
+
+DESCRIPTION = "Prefix-cache-aware routing for LLM fleets: an Envoy ext_proc sidecar."
+# What ``--log-level`` accepts, in any subcommand that has one (any case).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -22,14 +27,34 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The full parser, or with ``only`` one subcommand's arguments: its module alone is
     imported, so a simulated pod never loads gRPC, nor the server the pods' code."""
-    parser = argparse.ArgumentParser(prog="ace-extproc", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ace-extproc", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if only is None or name == only:
             importlib.import_module(module).add_arguments(p)
+            _check_log_level(p)
         p.set_defaults(_module=module)
     return parser
+
+
+def version() -> str:
+    """The installed package's version (its metadata), or "unknown" in a bare checkout."""
+    try:
+        return metadata.version("ace-extproc")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _check_log_level(parser: argparse.ArgumentParser) -> None:
+    """A subcommand's ``--log-level`` takes a level's name only: argparse refuses any
+    other word with a usage error, rather than logging's ValueError later."""
+    for action in parser._actions:
+        if action.dest == "log_level" and action.choices is None:
+            action.type = str.upper
+            action.choices = LOG_LEVELS
+            action.metavar = "{" + ",".join(level.lower() for level in LOG_LEVELS) + "}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,7 +36,7 @@ import yaml
 from msgspec import structs
 
 from ace_extproc import config as config_mod
-from ace_extproc import envoy_config, vllm_pods
+from ace_extproc import envoy_config, stack_ports, vllm_pods
 from ace_extproc.config import Config, ConfigError
 from ace_extproc.latency import DEFAULT_MODEL, get_model
 from ace_extproc.procs import die_with_parent
@@ -174,6 +174,9 @@ class Stack:
         self.ext_proc_addresses = [options.ext_proc]  # the replicas, once started
         self.restarts: dict[str, int] = {}  # processes supervise() started again, by name
         self.keep_logs = False  # stop() leaves the work directory (and its logs) behind
+        # Set by supervise() when a process died and could not be started again: why.
+        self.failure: str | None = None
+        self.broken = asyncio.Event()
 
     @property
     def url(self) -> str:
@@ -181,8 +184,24 @@ class Stack:
 
     # ------------------------------------------------------------- start
 
+    def addresses(self) -> dict[str, str]:
+        """What the stack listens on, by what listens there (its simulated pods too)."""
+        o = self.options
+        named = {"Envoy's listener": o.listen, "Envoy's admin": o.admin, "ace-extproc": o.ext_proc}
+        for what, address in (("metrics", o.metrics), ("admin API", o.admin_api)):
+            if address and address != "off":
+                named[f"ace-extproc's {what}"] = address
+        if o.fleet_path is None:
+            for i in range(o.pods):
+                named[f"pod-{i}"] = f"127.0.0.1:{o.first_pod_port + i}"
+        return named
+
     async def start(self) -> None:
         o = self.options
+        busy = stack_ports.busy(self.addresses())
+        if busy:  # another stack? Envoy would share its port and take part of its traffic
+            await self.stop()  # nothing started: nothing to keep
+            raise StackError("; ".join(busy) + " (another `ace-extproc up`?)")
         try:
             if o.fleet_path is None:
                 fleet = config_mod.default_fleet(o.pods, o.first_pod_port)
@@ -217,7 +236,9 @@ class Stack:
             await self._start_ext_proc(fleet_path)
             await self._start_envoy(self.config)
             await self._wait_flowing()
-        except BaseException:
+        except BaseException as exc:
+            # A process that failed to come up: its error message points to the logs.
+            self.keep_logs = self.keep_logs or isinstance(exc, StackError)
             await self.stop()
             raise
 
@@ -458,14 +479,20 @@ class Stack:
                 backoff.pop(name, None)
             wait = backoff[name] = min(30.0, backoff.get(name, 0.5) * 2)
             tail = self._log_tail(name, 600)
+            self.keep_logs = True  # what explains the death stays, whatever follows
             say(
-                f"{name} exited with {code}; starting it again in {wait:g} s. Its log ends:\n{tail}"
+                f"{name} exited with {code}; starting it again in {wait:g} s. "
+                f"Its log ({self.workdir / f'{name}.log'}) ends:\n{tail}"
             )
             await asyncio.sleep(wait)
             try:
                 await self._restart(name)
             except (OSError, StackError, ConfigError) as exc:
-                say(f"{name} could not be started again: {exc}")
+                self.failure = (
+                    f"{name} exited with {code} and could not be started again: {exc}\n"
+                    f"logs kept in {self.workdir}"
+                )
+                self.broken.set()
                 return
             self.restarts[name] = self.restarts.get(name, 0) + 1
             up_since[name] = time.monotonic()
@@ -489,7 +516,7 @@ class Stack:
             await self._start_ext_proc(Path(self._fleet_path()), wait=False)
         elif name == "envoy":
             assert self.config is not None
-            await self._spawn_envoy(self.config)
+            await self._start_envoy(self.config)  # running again once it is ready
         elif name == "redis":
             raise StackError("the redis-server is not started again (its data is gone)")
         else:
@@ -673,13 +700,19 @@ async def _up(options: StackOptions) -> int:
         print(f"up: {line}", file=sys.stderr, flush=True)
 
     supervising = asyncio.create_task(stack.supervise(say))
-    await stop.wait()
-    supervising.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await supervising
+    stopping = asyncio.create_task(stop.wait())
+    broken = asyncio.create_task(stack.broken.wait())
+    await asyncio.wait({stopping, broken}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (supervising, stopping, broken):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if stack.failure is not None:  # a process died for good: the stack is no longer whole
+        print(f"error: {stack.failure}", file=sys.stderr, flush=True)
+        await stack.stop()
+        return 1
     print("stopping", file=sys.stderr, flush=True)
-    if stack.restarts:  # keep what explains them
-        stack.keep_logs = True
+    if stack.keep_logs:  # a process died: keep what explains it
         say(f"restarted {stack.restarts}; logs kept in {stack.workdir}")
     await stack.stop()
     return 0

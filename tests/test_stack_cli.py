@@ -3,18 +3,23 @@ or Ctrl-C leaves no process behind."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from ace_extproc.stack import envoy_binary
+from ace_extproc.stack import Stack, StackOptions, envoy_binary
 from tests.conftest import alive, children, up_command
 
 try:
@@ -25,9 +30,11 @@ except RuntimeError:  # pragma: no cover
 pytestmark = pytest.mark.envoy
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_up_prints_ready_serves_and_stops_cleanly(sig: signal.Signals) -> None:
-    listen, argv, env = up_command()
+@contextlib.contextmanager
+def running_up(*extra: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """``ace-extproc up`` (two pods) once it printed its ready line: its listen address
+    and process, killed on the way out if the test did not stop it."""
+    listen, argv, env = up_command(2, *extra)
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -35,6 +42,16 @@ def test_up_prints_ready_serves_and_stops_cleanly(sig: signal.Signals) -> None:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # blocks until ready (or exit)
         assert line == f"ready: http://{listen}\n", proc.stderr.read() if proc.stderr else ""
+        yield listen, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_up_prints_ready_serves_and_stops_cleanly(sig: signal.Signals) -> None:
+    with running_up() as (listen, proc):
         spawned = children(proc.pid)
         assert len(spawned) >= 4  # 2 pods, ace-extproc, envoy
         body = json.dumps({"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}]})
@@ -52,10 +69,6 @@ def test_up_prints_ready_serves_and_stops_cleanly(sig: signal.Signals) -> None:
         while any(alive(p) for p in spawned) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not [p for p in spawned if alive(p)]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_up_reports_a_bad_fleet_file(tmp_path: Path) -> None:
@@ -97,3 +110,43 @@ def test_up_shares_through_its_own_redis_only_where_the_fleet_file_names_none(
     )  # fmt: skip
     assert out.returncode != 0
     assert "the fleet file sets share_url" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("mode", ["off", "shadow", "prod"])
+def test_up_is_ready_in_every_mode(mode: str) -> None:
+    with running_up("--mode", mode, "--metrics", "off", "--admin-api", "off") as (_, proc):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_a_second_up_on_a_port_in_use_fails_clearly() -> None:
+    listen, argv, env = up_command(2)
+    host, _, port = listen.rpartition(":")
+    with socket.socket() as taken:
+        taken.bind((host, int(port)))
+        taken.listen()
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 1
+    assert f"{listen} (Envoy's listener) is already in use" in out.stderr
+    assert "Traceback" not in out.stderr and "ready:" not in out.stdout
+
+
+def test_a_process_that_cannot_come_back_names_its_cause() -> None:
+    asyncio.run(_a_process_that_cannot_come_back())
+
+
+async def _a_process_that_cannot_come_back() -> None:
+    # A redis-server is never started again: the supervisor gives up and says why.
+    stack = Stack(StackOptions())
+    await stack._spawn("redis", "sh", "-c", "echo the disk is full; exit 3")
+    said: list[str] = []
+    supervising = asyncio.create_task(stack.supervise(said.append, poll_s=0.01))
+    await asyncio.wait_for(stack.broken.wait(), 10)
+    supervising.cancel()
+    failure = stack.failure or ""
+    assert "redis exited with 3 and could not be started again" in failure
+    assert f"logs kept in {stack.workdir}" in failure
+    assert "the disk is full" in said[0] and str(stack.workdir / "redis.log") in said[0]
+    await stack.stop()
+    assert (stack.workdir / "redis.log").read_text() == "the disk is full\n"
+    shutil.rmtree(stack.workdir)
