@@ -30,10 +30,20 @@ KUBERNETES = kubernetes_validate.latest_version()
 
 Manifest = dict[str, Any]
 
+# The chart generates no secret (a GitOps render would make a new one each time): the
+# tests' releases are given theirs, unless a test names its own saltSecret.
+SALT = "s" * 48
+REDIS_PASSWORD = "r" * 40
+
 
 def render(values: dict[str, Any] | None = None, namespace: str = "gateway") -> list[Manifest]:
+    return render_as_is({"saltSecret": {"value": SALT}, **(values or {})}, namespace)
+
+
+def render_as_is(values: dict[str, Any], namespace: str = "gateway") -> list[Manifest]:
+    """The chart rendered with exactly ``values`` (over its defaults)."""
     with helm.Chart.load(str(CHART)) as chart:
-        out = chart.render(values or {}, name="gw", namespace=namespace)
+        out = chart.render(values, name="gw", namespace=namespace)
     docs: list[Manifest] = []
     for name, text in sorted(out.items()):
         if name.endswith("NOTES.txt"):
@@ -90,7 +100,10 @@ def test_the_chart_lints_clean() -> None:
                 "httpFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
             }
         },
-        {"shareRedis": {"enabled": True}, "networkPolicy": {"enabled": True}},
+        {
+            "shareRedis": {"enabled": True, "password": REDIS_PASSWORD},
+            "networkPolicy": {"enabled": True},
+        },
     ],
     ids=["default", "autoscaling-workers", "existing-secret", "network-policy", "share-redis"],
 )
@@ -351,7 +364,12 @@ def named(docs: list[Manifest], kind: str, name: str) -> Manifest:
 
 def test_the_chart_s_redis_is_wired_to_the_gateway_pods(tmp_path: Path) -> None:
     assert not [d for d in render() if d["metadata"]["name"].endswith("-redis")]  # off
-    docs = render({"shareRedis": {"enabled": True}, "networkPolicy": {"enabled": True}})
+    docs = render(
+        {
+            "shareRedis": {"enabled": True, "password": REDIS_PASSWORD},
+            "networkPolicy": {"enabled": True},
+        }
+    )
     for doc in docs:
         kubernetes_validate.validate(doc, KUBERNETES, strict=True)
     gateway = named(docs, "Deployment", "gw-ace-extproc")
@@ -392,7 +410,7 @@ def test_the_chart_s_redis_runs_and_asks_for_the_password(tmp_path: Path) -> Non
     is given and refuses a client without it."""
     import redis
 
-    docs = render({"shareRedis": {"enabled": True}})
+    docs = render({"shareRedis": {"enabled": True, "password": REDIS_PASSWORD}})
     secret = named(docs, "Secret", "gw-ace-extproc-redis")
     password = base64.b64decode(secret["data"]["ACE_SHARE_PASSWORD"]).decode()
     server = named(docs, "Deployment", "gw-ace-extproc-redis")["spec"]["template"]["spec"]
@@ -437,7 +455,7 @@ def test_the_chart_s_redis_runs_and_asks_for_the_password(tmp_path: Path) -> Non
 )
 def test_the_chart_s_redis_refuses_a_second_one(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError, match=message):
-        render({"shareRedis": {"enabled": True}, **values})
+        render({"shareRedis": {"enabled": True, "password": REDIS_PASSWORD}, **values})
 
 
 def test_the_prometheus_rule_carries_the_shipped_alerts() -> None:

@@ -1,9 +1,11 @@
 {{- define "ace-extproc.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "ace-extproc.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains .Chart.Name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
 {{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
@@ -111,5 +113,36 @@ capabilities:
 {{- if or .existingSecret .existingConfigMap -}}
 {{- printf "/etc/ace-ca/%s" .key -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The metrics ports of `serve --workers N`: worker i listens on ports.metrics + i
+     (telemetry.worker_listen), each with its own tallies. Named metrics, metrics-1, ... */}}
+{{- define "ace-extproc.metricsPorts" -}}
+{{- range $i := until (int .Values.extproc.workers) }}
+- {name: {{ if eq $i 0 }}metrics{{ else }}{{ printf "metrics-%d" $i }}{{ end }}, containerPort: {{ add $.Values.ports.metrics $i }}, protocol: TCP}
+{{- end }}
+{{- end -}}
+
+{{/* Ports that must not clash: Envoy's listener and admin, and
+     ace-extproc's ext_proc, admin and every worker's metrics port. */}}
+{{- define "ace-extproc.checkPorts" -}}
+{{- $used := dict -}}
+{{- $ports := list (list "ports.http" .Values.ports.http) (list "Envoy's admin" 9901) -}}
+{{- if gt (int .Values.extproc.workers) 1 -}}
+{{- $ports = append $ports (list "ports.extproc" .Values.ports.extproc) -}}
+{{- else -}}
+{{- /* the admin API is off with several workers */ -}}
+{{- $ports = append $ports (list "ace-extproc's admin" 9091) -}}
+{{- end -}}
+{{- range $i := until (int .Values.extproc.workers) -}}
+{{- $ports = append $ports (list (printf "ports.metrics (worker %d)" $i) (add $.Values.ports.metrics $i)) -}}
+{{- end -}}
+{{- range $ports -}}
+{{- $key := toString (index . 1) -}}
+{{- if hasKey $used $key -}}
+{{- fail (printf "port clash: %s and %s are both %s" (index $used $key) (index . 0) $key) -}}
+{{- end -}}
+{{- $_ := set $used $key (index . 0) -}}
 {{- end -}}
 {{- end -}}
