@@ -43,8 +43,12 @@ def _schemas() -> dict[tuple[str, str], dict[str, Any]]:
             spec = crd["spec"]
             for version in spec["versions"]:
                 schema = _strict(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
-                # metadata is the API server's (ObjectMeta), not the CRD's to describe.
-                schema.setdefault("properties", {})["metadata"] = {"type": "object"}
+                # The API server's fields, not the CRD's to describe (Istio's leave
+                # them out).
+                properties = schema.setdefault("properties", {})
+                properties["metadata"] = {"type": "object"}
+                properties.setdefault("apiVersion", {"type": "string"})
+                properties.setdefault("kind", {"type": "string"})
                 api_version = f"{spec['group']}/{version['name']}"
                 out[(api_version, spec["names"]["kind"])] = schema
     return out
@@ -55,3 +59,8 @@ def validate(doc: dict[str, Any]) -> None:
     (``KeyError`` for a kind no CRD here describes)."""
     schema = _schemas()[(doc["apiVersion"], doc["kind"])]
     jsonschema.Draft7Validator(schema).validate(doc)
+
+
+def describes(doc: dict[str, Any]) -> bool:
+    """Whether a CRD here describes ``doc``'s kind."""
+    return (doc.get("apiVersion"), doc.get("kind")) in _schemas()

@@ -60,7 +60,7 @@ def one(docs: list[Manifest], kind: str) -> Manifest:
 
 def containers(docs: list[Manifest]) -> dict[str, Manifest]:
     spec = one(docs, "Deployment")["spec"]["template"]["spec"]
-    return {c["name"]: c for c in [*spec["initContainers"], *spec["containers"]]}
+    return {c["name"]: c for c in [*spec.get("initContainers", []), *spec["containers"]]}
 
 
 def fleet_file(docs: list[Manifest], tmp_path: Path) -> Path:

@@ -33,7 +33,7 @@ OPERATOR_KINDS = {"PodMonitor", "PrometheusRule"}
 def validate_all(docs: list[Manifest]) -> None:
     """Kubernetes' own kinds against its schemas, the rest against their CRDs."""
     for doc in docs:
-        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+        if crd_schema.describes(doc):
             crd_schema.validate(doc)
         else:
             kubernetes_validate.validate(doc, KUBERNETES, strict=True)

@@ -73,6 +73,20 @@ ACE_SHARE_PASSWORD
 
 {{/* Pods found at run time need endpoint mode (envoy_config.py refuses otherwise). */}}
 {{- define "ace-extproc.checkFleet" -}}
+{{- if ne .Values.mode "gateway" -}}
+{{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.grpcFrom) -}}
+{{- fail (printf "mode %s opens ace-extproc's ext_proc port to the cluster with no token asked: set networkPolicy.grpcFrom to the gateway's pods (or networkPolicy.enabled: false)" .Values.mode) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (has .Values.mode (list "endpoint-picker" "istio")) .Values.inferencePool.create (not .Values.inferencePool.selector) -}}
+{{- fail "inferencePool.selector: the engine pods' labels are needed for the InferencePool" -}}
+{{- end -}}
+{{- if and (eq .Values.mode "extension") (not .Values.extension.targetRefs) -}}
+{{- fail "extension.targetRefs: name the Gateway or HTTPRoute the EnvoyExtensionPolicy attaches to" -}}
+{{- end -}}
+{{- if and (eq .Values.mode "istio") (not .Values.istio.workloadSelector) -}}
+{{- fail "istio.workloadSelector: the labels of the Istio ingress gateway or sidecar pods the EnvoyFilter patches" -}}
+{{- end -}}
 {{- if not .Values.destinations -}}
 {{- fail "destinations: at least one destination is needed" -}}
 {{- end -}}
@@ -128,10 +142,14 @@ capabilities:
      ace-extproc's ext_proc, admin and every worker's metrics port. */}}
 {{- define "ace-extproc.checkPorts" -}}
 {{- $used := dict -}}
-{{- $ports := list (list "ports.http" .Values.ports.http) (list "Envoy's admin" 9901) -}}
-{{- if gt (int .Values.extproc.workers) 1 -}}
+{{- $ports := list -}}
+{{- if eq .Values.mode "gateway" -}}
+{{- $ports = list (list "ports.http" .Values.ports.http) (list "Envoy's admin" 9901) -}}
+{{- end -}}
+{{- if or (gt (int .Values.extproc.workers) 1) (ne .Values.mode "gateway") -}}
 {{- $ports = append $ports (list "ports.extproc" .Values.ports.extproc) -}}
-{{- else -}}
+{{- end -}}
+{{- if le (int .Values.extproc.workers) 1 -}}
 {{- /* the admin API is off with several workers */ -}}
 {{- $ports = append $ports (list "ace-extproc's admin" 9091) -}}
 {{- end -}}
@@ -145,4 +163,9 @@ capabilities:
 {{- end -}}
 {{- $_ := set $used $key (index . 0) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The ext_proc Service as the gateway that dials it names it. */}}
+{{- define "ace-extproc.grpcHost" -}}
+{{- printf "%s.%s.svc.cluster.local" (include "ace-extproc.fullname" .) .Release.Namespace -}}
 {{- end -}}
