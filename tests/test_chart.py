@@ -331,11 +331,14 @@ def test_the_network_policy_admits_envoy_and_metrics_only() -> None:
     assert policy["spec"]["podSelector"]["matchLabels"] == selector
     http, metrics = policy["spec"]["ingress"]
     assert http == {"ports": [{"port": 8080, "protocol": "TCP"}], "from": apps}
-    assert metrics == {"ports": [{"port": 9090, "protocol": "TCP"}]}
+    # ace-extproc's metrics and Envoy's stats listener (envoy.statsPort), from metricsFrom.
+    assert metrics == {
+        "ports": [{"port": 9090, "protocol": "TCP"}, {"port": 9902, "protocol": "TCP"}]
+    }
     # ace-extproc's ext_proc is a unix socket: no port declared, none admitted.
     declared = {p["containerPort"] for c in containers(docs).values() for p in c.get("ports", [])}
     admitted = {port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"]}
-    assert declared == admitted == {8080, 9090}
+    assert declared == admitted == {8080, 9090, 9902}
 
 
 def test_a_share_password_comes_from_the_named_secret(tmp_path: Path) -> None:

@@ -98,8 +98,18 @@ def test_the_pod_monitor_scrapes_every_worker() -> None:
     ports = {p["name"]: p["containerPort"] for p in containers(docs)["ace-extproc"]["ports"]}
     # serve --workers 3: metrics_listen's port, +1, +2 (telemetry.worker_listen)
     assert ports == {"metrics": 9090, "metrics-1": 9091, "metrics-2": 9092}
-    scraped = [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]]
-    assert scraped == ["metrics", "metrics-1", "metrics-2"]
+    scraped = {e["port"]: e["path"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert scraped == {
+        "metrics": "/metrics",
+        "metrics-1": "/metrics",
+        "metrics-2": "/metrics",
+        "envoy-stats": "/stats/prometheus",  # Envoy's, not its admin port
+    }
+    assert containers(docs)["envoy"]["ports"][1] == {
+        "name": "envoy-stats",
+        "containerPort": 9902,
+        "protocol": "TCP",
+    }
     deployment = one(docs, "Deployment")
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
@@ -265,3 +275,66 @@ def test_extra_args_reach_a_server_that_accepts_them(tmp_path: Path) -> None:
     server.load_config(
         parser.parse_args([str(fleet) if a.startswith("/etc/ace/") else a for a in args[1:]])
     )
+
+
+@pytest.mark.envoy
+def test_envoy_s_stats_listener_serves_only_its_prometheus_stats(tmp_path: Path) -> None:
+    """The init container's bootstrap, run by the real Envoy: the stats listener
+    answers /stats/prometheus (Envoy's own series, the fail-open counter's family among
+    them) and nothing else of the admin (no /config_dump, no /quitquitquit)."""
+    import subprocess
+    import time
+    import urllib.error
+    import urllib.request
+
+    from ace_extproc.stack import envoy_binary
+    from tests.conftest import free_port
+    from tests.test_chart import run_envoy_config
+
+    stats = free_port()
+    admin = free_port()
+    docs = render({"envoy": {"statsPort": stats}, "ports": {"http": free_port()}})
+    init = containers(docs)["envoy-config"]
+    init["args"][init["args"].index("--admin") + 1] = f"127.0.0.1:{admin}"
+    bootstrap = run_envoy_config(docs, tmp_path)
+    (listener,) = [
+        x for x in bootstrap["static_resources"]["listeners"] if x["name"] == "envoy_stats"
+    ]
+    assert listener["address"]["socket_address"]["port_value"] == stats
+    proc = subprocess.Popen(
+        [
+            envoy_binary(),
+            "-c",
+            str(tmp_path / "envoy.yaml"),
+            "--disable-hot-restart",
+            "-l",
+            "error",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{stats}/stats/prometheus", timeout=2
+                ) as r:
+                    text = r.read().decode()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "envoy did not start"
+                time.sleep(0.1)
+        assert "# TYPE envoy_server_live gauge" in text
+        assert "envoy_http_ace_ext_proc" in text or "envoy_cluster_upstream_cx_total" in text
+        for path in ("/config_dump", "/quitquitquit", "/stats"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(
+                    urllib.request.Request(f"http://127.0.0.1:{stats}{path}", method="POST"),
+                    timeout=2,
+                )
+            assert refused.value.code == 404
+        assert proc.poll() is None  # still running: /quitquitquit never reached the admin
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -22,14 +22,15 @@ from pathlib import Path
 
 
 def active_requests(admin: str) -> int:
-    """Downstream requests in flight on every HTTP connection manager but the admin's."""
+    """Downstream requests in flight on every HTTP connection manager but the admin's
+    and the stats listener's (a scrape is no request to wait for)."""
     url = f"http://{admin}/stats?filter=downstream_rq_active$"
     with urllib.request.urlopen(url, timeout=5) as reply:
         text = reply.read().decode()
     total = 0
     for line in text.splitlines():
         name, _, value = line.partition(":")
-        if name.startswith("http.") and not name.startswith("http.admin."):
+        if name.startswith("http.") and not name.startswith(("http.admin.", "http.envoy_stats.")):
             total += int(value.strip() or 0)
     return total
 

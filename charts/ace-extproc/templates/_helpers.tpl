@@ -138,13 +138,13 @@ capabilities:
 {{- end }}
 {{- end -}}
 
-{{/* Ports that must not clash: Envoy's listener and admin, and
+{{/* Ports that must not clash: Envoy's listener, admin and stats listener, and
      ace-extproc's ext_proc, admin and every worker's metrics port. */}}
 {{- define "ace-extproc.checkPorts" -}}
 {{- $used := dict -}}
 {{- $ports := list -}}
 {{- if eq .Values.mode "gateway" -}}
-{{- $ports = list (list "ports.http" .Values.ports.http) (list "Envoy's admin" 9901) -}}
+{{- $ports = list (list "ports.http" .Values.ports.http) (list "Envoy's admin" 9901) (list "envoy.statsPort" .Values.envoy.statsPort) -}}
 {{- end -}}
 {{- if or (gt (int .Values.extproc.workers) 1) (ne .Values.mode "gateway") -}}
 {{- $ports = append $ports (list "ports.extproc" .Values.ports.extproc) -}}
