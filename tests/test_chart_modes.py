@@ -42,6 +42,11 @@ MODES: dict[str, dict[str, Any]] = {
     "istio": {
         "mode": "istio",
         "istio": {"workloadSelector": {"istio": "ingressgateway"}, "namespace": "istio-system"},
+        "networkPolicy": {"grpcFrom": GATEWAY_PODS},
+    },
+    "istio-pool": {
+        "mode": "istio",
+        "istio": {"path": "inferencePool"},
         "inferencePool": {"selector": {"app": "vllm-llama"}},
         "networkPolicy": {"grpcFrom": GATEWAY_PODS},
     },
@@ -51,7 +56,8 @@ MODE_KINDS = {
     "gateway": set(),
     "endpoint-picker": {"InferencePool"},
     "extension": {"EnvoyExtensionPolicy"},
-    "istio": {"EnvoyFilter", "InferencePool"},
+    "istio": {"EnvoyFilter"},  # one path or the other, never both (each would ask)
+    "istio-pool": {"InferencePool"},
 }
 EXT_PROC_HOST = "gw-ace-extproc.gateway.svc.cluster.local"
 TYPES = "type.googleapis.com/envoy.extensions"
@@ -95,7 +101,7 @@ def test_outside_gateway_mode_ace_extproc_stands_alone_on_a_grpc_service(
     assert rule["from"] == GATEWAY_PODS
 
 
-@pytest.mark.parametrize("mode", ["endpoint-picker", "istio"])
+@pytest.mark.parametrize("mode", ["endpoint-picker", "istio-pool"])
 def test_the_inference_pool_points_at_ace_extproc(mode: str) -> None:
     docs = render(MODES[mode])
     pool = one(docs, "InferencePool")
@@ -163,13 +169,14 @@ def test_each_mode_s_crd_check_bites(mode: str, kind: str, path: list[Any], valu
             {"mode": "extension", "networkPolicy": {"grpcFrom": GATEWAY_PODS}},
             "extension.targetRefs",
         ),
+        ({"mode": "istio", "networkPolicy": {"grpcFrom": GATEWAY_PODS}}, "istio.workloadSelector"),
         (
             {
                 "mode": "istio",
-                "inferencePool": {"create": False},
+                "istio": {"path": "inferencePool"},
                 "networkPolicy": {"grpcFrom": GATEWAY_PODS},
             },
-            "istio.workloadSelector",
+            "inferencePool.selector",
         ),
         ({**MODES["endpoint-picker"], "networkPolicy": {}}, "set networkPolicy.grpcFrom"),
         ({"mode": "sidecar"}, "at '/mode'"),

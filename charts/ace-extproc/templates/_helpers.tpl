@@ -78,13 +78,13 @@ ACE_SHARE_PASSWORD
 {{- fail (printf "mode %s opens ace-extproc's ext_proc port to the cluster with no token asked: set networkPolicy.grpcFrom to the gateway's pods (or networkPolicy.enabled: false)" .Values.mode) -}}
 {{- end -}}
 {{- end -}}
-{{- if and (has .Values.mode (list "endpoint-picker" "istio")) .Values.inferencePool.create (not .Values.inferencePool.selector) -}}
+{{- if and (include "ace-extproc.poolMode" .) .Values.inferencePool.create (not .Values.inferencePool.selector) -}}
 {{- fail "inferencePool.selector: the engine pods' labels are needed for the InferencePool" -}}
 {{- end -}}
 {{- if and (eq .Values.mode "extension") (not .Values.extension.targetRefs) -}}
 {{- fail "extension.targetRefs: name the Gateway or HTTPRoute the EnvoyExtensionPolicy attaches to" -}}
 {{- end -}}
-{{- if and (eq .Values.mode "istio") (not .Values.istio.workloadSelector) -}}
+{{- if and (eq .Values.mode "istio") (eq .Values.istio.path "envoyFilter") (not .Values.istio.workloadSelector) -}}
 {{- fail "istio.workloadSelector: the labels of the Istio ingress gateway or sidecar pods the EnvoyFilter patches" -}}
 {{- end -}}
 {{- if not .Values.destinations -}}
@@ -168,4 +168,11 @@ capabilities:
 {{/* The ext_proc Service as the gateway that dials it names it. */}}
 {{- define "ace-extproc.grpcHost" -}}
 {{- printf "%s.%s.svc.cluster.local" (include "ace-extproc.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/* Whether this mode makes an InferencePool ("true" or ""). */}}
+{{- define "ace-extproc.poolMode" -}}
+{{- if or (eq .Values.mode "endpoint-picker") (and (eq .Values.mode "istio") (eq .Values.istio.path "inferencePool")) -}}
+true
+{{- end -}}
 {{- end -}}
