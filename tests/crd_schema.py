@@ -64,3 +64,19 @@ def validate(doc: dict[str, Any]) -> None:
 def describes(doc: dict[str, Any]) -> bool:
     """Whether a CRD here describes ``doc``'s kind."""
     return (doc.get("apiVersion"), doc.get("kind")) in _schemas()
+
+
+def assert_refused(doc: dict[str, Any], path: list[Any], value: Any) -> None:
+    """``doc`` passes its CRD, and fails it once ``value`` is set at ``path`` (the
+    check bites)."""
+    validate(doc)
+    broken = copy.deepcopy(doc)
+    node: Any = broken
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    try:
+        validate(broken)
+    except jsonschema.ValidationError:
+        return
+    raise AssertionError(f"{doc['kind']} with {path} = {value!r} passed its CRD")

@@ -11,6 +11,7 @@ import json
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,9 @@ import aiohttp
 import pytest
 import yaml
 
-from ace_extproc.stack import Stack, StackOptions, envoy_binary
-from tests.conftest import free_ports
+from ace_extproc.stack import Stack, envoy_binary
 from tests.test_chart import CHART, containers, one, render
+from tests.test_e2e import options
 
 try:
     envoy_binary()
@@ -142,18 +143,8 @@ async def scenario(stack: Stack, drained: bool, tmp_path: Path) -> list[tuple[in
 
 
 def run(drained: bool, tmp_path: Path) -> list[tuple[int, list[bytes]]]:
-    ports = free_ports(7)
-    opts = StackOptions(
-        pods=2,
-        first_pod_port=ports[0],
-        listen=f"127.0.0.1:{ports[2]}",
-        admin=f"127.0.0.1:{ports[3]}",
-        ext_proc=f"127.0.0.1:{ports[4]}",
-        metrics=f"127.0.0.1:{ports[5]}",
-        admin_api=f"127.0.0.1:{ports[6]}",
-        sim_args=["--tpot-ms", "50"],
-        env={"ACE_SALT_SECRET": "drain-secret"},
-    )
+    # The end-to-end tests' stack, its pods at the sim's real pace (50 ms a token).
+    opts = replace(options(), pods=2, time_scale=1.0, sim_args=["--tpot-ms", "50"])
     loop = asyncio.new_event_loop()
     stack = Stack(opts)
     try:
