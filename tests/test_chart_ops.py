@@ -74,6 +74,12 @@ def test_a_render_without_a_secret_fails_saying_why(values: dict[str, Any], mess
     assert "helm template" in str(failed.value)  # why: a render cannot keep one
 
 
+def test_the_redis_password_is_named_once() -> None:
+    both = {"enabled": True, "password": REDIS_PASSWORD, "existingSecret": "team-redis"}
+    with pytest.raises(helm.HelmError, match="existingSecret or password, not both"):
+        render({"shareRedis": both})
+
+
 def test_the_redis_password_from_a_secret_of_yours() -> None:
     docs = render({"shareRedis": {"enabled": True, "existingSecret": "team-redis"}})
     assert [s["metadata"]["name"] for s in secrets(docs)] == ["gw-ace-extproc-salt"]
