@@ -337,3 +337,25 @@ def test_envoy_s_stats_listener_serves_only_its_prometheus_stats(tmp_path: Path)
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_ace_extproc_s_graceful_stop_is_the_chart_s(tmp_path: Path) -> None:
+    """SIGTERM gives streams router.shutdown_grace_s (server.py): the chart sets it from
+    drain.shutdownGraceSeconds with its own Envoy, and from drain.timeoutSeconds where
+    another gateway's streams last as long as their generations."""
+    from ace_extproc import config as cfg
+
+    def grace(values: dict[str, Any]) -> float:
+        fleet = tmp_path / "fleet.yaml"
+        fleet.write_text(one(render(values), "ConfigMap")["data"]["fleet.yaml"])
+        return cfg.load(fleet, env={}).settings.shutdown_grace_s
+
+    assert grace({"drain": {"shutdownGraceSeconds": 20}}) == 20
+    picker = {
+        "mode": "endpoint-picker",
+        "inferencePool": {"selector": {"app": "vllm"}},
+        "networkPolicy": {"grpcFrom": [{"podSelector": {}}]},
+        "drain": {"timeoutSeconds": 600},
+        "terminationGracePeriodSeconds": 700,
+    }
+    assert grace(picker) == 600
