@@ -990,6 +990,72 @@ def render_yaml(
     return header + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=100)
 
 
+# ---------------------------------------------------------------- stats listener
+
+STATS_CLUSTER = "envoy_admin"
+STATS_PATH = "/stats/prometheus"
+
+
+def with_stats_listener(text: str, stats_listen: str, admin: str) -> str:
+    """The rendered bootstrap ``text`` with one more listener on ``stats_listen`` that
+    serves only the admin's ``/stats/prometheus`` (every other path: 404), so a scraper
+    can reach Envoy's stats without the admin port, which can also drain or stop it."""
+    doc = yaml.safe_load(text)
+    router = {
+        "name": "envoy.filters.http.router",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+        },
+    }
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+        "http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "envoy_stats",
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "stats",
+                    "domains": ["*"],
+                    "routes": [
+                        {"match": {"path": STATS_PATH}, "route": {"cluster": STATS_CLUSTER}}
+                    ],
+                }
+            ]
+        },
+        "http_filters": [router],
+    }
+    doc["static_resources"]["listeners"].append(
+        {
+            "name": "envoy_stats",
+            "address": _bind_address(stats_listen, "--stats-listen"),
+            "filter_chains": [
+                {
+                    "filters": [
+                        {
+                            "name": "envoy.filters.network.http_connection_manager",
+                            "typed_config": hcm,
+                        }
+                    ]
+                }
+            ],
+        }
+    )
+    admin_address = _bind_address(admin, "admin")
+    doc["static_resources"]["clusters"].append(
+        {
+            "name": STATS_CLUSTER,
+            "type": "STATIC",
+            "connect_timeout": CONNECT_TIMEOUT,
+            "load_assignment": {
+                "cluster_name": STATS_CLUSTER,
+                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": admin_address}}]}],
+            },
+        }
+    )
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    return header + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=100)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fleet", metavar="FILE", help="fleet YAML (default: the built-in 4-pod simulated fleet)"
@@ -1038,6 +1104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where Envoy writes its JSON access log, with ace-extproc's decision "
         "(default: %(default)s)",
     )
+    parser.add_argument(
+        "--stats-listen",
+        metavar="IP:PORT",
+        help="a listener serving only the admin's /stats/prometheus (default: none)",
+    )
     parser.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
 
 
@@ -1053,6 +1124,8 @@ def run(args: argparse.Namespace) -> int:
             upstream_mode=args.upstream_mode,
             access_log=args.access_log,
         )
+        if getattr(args, "stats_listen", None):
+            text = with_stats_listener(text, args.stats_listen, args.admin)
     except ValueError as exc:  # ConfigError, and the ValueError of an unknown ttft_model
         print(f"error: {exc}", file=sys.stderr)
         return 2

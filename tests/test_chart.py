@@ -30,10 +30,20 @@ KUBERNETES = kubernetes_validate.latest_version()
 
 Manifest = dict[str, Any]
 
+# The chart generates no secret (a GitOps render would make a new one each time): the
+# tests' releases are given theirs, unless a test names its own saltSecret.
+SALT = "s" * 48
+REDIS_PASSWORD = "r" * 40
+
 
 def render(values: dict[str, Any] | None = None, namespace: str = "gateway") -> list[Manifest]:
+    return render_as_is({"saltSecret": {"value": SALT}, **(values or {})}, namespace)
+
+
+def render_as_is(values: dict[str, Any], namespace: str = "gateway") -> list[Manifest]:
+    """The chart rendered with exactly ``values`` (over its defaults)."""
     with helm.Chart.load(str(CHART)) as chart:
-        out = chart.render(values or {}, name="gw", namespace=namespace)
+        out = chart.render(values, name="gw", namespace=namespace)
     docs: list[Manifest] = []
     for name, text in sorted(out.items()):
         if name.endswith("NOTES.txt"):
@@ -50,7 +60,7 @@ def one(docs: list[Manifest], kind: str) -> Manifest:
 
 def containers(docs: list[Manifest]) -> dict[str, Manifest]:
     spec = one(docs, "Deployment")["spec"]["template"]["spec"]
-    return {c["name"]: c for c in [*spec["initContainers"], *spec["containers"]]}
+    return {c["name"]: c for c in [*spec.get("initContainers", []), *spec["containers"]]}
 
 
 def fleet_file(docs: list[Manifest], tmp_path: Path) -> Path:
@@ -90,7 +100,10 @@ def test_the_chart_lints_clean() -> None:
                 "httpFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
             }
         },
-        {"shareRedis": {"enabled": True}, "networkPolicy": {"enabled": True}},
+        {
+            "shareRedis": {"enabled": True, "password": REDIS_PASSWORD},
+            "networkPolicy": {"enabled": True},
+        },
     ],
     ids=["default", "autoscaling-workers", "existing-secret", "network-policy", "share-redis"],
 )
@@ -318,11 +331,14 @@ def test_the_network_policy_admits_envoy_and_metrics_only() -> None:
     assert policy["spec"]["podSelector"]["matchLabels"] == selector
     http, metrics = policy["spec"]["ingress"]
     assert http == {"ports": [{"port": 8080, "protocol": "TCP"}], "from": apps}
-    assert metrics == {"ports": [{"port": 9090, "protocol": "TCP"}]}
+    # ace-extproc's metrics and Envoy's stats listener (envoy.statsPort), from metricsFrom.
+    assert metrics == {
+        "ports": [{"port": 9090, "protocol": "TCP"}, {"port": 9902, "protocol": "TCP"}]
+    }
     # ace-extproc's ext_proc is a unix socket: no port declared, none admitted.
     declared = {p["containerPort"] for c in containers(docs).values() for p in c.get("ports", [])}
     admitted = {port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"]}
-    assert declared == admitted == {8080, 9090}
+    assert declared == admitted == {8080, 9090, 9902}
 
 
 def test_a_share_password_comes_from_the_named_secret(tmp_path: Path) -> None:
@@ -351,7 +367,12 @@ def named(docs: list[Manifest], kind: str, name: str) -> Manifest:
 
 def test_the_chart_s_redis_is_wired_to_the_gateway_pods(tmp_path: Path) -> None:
     assert not [d for d in render() if d["metadata"]["name"].endswith("-redis")]  # off
-    docs = render({"shareRedis": {"enabled": True}, "networkPolicy": {"enabled": True}})
+    docs = render(
+        {
+            "shareRedis": {"enabled": True, "password": REDIS_PASSWORD},
+            "networkPolicy": {"enabled": True},
+        }
+    )
     for doc in docs:
         kubernetes_validate.validate(doc, KUBERNETES, strict=True)
     gateway = named(docs, "Deployment", "gw-ace-extproc")
@@ -392,7 +413,7 @@ def test_the_chart_s_redis_runs_and_asks_for_the_password(tmp_path: Path) -> Non
     is given and refuses a client without it."""
     import redis
 
-    docs = render({"shareRedis": {"enabled": True}})
+    docs = render({"shareRedis": {"enabled": True, "password": REDIS_PASSWORD}})
     secret = named(docs, "Secret", "gw-ace-extproc-redis")
     password = base64.b64decode(secret["data"]["ACE_SHARE_PASSWORD"]).decode()
     server = named(docs, "Deployment", "gw-ace-extproc-redis")["spec"]["template"]["spec"]
@@ -437,7 +458,7 @@ def test_the_chart_s_redis_runs_and_asks_for_the_password(tmp_path: Path) -> Non
 )
 def test_the_chart_s_redis_refuses_a_second_one(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError, match=message):
-        render({"shareRedis": {"enabled": True}, **values})
+        render({"shareRedis": {"enabled": True, "password": REDIS_PASSWORD}, **values})
 
 
 def test_the_prometheus_rule_carries_the_shipped_alerts() -> None:

@@ -1,9 +1,11 @@
 {{- define "ace-extproc.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "ace-extproc.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains .Chart.Name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
 {{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
@@ -71,6 +73,20 @@ ACE_SHARE_PASSWORD
 
 {{/* Pods found at run time need endpoint mode (envoy_config.py refuses otherwise). */}}
 {{- define "ace-extproc.checkFleet" -}}
+{{- if ne .Values.mode "gateway" -}}
+{{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.grpcFrom) -}}
+{{- fail (printf "mode %s opens ace-extproc's ext_proc port to the cluster with no token asked: set networkPolicy.grpcFrom to the gateway's pods (or networkPolicy.enabled: false)" .Values.mode) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (include "ace-extproc.poolMode" .) .Values.inferencePool.create (not .Values.inferencePool.selector) -}}
+{{- fail "inferencePool.selector: the engine pods' labels are needed for the InferencePool" -}}
+{{- end -}}
+{{- if and (eq .Values.mode "extension") (not .Values.extension.targetRefs) -}}
+{{- fail "extension.targetRefs: name the Gateway or HTTPRoute the EnvoyExtensionPolicy attaches to" -}}
+{{- end -}}
+{{- if and (eq .Values.mode "istio") (eq .Values.istio.path "envoyFilter") (not .Values.istio.workloadSelector) -}}
+{{- fail "istio.workloadSelector: the labels of the Istio ingress gateway or sidecar pods the EnvoyFilter patches" -}}
+{{- end -}}
 {{- if not .Values.destinations -}}
 {{- fail "destinations: at least one destination is needed" -}}
 {{- end -}}
@@ -111,5 +127,52 @@ capabilities:
 {{- if or .existingSecret .existingConfigMap -}}
 {{- printf "/etc/ace-ca/%s" .key -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The metrics ports of `serve --workers N`: worker i listens on ports.metrics + i
+     (telemetry.worker_listen), each with its own tallies. Named metrics, metrics-1, ... */}}
+{{- define "ace-extproc.metricsPorts" -}}
+{{- range $i := until (int .Values.extproc.workers) }}
+- {name: {{ if eq $i 0 }}metrics{{ else }}{{ printf "metrics-%d" $i }}{{ end }}, containerPort: {{ add $.Values.ports.metrics $i }}, protocol: TCP}
+{{- end }}
+{{- end -}}
+
+{{/* Ports that must not clash: Envoy's listener, admin and stats listener, and
+     ace-extproc's ext_proc, admin and every worker's metrics port. */}}
+{{- define "ace-extproc.checkPorts" -}}
+{{- $used := dict -}}
+{{- $ports := list -}}
+{{- if eq .Values.mode "gateway" -}}
+{{- $ports = list (list "ports.http" .Values.ports.http) (list "Envoy's admin" 9901) (list "envoy.statsPort" .Values.envoy.statsPort) -}}
+{{- end -}}
+{{- if or (gt (int .Values.extproc.workers) 1) (ne .Values.mode "gateway") -}}
+{{- $ports = append $ports (list "ports.extproc" .Values.ports.extproc) -}}
+{{- end -}}
+{{- if le (int .Values.extproc.workers) 1 -}}
+{{- /* the admin API is off with several workers */ -}}
+{{- $ports = append $ports (list "ace-extproc's admin" 9091) -}}
+{{- end -}}
+{{- range $i := until (int .Values.extproc.workers) -}}
+{{- $ports = append $ports (list (printf "ports.metrics (worker %d)" $i) (add $.Values.ports.metrics $i)) -}}
+{{- end -}}
+{{- range $ports -}}
+{{- $key := toString (index . 1) -}}
+{{- if hasKey $used $key -}}
+{{- fail (printf "port clash: %s and %s are both %s" (index $used $key) (index . 0) $key) -}}
+{{- end -}}
+{{- $_ := set $used $key (index . 0) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The ext_proc Service as the gateway that dials it names it. */}}
+{{- define "ace-extproc.grpcHost" -}}
+{{- printf "%s.%s.svc.cluster.local" (include "ace-extproc.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/* Whether this mode makes an InferencePool ("true" or ""). */}}
+{{- define "ace-extproc.poolMode" -}}
+{{- if or (eq .Values.mode "endpoint-picker") (and (eq .Values.mode "istio") (eq .Values.istio.path "inferencePool")) -}}
+true
 {{- end -}}
 {{- end -}}
