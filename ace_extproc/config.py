@@ -35,6 +35,7 @@ ConfigError = ff.ConfigError
 Mode = ff.Mode
 PassiveHealth = ff.PassiveHealth
 ExtProcTLS = ff.ExtProcTLS
+EndpointPicker = ff.EndpointPicker
 PROVIDERS = ff.PROVIDERS
 FAILURE_MODES = ff.FAILURE_MODES
 LOG_FORMATS = ff.LOG_FORMATS
@@ -460,6 +461,23 @@ def _check_ext_proc_tls(tls: ExtProcTLS) -> None:
         raise ConfigError(f"{where}: client_cert_file and client_key_file go together")
 
 
+def _check_endpoint_picker(doc: ff.Router) -> None:
+    where = "router.endpoint_picker"
+    picker = doc.endpoint_picker
+    assert picker is not None
+    if bool(picker.cert_file) != bool(picker.key_file):
+        raise ConfigError(f"{where}: cert_file and key_file go together")
+    if doc.upstream_mode != "endpoint":
+        raise ConfigError(
+            f"{where}: a gateway's endpoint picker names pods as ip:port; set "
+            "router.upstream_mode: endpoint"
+        )
+    if doc.ext_proc_tls is not None:
+        raise ConfigError(
+            f"{where} serves its own TLS (secure_serving, cert_file); drop router.ext_proc_tls"
+        )
+
+
 def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
     """The settings of a ``router:`` section (None: every default)."""
     return build_settings(decode({} if raw is None else raw, ff.Router, "router"), env)
@@ -484,6 +502,8 @@ def build_settings(doc: ff.Router, env: Mapping[str, str] | None = None) -> Sett
         )
     if doc.ext_proc_tls is not None:
         _check_ext_proc_tls(doc.ext_proc_tls)
+    if doc.endpoint_picker is not None:
+        _check_endpoint_picker(doc)
     salt_secret, generated = _salt_secret(doc, env)
     settings = Settings(
         **{name: getattr(doc, name) for name in ff.RouterBase.__struct_fields__},

@@ -255,6 +255,37 @@ class ExtProcTLS(Section, frozen=True):
     server_name: Annotated[str, _doc("The name Envoy checks ace-extproc's certificate for.")] = ""
 
 
+class EndpointPicker(Section, frozen=True):
+    """Serve as the Gateway API Inference Extension's endpoint picker (an
+    InferencePool's endpointPickerRef): a gateway's own Envoy streams both bodies
+    through ace-extproc (FULL_DUPLEX_STREAMED) and routes on
+    x-gateway-destination-endpoint. Implies upstream_mode: endpoint; no peer token
+    is asked for (the gateway sends none: keep the port private to it)."""
+
+    secure_serving: Annotated[
+        bool,
+        _doc(
+            "TLS on the ext_proc port, as GIE's endpoint picker serves it (the gateway "
+            "does not check the certificate unless told to)."
+        ),
+    ] = True
+    cert_file: Annotated[
+        str,
+        _doc(
+            "The certificate (a mounted Secret's tls.crt); empty: a self-signed one made at start."
+        ),
+    ] = ""
+    key_file: Annotated[str, _doc("Its private key (tls.key).")] = ""
+    fallbacks: Annotated[
+        bool,
+        _doc(
+            "Name fallback endpoints after the pick (ip:port,ip:port,...) for the gateway's "
+            "retries: only for an override_host cluster; an ORIGINAL_DST cluster cannot "
+            "read a list (503)."
+        ),
+    ] = False
+
+
 class Tenants(Section, frozen=True):
     """How a request's tenant is found. Each tenant's prompts are cache-salted apart."""
 
@@ -476,6 +507,7 @@ class RouterBase(Section, frozen=True):
         ),
     ] = True
     ext_proc_tls: ExtProcTLS | None = None
+    endpoint_picker: EndpointPicker | None = None
     drain_file: Annotated[
         str, _doc("Operator drains kept across restarts (a JSON file); empty: none kept.")
     ] = ""

@@ -66,6 +66,8 @@ class Discovery:
         self.slots: dict[str, int] = {}  # pod key -> slot, of the pods discovery added
         self._task: asyncio.Task[None] | None = None
         self.syncs = 0  # for tests and debugging
+        # Set by the first sync: until then the pods are not known (gRPC readiness).
+        self.synced = asyncio.Event()
 
     async def start(self) -> None:
         if self._task is None:
@@ -86,6 +88,7 @@ class Discovery:
     def sync(self, pods: Iterable[Pod]) -> None:
         """Make the discovered pods exactly ``pods``: add the new, remove the gone."""
         self.syncs += 1
+        self.synced.set()
         want = {p.key: p for p in pods if p.key not in self._static}
         for key in [k for k in self.slots if k not in want]:
             slot = self.slots.pop(key)
@@ -102,6 +105,10 @@ class Discovery:
 
 class StaticDiscovery(Discovery):
     """The pods ``fleet.yaml`` lists: already in the ``FleetState``."""
+
+    def __init__(self, fleet: FleetState, index: BlockIndex, destination_id: str) -> None:
+        super().__init__(fleet, index, destination_id)
+        self.synced.set()  # nothing to wait for
 
 
 async def system_resolver(hostname: str, port: int) -> list[str]:
