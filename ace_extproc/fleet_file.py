@@ -66,6 +66,7 @@ PROVIDERS: tuple[str, ...] = get_args(Provider)
 FailureMode = Literal["auto", "open", "closed"]
 FAILURE_MODES: tuple[str, ...] = get_args(FailureMode)
 UpstreamMode = Literal["cluster", "endpoint"]
+EndpointCluster = Literal["override_host", "original_dst"]
 LogFormat = Literal["json", "text"]
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 
@@ -449,6 +450,15 @@ class RouterBase(Section, frozen=True):
             "(needed for discovery)."
         ),
     ] = "cluster"
+    endpoint_cluster: Annotated[
+        EndpointCluster,
+        _doc(
+            "Endpoint mode, the rendered Envoy's cluster per destination: override_host "
+            "(its pods as hosts, found by DNS or listed; fail-open through least_request; "
+            "retries go down the named fallbacks) or original_dst (any ip:port ace-extproc "
+            "names, no headless Service needed; no fail-open, one endpoint named)."
+        ),
+    ] = "override_host"
     share_url: Annotated[
         str,
         _doc(

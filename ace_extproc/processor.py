@@ -97,8 +97,11 @@ class Processor:
         self._endpoint = settings.upstream_mode == "endpoint"
         # Fallback endpoints for Envoy's retries; a gateway's picker names them only
         # where its cluster can read a list (endpoint_picker.fallbacks).
-        picker = settings.endpoint_picker
-        self._fallbacks = picker is None or picker.fallbacks
+        gie = settings.endpoint_picker
+        if gie is not None:
+            self._fallbacks = gie.fallbacks
+        else:  # an ORIGINAL_DST cluster cannot read a list
+            self._fallbacks = settings.endpoint_cluster != "original_dst"
         # Tenants configured: no request reaches an engine without its tenant's salt.
         self._isolated = settings.tenants.isolated
         # Each destination's own key, as the header it goes in (made once, not per request).
