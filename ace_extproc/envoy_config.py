@@ -450,6 +450,12 @@ def _endpoint_clusters(
             # Pods found at run time: Envoy resolves the same name, every address a
             # host, so the ip:port ace-extproc names is one Envoy knows (until its next
             # refresh it is not: override_host's fallback then picks, fail-open).
+            if not found.hostname:
+                raise cfg.ConfigError(
+                    f"destination {dest.id}: pods found by label selector have no name for "
+                    "Envoy to resolve: give discovery.hostname (a headless Service), or set "
+                    "router.endpoint_cluster: original_dst"
+                )
             if found.port is None:
                 raise cfg.ConfigError(
                     f"destination {dest.id}: discovery by port_name needs 'port' too, "

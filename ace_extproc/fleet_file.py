@@ -155,6 +155,33 @@ class KubernetesDiscovery(Discovery, frozen=True, tag="kubernetes"):
     ] = 1.0
 
 
+class PodsDiscovery(Discovery, frozen=True, tag="kubernetes-pods"):
+    """The pods matching selector in namespace (an InferencePool's selector), listed
+    then watched through the pods API: each Ready pod's podIP on port (the pool's
+    targetPort). No Service needed; with endpoint_cluster: override_host, Envoy still
+    resolves hostname (a headless Service) for the destination's hosts."""
+
+    namespace: Annotated[K8sName, _doc("The pods' namespace.")]
+    selector: Annotated[
+        dict[Text, Text], _doc("Labels the pods must all carry (matchLabels).", min_length=1)
+    ]
+    port: Annotated[Port, _doc("The pods' port (an InferencePool's targetPort).")]
+    hostname: Annotated[
+        HostName | None,
+        _doc("What Envoy resolves for its hosts (override_host only; none: original_dst)."),
+    ] = None
+    api_url: Annotated[str, _doc("The Kubernetes API server.")] = KUBERNETES_API
+    token_path: Annotated[Text, _doc("The service account token the API is called with.")] = (
+        f"{SERVICE_ACCOUNT}/token"
+    )
+    ca_path: Annotated[Text, _doc("The CA the API server's certificate is checked against.")] = (
+        f"{SERVICE_ACCOUNT}/ca.crt"
+    )
+    interval_s: Annotated[
+        Seconds, _doc("The first reconnect delay in seconds (doubling, at most 30).")
+    ] = 1.0
+
+
 class Destination(Section, frozen=True):
     """A model deployment: interchangeable pods serving the same models. Requests no pod
     is pinned for go to the first destination (fail-open); when several destinations
@@ -184,10 +211,11 @@ class Destination(Section, frozen=True):
         ),
     ] = None
     discovery: Annotated[
-        DnsDiscovery | KubernetesDiscovery | None,
+        DnsDiscovery | KubernetesDiscovery | PodsDiscovery | None,
         _doc(
             "Pods found at run time, besides those listed (needs router.upstream_mode: "
-            "endpoint): type dns or kubernetes."
+            "endpoint): type dns, kubernetes (EndpointSlices) or kubernetes-pods (a label "
+            "selector)."
         ),
     ] = None
     api_key_env: Annotated[
@@ -260,8 +288,9 @@ class EndpointPicker(Section, frozen=True):
     """Serve as the Gateway API Inference Extension's endpoint picker (an
     InferencePool's endpointPickerRef): a gateway's own Envoy streams both bodies
     through ace-extproc (FULL_DUPLEX_STREAMED) and routes on
-    x-gateway-destination-endpoint. Implies upstream_mode: endpoint; no peer token
-    is asked for (the gateway sends none: keep the port private to it)."""
+    x-gateway-destination-endpoint. Implies upstream_mode: endpoint (whatever that
+    setting says); no peer token is asked for (the gateway sends none: keep the port
+    private to it)."""
 
     secure_serving: Annotated[
         bool,
