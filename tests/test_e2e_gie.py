@@ -46,10 +46,18 @@ _LB = "type.googleapis.com/envoy.extensions.load_balancing_policies."
 
 
 def gie_envoy(
-    listen: int, admin: int, ext_proc: int, pods: list[int], shape: str, fail_open: bool
+    listen: int,
+    admin: int,
+    ext_proc: int,
+    pods: list[int],
+    shape: str,
+    fail_open: bool,
+    subset: list[str] | None = None,
 ) -> dict[str, Any]:
     """An Envoy bootstrap shaped as GIE's own (its EPP's processing mode, metadata
-    namespaces and pool cluster), ``shape`` "original_dst" or "override_host"."""
+    namespaces and pool cluster), ``shape`` "original_dst" or "override_host".
+    ``subset``: a set_metadata filter before ext_proc puts it in the request's
+    ``envoy.lb.subset_hint`` metadata, as a gateway that subsets does."""
     ext_proc_filter = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -176,6 +184,7 @@ def gie_envoy(
                 ]
             },
             "http_filters": [
+                *([_subset_filter(subset)] if subset is not None else []),
                 ext_proc_filter,
                 {
                     "name": "envoy.filters.http.router",
@@ -197,6 +206,21 @@ def gie_envoy(
                 }
             ],
             "clusters": [pool, epp],
+        },
+    }
+
+
+def _subset_filter(subset: list[str]) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.set_metadata",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.set_metadata.v3.Config",
+            "metadata": [
+                {
+                    "metadata_namespace": "envoy.lb.subset_hint",
+                    "value": {SUBSET: subset},
+                }
+            ],
         },
     }
 
@@ -309,14 +333,20 @@ def _config(ports: list[int], ext_proc: int, router: dict[str, Any] | None = Non
 
 @contextlib.contextmanager
 def gie(
-    tmp_path: Path, sent: Sent, shape: str, fail_open: bool, router: dict[str, Any] | None = None
+    tmp_path: Path,
+    sent: Sent,
+    shape: str,
+    fail_open: bool,
+    router: dict[str, Any] | None = None,
+    subset: list[int] | None = None,
 ) -> Iterator[Gie]:
-    """Pods and ace-extproc in this process (one event loop), Envoy as GIE sets it up."""
+    """Pods and ace-extproc in this process (one event loop), Envoy as GIE sets it up;
+    ``subset``: the indexes of the pods the gateway's subset hint allows."""
     *pod_ports, listen, admin, ext_proc = free_ports(PODS + 3)
+    allowed = None if subset is None else [f"127.0.0.1:{pod_ports[i]}" for i in subset]
     bootstrap = tmp_path / f"envoy-{shape}-{fail_open}.yaml"
-    bootstrap.write_text(
-        yaml.safe_dump(gie_envoy(listen, admin, ext_proc, pod_ports, shape, fail_open))
-    )
+    doc = gie_envoy(listen, admin, ext_proc, pod_ports, shape, fail_open, allowed)
+    bootstrap.write_text(yaml.safe_dump(doc))
     envoy_validate(bootstrap)
     loop = asyncio.new_event_loop()
     config = _config(pod_ports, ext_proc, router)
@@ -425,6 +455,24 @@ def test_a_subset_hint_confines_the_pick_and_an_empty_one_is_refused(
         status, _, body = g.post(chat("subset-none", False), **{SUBSET: "10.9.9.9:1"})
         assert status == 503
         assert "subset" in json.loads(body)["error"]["message"]
+
+
+def test_the_gateway_s_subset_hint_in_metadata_is_honoured(tmp_path: Path, sent: Sent) -> None:
+    with gie(tmp_path, sent, "original_dst", False, subset=[1]) as g:
+        landed = {g.post(chat(f"hint-{i}", False))[1][POD_HEADER] for i in range(6)}
+        assert landed == {"pod-1"}
+
+
+def test_usage_is_read_on_the_way_where_usage_capture_is_on(tmp_path: Path, sent: Sent) -> None:
+    with gie(tmp_path, sent, "override_host", False, router={"usage_capture": True}) as g:
+        for stream in (False, True, False, True):
+            status, headers, body = g.post(chat("usage", stream))
+            assert status == 200 and body == sent.by_pod[headers[POD_HEADER]][-1]
+        [totals] = g.app.observer.ledger.by_pod.values()
+        # Every response's usage, the stream's usage chunk included (asked for by the
+        # router), and the later turns' reuse as the engine counted it.
+        assert totals.responses == totals.with_usage == 4
+        assert totals.cached_tokens > 0
 
 
 @pytest.mark.parametrize(("shape", "fail_open"), [SHAPES[1], SHAPES[2], SHAPES[3]])
