@@ -274,3 +274,11 @@ def test_the_picker_s_settings_are_checked() -> None:
     from ace_extproc import peer
 
     assert peer.token(settings) is None  # the gateway's Envoy sends no token
+
+
+def test_the_native_api_is_refused_in_full_duplex_mode() -> None:
+    msg = _headers()
+    msg.request_headers.headers.headers[0].raw_value = b"/v1/execute"
+    stream = server._Stream(_app().processor, _app().observer)
+    [answer] = stream.on_message(msg)
+    assert answer.immediate_response.status.code == 501
