@@ -128,7 +128,22 @@ class DnsDiscovery(Discovery, frozen=True, tag="dns"):
     interval_s: Annotated[Seconds, _doc("Seconds between resolutions.")] = 5.0
 
 
-class KubernetesDiscovery(Discovery, frozen=True, tag="kubernetes"):
+class KubernetesApi(Discovery, frozen=True, kw_only=True):
+    """What the discoveries that watch the Kubernetes API share."""
+
+    api_url: Annotated[str, _doc("The Kubernetes API server.")] = KUBERNETES_API
+    token_path: Annotated[Text, _doc("The service account token the API is called with.")] = (
+        f"{SERVICE_ACCOUNT}/token"
+    )
+    ca_path: Annotated[Text, _doc("The CA the API server's certificate is checked against.")] = (
+        f"{SERVICE_ACCOUNT}/ca.crt"
+    )
+    interval_s: Annotated[
+        Seconds, _doc("The first reconnect delay in seconds (doubling, at most 30).")
+    ] = 1.0
+
+
+class KubernetesDiscovery(KubernetesApi, frozen=True, tag="kubernetes"):
     """The EndpointSlices of service in namespace, listed then watched with the pod's
     service account. Envoy resolves hostname for the destination's hosts: the pods'
     addresses only if the service is headless (clusterIP: None)."""
@@ -143,19 +158,9 @@ class KubernetesDiscovery(Discovery, frozen=True, tag="kubernetes"):
         Port | None, _doc("The pods' port, where the slice has no port named port_name.")
     ] = None
     port_name: Annotated[Text | None, _doc("The EndpointSlice port to use, by name.")] = None
-    api_url: Annotated[str, _doc("The Kubernetes API server.")] = KUBERNETES_API
-    token_path: Annotated[Text, _doc("The service account token the API is called with.")] = (
-        f"{SERVICE_ACCOUNT}/token"
-    )
-    ca_path: Annotated[Text, _doc("The CA the API server's certificate is checked against.")] = (
-        f"{SERVICE_ACCOUNT}/ca.crt"
-    )
-    interval_s: Annotated[
-        Seconds, _doc("The first reconnect delay in seconds (doubling, at most 30).")
-    ] = 1.0
 
 
-class PodsDiscovery(Discovery, frozen=True, tag="kubernetes-pods"):
+class PodsDiscovery(KubernetesApi, frozen=True, tag="kubernetes-pods"):
     """The pods matching selector in namespace (an InferencePool's selector), listed
     then watched through the pods API: each Ready pod's podIP on port (the pool's
     targetPort). No Service needed; with endpoint_cluster: override_host, Envoy still
@@ -170,16 +175,6 @@ class PodsDiscovery(Discovery, frozen=True, tag="kubernetes-pods"):
         HostName | None,
         _doc("What Envoy resolves for its hosts (override_host only; none: original_dst)."),
     ] = None
-    api_url: Annotated[str, _doc("The Kubernetes API server.")] = KUBERNETES_API
-    token_path: Annotated[Text, _doc("The service account token the API is called with.")] = (
-        f"{SERVICE_ACCOUNT}/token"
-    )
-    ca_path: Annotated[Text, _doc("The CA the API server's certificate is checked against.")] = (
-        f"{SERVICE_ACCOUNT}/ca.crt"
-    )
-    interval_s: Annotated[
-        Seconds, _doc("The first reconnect delay in seconds (doubling, at most 30).")
-    ] = 1.0
 
 
 class Destination(Section, frozen=True):

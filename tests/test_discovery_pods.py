@@ -32,7 +32,7 @@ from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.index import BlockIndex
 from tests.conftest import serving
 from tests.test_discovery import _run, _until
-from tests.test_epp import NOT_SERVING, SERVING, _health
+from tests.test_epp import NOT_SERVING, SERVING, _health, picker_settings
 
 SELECTOR = {"app": "vllm", "pool": "llama"}
 PATH = "/api/v1/namespaces/ns/pods"
@@ -190,13 +190,7 @@ def test_the_picker_is_ready_once_the_pods_are_listed(port: int) -> None:
     async def main() -> tuple[list[int], list[int]]:
         async with _serve(api) as url:
             fleet = parse_fleet(_pods_doc(api_url=url))
-            settings = Settings(
-                listen=target,
-                probe_interval_s=0,
-                upstream_mode="endpoint",
-                endpoint_picker=EndpointPicker(secure_serving=False),
-                admin_listen="off",
-            )
+            settings = picker_settings(port, EndpointPicker(secure_serving=False))
             app = build(Config(fleet, settings))
             srv, _ = await server.start(app)
             try:

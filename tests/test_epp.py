@@ -169,6 +169,17 @@ async def _health(target: str, service: str, creds: grpc.ChannelCredentials | No
     return int(resp.status)
 
 
+def picker_settings(port: int, picker: EndpointPicker) -> Settings:
+    """A picker serving on ``port``, with no monitor and no admin API."""
+    return Settings(
+        listen=f"127.0.0.1:{port}",
+        probe_interval_s=0,
+        upstream_mode="endpoint",
+        endpoint_picker=picker,
+        admin_listen="off",
+    )
+
+
 def test_readiness_waits_for_discovery_s_first_sync(port: int) -> None:
     doc = {
         "destinations": [
@@ -180,14 +191,7 @@ def test_readiness_waits_for_discovery_s_first_sync(port: int) -> None:
             }
         ]
     }
-    picker = EndpointPicker(secure_serving=False)
-    settings = Settings(
-        listen=f"127.0.0.1:{port}",
-        probe_interval_s=0,
-        upstream_mode="endpoint",
-        endpoint_picker=picker,
-        admin_listen="off",
-    )
+    settings = picker_settings(port, EndpointPicker(secure_serving=False))
     app = build(Config(parse_fleet(doc), settings))
     target = f"127.0.0.1:{port}"
 
@@ -214,13 +218,7 @@ def test_readiness_waits_for_discovery_s_first_sync(port: int) -> None:
 
 
 def _tls_server(port: int, picker: EndpointPicker) -> tuple[App, str]:
-    settings = Settings(
-        listen=f"127.0.0.1:{port}",
-        probe_interval_s=0,
-        upstream_mode="endpoint",
-        endpoint_picker=picker,
-        admin_listen="off",
-    )
+    settings = picker_settings(port, picker)
     return build(Config(sim_fleet(ADDRESSES), settings)), f"127.0.0.1:{port}"
 
 
@@ -279,6 +277,7 @@ def test_the_picker_s_settings_are_checked() -> None:
 def test_the_native_api_is_refused_in_full_duplex_mode() -> None:
     msg = _headers()
     msg.request_headers.headers.headers[0].raw_value = b"/v1/execute"
-    stream = server._Stream(_app().processor, _app().observer)
+    app = _app()
+    stream = server._Stream(app.processor, app.observer)
     [answer] = stream.on_message(msg)
     assert answer.immediate_response.status.code == 501
