@@ -25,8 +25,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -432,14 +433,12 @@ async def start(app: App) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     await app.start()
     await serve_admin(app, follow=server)  # stops after server
     await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
-    if all(d.synced.is_set() for d in app.discoveries):
+    if app.discovered:
         await _set_ready(health_servicer)
     else:
         for name in READY_SERVICES:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        task = asyncio.create_task(_ready_when_synced(app, health_servicer), name="ace-ready")
-        _background.add(task)
-        task.add_done_callback(_background.discard)
+        _in_background(_ready_when_synced(app, health_servicer), "ace-ready")
     return server, health_servicer
 
 
@@ -456,10 +455,22 @@ async def _set_ready(health_servicer: health.aio.HealthServicer) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
+def _in_background(coro: Coroutine[Any, Any, None], name: str) -> None:
+    task = asyncio.create_task(coro, name=name)
+    _background.add(task)  # held until done: the loop keeps only a weak reference
+    task.add_done_callback(_background.discard)
+
+
 async def _ready_when_synced(app: App, health_servicer: health.aio.HealthServicer) -> None:
-    await asyncio.gather(*(d.synced.wait() for d in app.discoveries))
+    await app.until_discovered()
     log.info("discovery synced: ready")
     await _set_ready(health_servicer)
+
+
+async def probes_ready_when_synced(app: App, probes: Probes) -> None:
+    """The kubelet's ``/readyz`` too waits for discovery's first sync."""
+    await app.until_discovered()
+    probes.serving = True
 
 
 def _add_port(
@@ -521,7 +532,7 @@ async def serve(config: Config) -> None:
     # Its own port and thread: a scrape never waits on, or holds up, this loop. The
     # kubelet's probes ask there too: the ext_proc port need not be open to them.
     probes = Probes()
-    probes.serving = True
+    _in_background(probes_ready_when_synced(app, probes), "ace-probes-ready")
     heartbeat = asyncio.create_task(probes.beat(), name="ace-heartbeat")
     try:
         metrics = tm.serve_metrics(s.metrics_listen, app.telemetry, probes)

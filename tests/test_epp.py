@@ -28,6 +28,7 @@ from ace_extproc.config import (
     parse_settings,
     sim_fleet,
 )
+from ace_extproc.probes import Probes
 from tests.test_server import CHAT
 
 ADDRESSES = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
@@ -200,8 +201,14 @@ def test_readiness_waits_for_discovery_s_first_sync(port: int) -> None:
         try:
             names = ["liveness", "readiness", "", server.EXT_PROC_SERVICE]
             before = [await _health(target, n) for n in names]
+            probes = Probes()
+            waiting = asyncio.create_task(server.probes_ready_when_synced(app, probes))
+            await asyncio.sleep(0.05)
+            assert not probes.ready()  # the kubelet's /readyz waits too
             [discovery] = app.discoveries
             discovery.sync([])  # the first answer, even an empty one
+            await asyncio.wait_for(waiting, 5)
+            assert probes.ready()
             for _ in range(100):
                 if await _health(target, "readiness") == SERVING:
                     break
