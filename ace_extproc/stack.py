@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
@@ -203,6 +204,8 @@ class Stack:
                 if o.upstream_mode:
                     settings["upstream_mode"] = o.upstream_mode
                 if o.share:
+                    if _router_of(fleet_path).get("share_url"):
+                        raise StackError("--share starts a Redis; the fleet file sets share_url")
                     settings["share_url"] = await self._start_redis()
                 if settings:
                     fleet_path = self._with_router(fleet_path, settings)
@@ -344,16 +347,8 @@ class Stack:
         """A copy of the user's fleet file with these ``router`` settings (the upstream
         mode, the sharing Redis), so the server (which reads the file) and Envoy
         (rendered from it) agree."""
-        try:
-            doc = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"{path}: {exc}") from None
-        if not isinstance(doc, dict):
-            raise ConfigError(f"{path}: expected a mapping with 'destinations:'")
-        router = doc.get("router") or {}
-        if not isinstance(router, dict):
-            raise ConfigError(f"{path}: router: expected a mapping")
-        doc["router"] = {**router, **settings}
+        doc = _fleet_doc(path)
+        doc["router"] = {**_router_of(path, doc), **settings}
         copy = self.workdir / "fleet.yaml"
         copy.write_text(yaml.safe_dump(doc, sort_keys=False))
         return copy
@@ -688,3 +683,20 @@ async def _up(options: StackOptions) -> int:
         say(f"restarted {stack.restarts}; logs kept in {stack.workdir}")
     await stack.stop()
     return 0
+
+
+def _fleet_doc(path: Path) -> dict[str, Any]:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a mapping with 'destinations:'")
+    return doc
+
+
+def _router_of(path: Path, doc: dict[str, Any] | None = None) -> dict[str, Any]:
+    router = (_fleet_doc(path) if doc is None else doc).get("router") or {}
+    if not isinstance(router, dict):
+        raise ConfigError(f"{path}: router: expected a mapping")
+    return router

@@ -4,6 +4,7 @@ of the pods' caches changes.
 
     python -m bench.precise_sim --workload all             # every workload, both fleets
     python -m bench.precise_sim --workload seed800 --fleets kv-pressure --limit 300
+    python -m bench.precise_sim --workload all --fleets kv-tight --replicas 2
 
 Variants (``VARIANTS``):
 
@@ -15,6 +16,10 @@ Variants (``VARIANTS``):
   ``router.precise.speculate`` off: the index holds only what the events said.
 * ``precise+spec@D``: the same with speculation on (the default): a pick counts as
   held on its pod until the events confirm it.
+* ``approximate+shared`` (``--replicas N``): N replicas sharing their placements
+  through Redis, 3 ms late; every other variant then runs as N replicas sharing
+  no placements, each with its own precise index fed by every pod's events. All N
+  see one exact load view, as sharing replicas do in this simulation.
 
 Fleets (``FLEETS``): ``default`` (the simulation's 16,384 blocks a pod) and
 ``kv-pressure`` (4,096 blocks, 64K tokens: a pod holds a few prompts, so engines
@@ -61,8 +66,21 @@ def _delay(d: float) -> str:
     return f"{d * 1000:g}ms"
 
 
-def variants(delays: tuple[float, ...] = DELAYS_S) -> dict[str, dict[str, Any]]:
-    """Name -> the ``SimSettings`` fields it changes."""
+# A variant's fields that are ``simulate``'s arguments, not ``SimSettings``'.
+RUN_FIELDS = ("replicas", "share_delay_s", "common_load")
+SHARE_DELAY_S = 0.003  # Redis pub/sub between replicas (bench.report --share-ms 3)
+
+
+def variants(delays: tuple[float, ...] = DELAYS_S, replicas: int = 1) -> dict[str, dict[str, Any]]:
+    """Name -> the ``SimSettings`` fields it changes (and, with replicas, how many
+    routers take turns: each keys and speculates alone, every one reads the events).
+    Replicas all see one exact load view, so only what they know of placements
+    differs between variants."""
+    if replicas > 1:
+        every = {"replicas": replicas, "common_load": True}
+        plain = variants(delays)
+        shared = {"approximate+shared": {"share_delay_s": SHARE_DELAY_S}}
+        return {name: {**fields, **every} for name, fields in {**plain, **shared}.items()}
     out: dict[str, dict[str, Any]] = {"approximate": {}}
     for spec, label in ((False, "precise"), (True, "precise+spec")):
         for d in delays:
@@ -112,12 +130,15 @@ def run_workload(
     for fleet, base in fleets.items():
         out[fleet] = {}
         for name, fields in chosen.items():
+            run = {k: v for k, v in fields.items() if k in RUN_FIELDS}
+            sim = {k: v for k, v in fields.items() if k not in RUN_FIELDS}
             result = simulate(
                 workload,
                 resolve("ace"),
                 pods=pods,
-                settings=replace(base, **fields),
+                settings=replace(base, **sim),
                 progress=False,
+                **run,
             )
             out[fleet][name] = figures(result)
             if log:
@@ -175,15 +196,31 @@ def main(argv: list[str] | None = None) -> int:
         "--delays-ms", default=",".join(f"{d * 1000:g}" for d in DELAYS_S), help="event delays"
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="N routers taking turns, sharing nothing (and approximate+shared: through "
+        "Redis); writes precise-sim-replicasN.json unless --out",
+    )
+    ap.add_argument("--out")
     ap.add_argument("--markdown", action="store_true", help="print --out's table; run nothing")
     args = ap.parse_args(argv)
+    if args.replicas < 1:
+        ap.error("--replicas must be at least 1")
+    if args.out is None:
+        args.out = str(
+            OUT
+            if args.replicas == 1
+            else OUT.with_name(f"precise-sim-replicas{args.replicas}.json")
+        )
     if args.markdown:
         print(markdown(json.loads(Path(args.out).read_text())))
         return 0
     names = list(workloads.NAMES) if args.workload == "all" else [args.workload]
     fleets = {f: FLEETS[f] for f in args.fleets.split(",") if f}
-    chosen = variants(tuple(float(d) / 1000 for d in args.delays_ms.split(",") if d))
+    delays = tuple(float(d) / 1000 for d in args.delays_ms.split(",") if d)
+    chosen = variants(delays, args.replicas)
     out = Path(args.out)
     doc: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     doc.update(

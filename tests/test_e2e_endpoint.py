@@ -192,7 +192,7 @@ def test_up_gives_the_server_and_envoy_one_upstream_mode(tmp_path: Path) -> None
     assert args.upstream_mode == "endpoint"
     stack = Stack(StackOptions(fleet_path=str(fleet), workdir=tmp_path / "work"))
     (tmp_path / "work").mkdir()
-    copy = stack._with_upstream_mode(fleet, "endpoint")
+    copy = stack._with_router(fleet, {"upstream_mode": "endpoint"})
     config = cfg.load(copy, env={})
     assert config.settings.upstream_mode == "endpoint"
     assert config.settings.mode is cfg.Mode.SHADOW  # the rest of router: kept

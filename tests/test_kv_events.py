@@ -7,10 +7,11 @@ pod routed approximately, never a crash or a stalled loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -141,20 +142,29 @@ async def connected(s: PodStream) -> None:
     await asyncio.sleep(0.1)  # the subscription reaches the publisher (ZMQ's slow joiner)
 
 
+@contextlib.asynccontextmanager
+async def streaming(
+    replay: bool = False, **kw: Any
+) -> AsyncIterator[tuple[Publisher, PreciseIndex, PodStream]]:
+    """A publisher, an index, and a stream between them, connected."""
+    pub, index = Publisher(replay=replay), PreciseIndex()
+    s = stream(index, pub.endpoints, **kw)
+    s.start()
+    try:
+        await connected(s)
+        yield pub, index, s
+    finally:
+        await s.stop()
+        pub.close()
+
+
 def test_stores_reach_the_index_and_the_pod_is_precise() -> None:
     async def go() -> None:
-        pub, index = Publisher(), PreciseIndex()
-        s = stream(index, pub.endpoints)
-        s.start()
-        try:
-            await connected(s)
+        async with streaming() as (pub, index, s):
             pub.publish([stored([10, 11], IDS[:8])])
             pub.publish([stored([12, 13], IDS[8:], parent=11)])
             await until(lambda: index.match(KEYS, 1) == {0: (4, 4)})
             assert s.stats.batches == 2 and s.stats.last_seq == 1 and s.stats.lag_s < 5
-        finally:
-            await s.stop()
-            pub.close()
 
     run(go)
 
@@ -178,11 +188,7 @@ def test_a_stream_that_never_connects_leaves_the_pod_approximate() -> None:
 
 def test_a_gap_without_replay_untrusts_the_pod_until_rebuilt() -> None:
     async def go() -> None:
-        pub, index = Publisher(), PreciseIndex()
-        s = stream(index, pub.endpoints, rebuild_s=0.5)
-        s.start()
-        try:
-            await connected(s)
+        async with streaming(rebuild_s=0.5) as (pub, index, s):
             pub.publish([stored([10], IDS[:4])])
             pub.publish([stored([11], IDS[4:8], parent=10)], deliver=False)  # lost
             pub.publish([stored([12], IDS[8:12], parent=11)])
@@ -191,20 +197,13 @@ def test_a_gap_without_replay_untrusts_the_pod_until_rebuilt() -> None:
             await until(lambda: s.refresh() == PRECISE, timeout=3)  # rebuild_s later
             # What it learned meanwhile is kept; the lost store's child is an orphan.
             assert index.match(KEYS, 1) == {0: (1, 1)} and index.pods[0].orphans == 1
-        finally:
-            await s.stop()
-            pub.close()
 
     run(go)
 
 
 def test_a_gap_is_filled_from_the_replay_socket() -> None:
     async def go() -> None:
-        pub, index = Publisher(replay=True), PreciseIndex()
-        s = stream(index, pub.endpoints, rebuild_s=60)
-        s.start()
-        try:
-            await connected(s)
+        async with streaming(replay=True, rebuild_s=60) as (pub, index, s):
             pub.publish([stored([10], IDS[:4])])
             pub.publish([stored([11], IDS[4:8], parent=10)], deliver=False)  # lost
             pub.publish([stored([12, 13], IDS[8:], parent=11)])
@@ -212,9 +211,6 @@ def test_a_gap_is_filled_from_the_replay_socket() -> None:
             # Replays: the first contact's (what it held before), and the gap's.
             assert s.stats.gaps == 1 and s.stats.replays == s.stats.replayed == 2
             assert s.refresh() == PRECISE
-        finally:
-            await s.stop()
-            pub.close()
 
     run(go)
 
@@ -247,11 +243,7 @@ def test_a_dropped_stream_is_not_trusted_until_it_is_back() -> None:
 
 def test_garbage_frames_are_counted_and_skipped() -> None:
     async def go() -> None:
-        pub, index = Publisher(), PreciseIndex()
-        s = stream(index, pub.endpoints)
-        s.start()
-        try:
-            await connected(s)
+        async with streaming() as (pub, index, s):
             pub.raw([b"kv", b"\x00" * 8, b"\xc1\xff not msgpack"])
             pub.raw([b"kv", b"short", b""])
             pub.raw([b"kv"])
@@ -259,20 +251,13 @@ def test_garbage_frames_are_counted_and_skipped() -> None:
             await until(lambda: s.stats.batches == 1)
             assert s.stats.bad_frames == 3 and s.stats.skipped_events == 1
             assert index.match(KEYS, 1) == {0: (1, 1)} and s.refresh() == PRECISE
-        finally:
-            await s.stop()
-            pub.close()
 
     run(go)
 
 
 def test_a_sequence_that_starts_again_is_a_restarted_engine() -> None:
     async def go() -> None:
-        pub, index = Publisher(), PreciseIndex()
-        s = stream(index, pub.endpoints)
-        s.start()
-        try:
-            await connected(s)
+        async with streaming() as (pub, index, s):
             pub.publish([stored([10, 11], IDS[:8])])
             pub.publish([])
             await until(lambda: s.stats.last_seq == 1)
@@ -280,27 +265,17 @@ def test_a_sequence_that_starts_again_is_a_restarted_engine() -> None:
             pub.publish([stored([50], IDS[:4])])
             await until(lambda: s.stats.restarts == 1)
             assert index.match(KEYS, 1) == {0: (1, 1)} and 10 not in index.pods[0].blocks
-        finally:
-            await s.stop()
-            pub.close()
 
     run(go)
 
 
 def test_a_block_size_the_engine_disagrees_with_is_a_mismatch() -> None:
     async def go() -> None:
-        pub, index = Publisher(), PreciseIndex()
-        s = stream(index, pub.endpoints)
-        s.start()
-        try:
-            await connected(s)
+        async with streaming() as (pub, index, s):
             index.set_engine_cache(0, 16, 16_000)  # cache_config_info says 16
             pub.publish([stored([10], IDS[:4])])  # events say 4
             await until(lambda: s.refresh() == MISMATCH)
             assert not index.live_mask and index.match(KEYS, 1) == {}
-        finally:
-            await s.stop()
-            pub.close()
 
     run(go)
 

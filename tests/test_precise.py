@@ -134,36 +134,30 @@ def test_a_block_size_that_disagrees_with_the_engine_untrusts_the_pod() -> None:
     assert not index.live_mask
 
 
-def test_the_view_holds_no_more_than_the_engine_can() -> None:
-    index = live_index(0)
-    index.set_engine_cache(0, BS, BS * 3)
-    index.apply(0, [stored([10, 11, 12, 13], IDS)])
-    # The chain's tail went, as an engine frees a request's blocks tail first.
-    assert index.match(keys(), 1) == {0: (3, 3)}
-    assert index.pods[0].predicted == 1
-
-
-def test_what_was_sent_since_evicts_what_the_engine_holds_now() -> None:
-    """Under KV pressure the engine's cache now is not what a queued request finds: the
-    requests sent before it are admitted first and evict the least recently used."""
+def test_what_the_engine_holds_is_believed_until_it_removes_it() -> None:
+    """Sending more than the engine can hold does not make the router take its blocks
+    as evicted: another replica's hits may keep them warm, and say nothing."""
     index = live_index(0)
     index.set_engine_cache(0, BS, BS * 6)
     index.apply(0, [stored([10, 11, 12, 13], IDS)])
     other = block_keys([i + 100 for i in IDS], BS, chain_seed("s"))
+    index.speculate(0, other)  # eight blocks in a cache of six
     assert index.match(keys(), 1) == {0: (4, 4)}
-    index.speculate(0, other)  # four new blocks sent: two of the held ones must go
-    assert index.match(keys(), 1) == {0: (2, 2)}  # its tail, least recently used
-    # Expected, not known: a request sent over it (the engine may well still hold it)
-    # brings it back, its blocks untouched by the prediction.
-    index.speculate(0, keys())
-    assert index.match(keys(), 1) == {0: (4, 4)} and index.confirmed == 0
-    # A request that uses the held prefix makes it recent: then the other goes first.
+    assert len(index.pods[0].recent) == 6  # the recency model is bounded all the same
+    index.apply(0, [Removed([13], "GPU")])  # the engine's own word
+    assert index.match(keys(), 1) == {0: (3, 3)}
+
+
+def test_a_lost_removal_ages_out_with_the_least_recently_used() -> None:
     index = live_index(0)
-    index.set_engine_cache(0, BS, BS * 6)
+    index.set_engine_cache(0, BS, BS * 2)  # the map is trimmed past twice this
     index.apply(0, [stored([10, 11, 12, 13], IDS)])
-    index.speculate(0, keys())  # a hit on it: touched, nothing new
-    index.speculate(0, other[:2])
-    assert index.match(keys(), 1) == {0: (4, 4)}
+    index.apply(0, [stored([20], [i + 100 for i in IDS[:4]])])
+    # Kept: the chain's head (touched last) and the newest block; the rest forgotten.
+    assert index.match(keys(), 1) == {0: (1, 1)}
+    assert index.match(block_keys([i + 100 for i in IDS[:4]], BS, chain_seed("s")), 1) == {
+        0: (1, 1)
+    }
 
 
 def test_events_for_a_pod_that_left_change_nothing() -> None:

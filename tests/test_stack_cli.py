@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ace_extproc.stack import envoy_binary
 from tests.conftest import alive, children, up_command
@@ -72,7 +73,6 @@ def test_up_reports_a_bad_fleet_file(tmp_path: Path) -> None:
     ("args", "says"),
     [
         (["--ext-proc-replicas", "0"], "--ext-proc-replicas must be at least 1"),
-        (["--share", "--fleet", "envoy/fleet.example.yaml"], "a fleet file sets share_url"),
     ],
 )
 def test_up_refuses_replica_options_it_cannot_honour(args: list[str], says: str) -> None:
@@ -82,3 +82,18 @@ def test_up_refuses_replica_options_it_cannot_honour(args: list[str], says: str)
     )  # fmt: skip
     assert out.returncode != 0
     assert says in out.stderr and "Traceback" not in out.stderr
+
+
+def test_up_shares_through_its_own_redis_only_where_the_fleet_file_names_none(
+    tmp_path: Path,
+) -> None:
+    doc = yaml.safe_load(Path("envoy/fleet.example.yaml").read_text())
+    doc["router"] = {**(doc.get("router") or {}), "share_url": "redis://127.0.0.1:1/0"}
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(doc))
+    out = subprocess.run(
+        [sys.executable, "-m", "ace_extproc.cli", "up", "--share", "--fleet", str(fleet)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "the fleet file sets share_url" in out.stderr and "Traceback" not in out.stderr

@@ -42,8 +42,8 @@ class PodView:
     """One pod's engine, as its events tell it."""
 
     blocks: dict[BlockHash, list[int]] = field(default_factory=dict)  # hash -> [key, tiers]
-    # Keys on GPU or just sent there, least recently used first: what the engine's LRU
-    # will evict first as the requests sent meanwhile come in.
+    # Keys on GPU or just sent there, least recently used first, at most ``capacity``:
+    # when the map from the engine's hashes must shrink, these are kept.
     recent: OrderedDict[int, None] = field(default_factory=OrderedDict)
     block_size: int = 0  # from its events; 0 until the first store
     expected_block_size: int = 0  # from its cache_config_info; 0: not known
@@ -54,7 +54,6 @@ class PodView:
     orphans: int = 0  # stored blocks whose parent it never saw: not keyable
     mismatched: bool = False  # its events' block size is not its engine's
     capacity: int = 0  # the engine's KV blocks, where known: the view holds no more
-    predicted: int = 0  # blocks taken as evicted by what was sent since (not yet said)
 
 
 class PreciseIndex:
@@ -67,9 +66,6 @@ class PreciseIndex:
         self._warm: dict[int, int] = {}  # key -> bitmask of pods holding it on GPU
         self._offloaded: dict[int, int] = {}  # key -> bitmask of pods holding it offloaded
         self._speculative: dict[int, int] = {}  # key -> bitmask of pods picked for it
-        # key -> bitmask of pods expected to evict it (what was sent since pushes it out
-        # of their LRU): not matched, but still held until the events say otherwise.
-        self._doomed: dict[int, int] = {}
         self._deadlines: dict[tuple[int, int], float] = {}  # (slot, key) -> expiry
         self._expiry: deque[tuple[float, int, int]] = deque()  # in deadline order
         self.live_mask = 0  # pods whose view is trusted
@@ -118,8 +114,6 @@ class PreciseIndex:
             _unset(self._offloaded, key, keep)
         view.blocks.clear()
         view.recent.clear()
-        for key in [k for k, mask in self._doomed.items() if mask & ~keep]:
-            _unset(self._doomed, key, keep)
         for key in [k for k, mask in self._speculative.items() if mask & ~keep]:
             _unset(self._speculative, key, keep)
             self._deadlines.pop((slot, key), None)
@@ -168,10 +162,9 @@ class PreciseIndex:
                 self._deadlines.pop((slot, key), None)
                 self.confirmed += 1
         if tier == GPU:
-            self._touch(view, keys, bit)
+            self._touch(view, keys)
         view.stored += len(keys)
         view.orphans += len(event.hashes) - len(keys)
-        self._fit(slot, view)
         if view.capacity and len(blocks) > 2 * view.capacity:
             self._trim(slot, view)
 
@@ -187,40 +180,28 @@ class PreciseIndex:
             _unset(held, entry[0], keep)
             if tier == GPU and not self._speculative.get(entry[0], 0) & ~keep:
                 view.recent.pop(entry[0], None)
-                _unset(self._doomed, entry[0], keep)
             entry[1] &= ~tier
             if not entry[1]:
                 del blocks[engine_hash]
             view.removed += 1
 
-    def _touch(self, view: PodView, keys: Sequence[int], bit: int) -> None:
-        """Make a chain's blocks the most recently used, its head last: an engine frees
-        a request's blocks tail first, so a chain's tail is evicted before its head
-        (vLLM's free-block queue), and a chain whose head went matches nothing."""
-        recent, doomed = view.recent, self._doomed
+    def _touch(self, view: PodView, keys: Sequence[int]) -> None:
+        """Make a chain's blocks the most recently used, its head last (an engine frees
+        a request's blocks tail first), keeping at most the engine's capacity.
+
+        What falls out is not taken as evicted. A router that predicted the engine's
+        evictions from what it sent stopped matching blocks the engine still held: a
+        replica sees only its own requests, and a hit through another refreshes blocks
+        without an event (bench/RESULTS.md, "Precise routing"). Only a removal removes."""
+        recent = view.recent
         for key in reversed(keys):
             if key in recent:
                 recent.move_to_end(key)
             else:
                 recent[key] = None
-                if doomed.get(key, 0) & bit:
-                    _unset(doomed, key, ~bit)
-
-    def _fit(self, slot: int, view: PodView) -> None:
-        """The engine holds no more than its capacity: the least recently used of what
-        it holds and what was sent to it since are expected to be evicted, as its LRU
-        will evict them when the requests sent meanwhile are admitted (what it holds
-        now is not what a queued request will find). Expected, not known: such a block
-        stops matching, but stays held until its removal comes; a request sent over it
-        (the engine may still have it) or its store brings it back."""
-        recent, capacity = view.recent, view.capacity
-        if not capacity or len(recent) <= capacity:
-            return
-        bit, doomed = 1 << slot, self._doomed
-        for _ in range(len(recent) - capacity):
-            key, _ = recent.popitem(last=False)
-            doomed[key] = doomed.get(key, 0) | bit
-            view.predicted += 1
+        if view.capacity and len(recent) > view.capacity:
+            for _ in range(len(recent) - view.capacity):
+                recent.popitem(last=False)
 
     def _trim(self, slot: int, view: PodView) -> None:
         """Bound the map from the engine's hashes: its oldest-stored entries go, their
@@ -231,7 +212,6 @@ class PreciseIndex:
             if key not in recent:
                 _unset(self._warm, key, keep)
                 _unset(self._offloaded, key, keep)
-                _unset(self._doomed, key, keep)
 
     def _check_block_size(self, slot: int, view: PodView) -> None:
         expected, seen = view.expected_block_size, view.block_size
@@ -249,7 +229,7 @@ class PreciseIndex:
         view = self.pods.get(slot)
         if view is None:
             return
-        self._touch(view, keys, bit)  # the engine will use them: recently used
+        self._touch(view, keys)  # the engine will use them: recently used
         for key in keys:
             if warm.get(key, 0) & bit:
                 continue
@@ -260,7 +240,6 @@ class PreciseIndex:
             speculative[key] = held | bit
             deadlines[(slot, key)] = deadline
             self._expiry.append((deadline, slot, key))
-        self._fit(slot, view)
 
     def expire(self) -> None:
         """Drop speculative entries past their deadline (a pick the engine never
@@ -281,7 +260,6 @@ class PreciseIndex:
                 view = self.pods.get(slot)
                 if view is not None and not self._warm.get(key, 0) & (1 << slot):
                     view.recent.pop(key, None)
-                    _unset(self._doomed, key, ~(1 << slot))
 
     def match(self, keys: Sequence[int], candidates: int) -> dict[int, tuple[int, int]]:
         """For each live candidate holding the first block: ``(warm, held)``, the
@@ -291,13 +269,12 @@ class PreciseIndex:
             return {}
         self.expire()
         warm_get, off_get, spec_get = self._warm.get, self._offloaded.get, self._speculative.get
-        doomed_get = self._doomed.get
         warm = candidates  # pods still matching on GPU
         held = candidates  # pods still matching on any tier
         warm_depth: dict[int, int] = {}
         depth: dict[int, int] = {}
         for i, key in enumerate(keys):
-            on_gpu = (warm_get(key, 0) | spec_get(key, 0)) & ~doomed_get(key, 0)
+            on_gpu = warm_get(key, 0) | spec_get(key, 0)
             anywhere = on_gpu | off_get(key, 0)
             if lost := warm & ~on_gpu:
                 _settle(warm_depth, lost, i)

@@ -47,11 +47,14 @@ def simulate(
     salt_secret: bytes = b"bench",
     replicas: int = 1,
     share_delay_s: float | None = None,
+    common_load: bool = False,
 ) -> RunResult:
     """Run ``workload`` over ``pods`` simulated pods routed by ``picker``.
 
     ``share_delay_s``: replicas share their placements (``router.share_url``), each
-    reaching the others this long after it was made; None: they share nothing."""
+    reaching the others this long after it was made; None: they share nothing.
+    ``common_load``: replicas that share no placements still see one exact load view
+    (as sharing ones do here), so that only what they know of placements differs."""
     if pods < 1 or replicas < 1:
         raise ValueError("pods and replicas must be at least 1")
     slots = [e.slot for e in workload.events] + list(workload.initially_absent)
@@ -64,6 +67,8 @@ def simulate(
     sim = _Run(workload, picker, pods, settings, Mode.parse(mode), salt_secret, replicas)
     if share_delay_s is not None and replicas > 1:
         sim.share(share_delay_s)
+    elif common_load:
+        sim.common_load()
     with _progress(len(workload.requests), workload.name, progress) as tick:
         sim.tick = tick
         sim.run()
@@ -256,7 +261,6 @@ class _Run:
             "blocks_stored": sum(v.stored for v in pods),
             "blocks_removed": sum(v.removed for v in pods),
             "blocks_orphaned": sum(v.orphans for v in pods),
-            "blocks_predicted_evicted": sum(v.predicted for v in pods),
         }
 
     def _new_cache(self, pods: int) -> PrefixCache:
@@ -327,13 +331,18 @@ class _Run:
         network). The load view is kept exact and common to all replicas instead (one
         list of ``PodLoad``), as this simulation keeps a single replica's: in
         production each replica's monitor drains what it learned at the pods' rate."""
-        load = self.procs[0].fleet.load
+        self.common_load()
         self.learners = []
         for replica, proc in enumerate(self.procs):
-            proc.fleet.load = load
             remember = getattr(proc.picker, "remember", None)
             self.learners.append(Learner(proc.fleet, proc.index, remember))
             proc.processor.sharing = _Shared(self, replica, delay_s)
+
+    def common_load(self) -> None:
+        """One exact load view (one list of ``PodLoad``) for every replica."""
+        load = self.procs[0].fleet.load
+        for proc in self.procs:
+            proc.fleet.load = load
         self.load_shared = True
 
     # -- routing ----------------------------------------------------------------------
