@@ -11,6 +11,7 @@ filled in after construction.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -66,6 +67,15 @@ class App:
             await self.sharing.start()
         if self.kv_events is not None:
             await self.kv_events.start()
+
+    @property
+    def discovered(self) -> bool:
+        """Every discovery has synced once: the pods are known (readiness)."""
+        return all(d.synced.is_set() for d in self.discoveries)
+
+    async def until_discovered(self) -> None:
+        """Return once ``discovered``."""
+        await asyncio.gather(*(d.synced.wait() for d in self.discoveries))
 
     async def stop(self) -> None:
         """Stop it; the pods discovery found stay as they are."""

@@ -35,6 +35,7 @@ ConfigError = ff.ConfigError
 Mode = ff.Mode
 PassiveHealth = ff.PassiveHealth
 ExtProcTLS = ff.ExtProcTLS
+EndpointPicker = ff.EndpointPicker
 PROVIDERS = ff.PROVIDERS
 FAILURE_MODES = ff.FAILURE_MODES
 LOG_FORMATS = ff.LOG_FORMATS
@@ -99,7 +100,7 @@ class DiscoveryConfig:
     ``kubernetes`` it defaults to the service's cluster name, which returns the pods'
     addresses only when the service is headless (``clusterIP: None``)."""
 
-    type: str  # "dns" | "kubernetes"
+    type: str  # "dns" | "kubernetes" | "kubernetes-pods"
     port: int | None = None
     interval_s: float = 5.0
     hostname: str = ""  # dns; kubernetes: what Envoy resolves
@@ -109,6 +110,7 @@ class DiscoveryConfig:
     api_url: str = KUBERNETES_API
     token_path: str = f"{SERVICE_ACCOUNT}/token"
     ca_path: str = f"{SERVICE_ACCOUNT}/ca.crt"
+    selector: tuple[tuple[str, str], ...] = ()  # kubernetes-pods: matchLabels, sorted
 
 
 def default_cluster(destination: str) -> str:
@@ -384,9 +386,24 @@ def _destination(d: ff.Destination, where: str, env: Mapping[str, str]) -> Desti
     )
 
 
-def _discovery(d: ff.DnsDiscovery | ff.KubernetesDiscovery, where: str) -> DiscoveryConfig:
+def _discovery(
+    d: ff.DnsDiscovery | ff.KubernetesDiscovery | ff.PodsDiscovery, where: str
+) -> DiscoveryConfig:
     if isinstance(d, ff.DnsDiscovery):
         return DiscoveryConfig("dns", d.port, d.interval_s, d.hostname)
+    if isinstance(d, ff.PodsDiscovery):
+        _host_port(d.api_url, f"{where}.api_url")
+        return DiscoveryConfig(
+            "kubernetes-pods",
+            port=d.port,
+            interval_s=d.interval_s,
+            hostname=d.hostname or "",
+            namespace=d.namespace,
+            api_url=d.api_url.rstrip("/"),
+            token_path=d.token_path,
+            ca_path=d.ca_path,
+            selector=tuple(sorted(d.selector.items())),
+        )
     if d.port is None and d.port_name is None:
         raise ConfigError(f"{where}.port: kubernetes discovery needs 'port' or 'port_name'")
     _host_port(d.api_url, f"{where}.api_url")
@@ -406,17 +423,24 @@ def _discovery(d: ff.DnsDiscovery | ff.KubernetesDiscovery, where: str) -> Disco
 
 def _discovery_base_url(d: DiscoveryConfig) -> str:
     """A destination's ``base_url`` when only discovery is given: the service's name."""
-    if d.type == "dns":
+    if d.type == "dns" or (d.type == "kubernetes-pods" and d.hostname):
         return f"http://{d.hostname.rstrip('.')}:{d.port}"
+    if d.type == "kubernetes-pods":  # no name for the pods: their namespace's
+        return f"http://pods.{d.namespace}.svc:{d.port}"
     return f"http://{d.service}.{d.namespace}.svc:{d.port or 80}"
 
 
 def discovery_to_dict(d: DiscoveryConfig) -> dict[str, Any]:
     """``discovery:`` in ``fleet.yaml`` form (``parse_fleet`` reads it back)."""
-    kind = ff.DnsDiscovery if d.type == "dns" else ff.KubernetesDiscovery
+    kinds = {"dns": ff.DnsDiscovery, "kubernetes-pods": ff.PodsDiscovery}
+    kind = kinds.get(d.type, ff.KubernetesDiscovery)
     out: dict[str, Any] = {"type": d.type}
     for name in sorted(kind.__struct_fields__):
         value = getattr(d, name)
+        if name == "selector":
+            value = dict(value)
+        elif name == "hostname" and d.type == "kubernetes-pods" and not value:
+            value = None
         if value is not None:
             out[name] = value
     return out
@@ -460,6 +484,18 @@ def _check_ext_proc_tls(tls: ExtProcTLS) -> None:
         raise ConfigError(f"{where}: client_cert_file and client_key_file go together")
 
 
+def _check_endpoint_picker(doc: ff.Router) -> None:
+    where = "router.endpoint_picker"
+    picker = doc.endpoint_picker
+    assert picker is not None
+    if bool(picker.cert_file) != bool(picker.key_file):
+        raise ConfigError(f"{where}: cert_file and key_file go together")
+    if doc.ext_proc_tls is not None:
+        raise ConfigError(
+            f"{where} serves its own TLS (secure_serving, cert_file); drop router.ext_proc_tls"
+        )
+
+
 def parse_settings(raw: Any, env: Mapping[str, str] | None = None) -> Settings:
     """The settings of a ``router:`` section (None: every default)."""
     return build_settings(decode({} if raw is None else raw, ff.Router, "router"), env)
@@ -484,6 +520,8 @@ def build_settings(doc: ff.Router, env: Mapping[str, str] | None = None) -> Sett
         )
     if doc.ext_proc_tls is not None:
         _check_ext_proc_tls(doc.ext_proc_tls)
+    if doc.endpoint_picker is not None:
+        _check_endpoint_picker(doc)
     salt_secret, generated = _salt_secret(doc, env)
     settings = Settings(
         **{name: getattr(doc, name) for name in ff.RouterBase.__struct_fields__},
@@ -493,6 +531,8 @@ def build_settings(doc: ff.Router, env: Mapping[str, str] | None = None) -> Sett
         salt_secret_generated=generated,
         share_password=env.get(doc.share_password_env, ""),
     )
+    if settings.endpoint_picker is not None:  # a gateway's picker names pods as ip:port
+        settings = msgspec.structs.replace(settings, upstream_mode="endpoint")
     # The types bound these below (and refuse NaN); an infinity passes them.
     for name in (
         "prefill_tokens_per_s",

@@ -409,11 +409,32 @@ def _override_host_policy(lb_policy: str) -> dict[str, Any]:
     return {"policies": [{"typed_extension_config": override}]}
 
 
+def _original_dst_cluster(dest: cfg.Destination, ca_file: str | None) -> dict[str, Any]:
+    """ORIGINAL_DST: Envoy connects to whatever ip:port x-gateway-destination-endpoint
+    names (the header ace-extproc sets; a client's is stripped before routing), so pods
+    found by discovery need no headless Service for Envoy to know them. It cannot fall
+    back: a request ace-extproc names no pod for gets 503 (UH); nor read a list, so one
+    endpoint is named. Hosts are made per address and dropped after cleanup_interval."""
+    return {
+        "name": dest.cluster,
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": CONNECT_TIMEOUT,
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": GIE_HEADER},
+        "circuit_breakers": _circuit_breakers(),
+        **_tls(dest, ca_file),
+        **_upstream_key(dest),
+    }
+
+
 def _endpoint_clusters(
-    fleet: cfg.Fleet, lb_policy: str, ca_file: str | None
+    fleet: cfg.Fleet, lb_policy: str, ca_file: str | None, original_dst: bool = False
 ) -> list[dict[str, Any]]:
     clusters = []
     for dest in fleet.destinations:
+        if original_dst and not dest.hosted:  # a hosted API has no pod to name
+            clusters.append(_original_dst_cluster(dest, ca_file))
+            continue
         for pod in dest.pods:
             if not cfg.is_ip(pod.host) and not dest.hosted:
                 # Envoy names hosts by ip:port; a DNS name could never be matched. A hosted
@@ -429,6 +450,12 @@ def _endpoint_clusters(
             # Pods found at run time: Envoy resolves the same name, every address a
             # host, so the ip:port ace-extproc names is one Envoy knows (until its next
             # refresh it is not: override_host's fallback then picks, fail-open).
+            if not found.hostname:
+                raise cfg.ConfigError(
+                    f"destination {dest.id}: pods found by label selector have no name for "
+                    "Envoy to resolve: give discovery.hostname (a headless Service), or set "
+                    "router.endpoint_cluster: original_dst"
+                )
             if found.port is None:
                 raise cfg.ConfigError(
                     f"destination {dest.id}: discovery by port_name needs 'port' too, "
@@ -911,8 +938,16 @@ def render(
     cfg.check_discovery_mode(config.fleet, upstream_mode)
     https = any(d.tls for d in config.fleet.destinations)
     ca_file = upstream_ca_file(config.settings) if https else None
+    s = config.settings
+    if upstream_mode == "endpoint" and s.endpoint_cluster == "original_dst" and s.mode != "prod":
+        raise cfg.ConfigError(
+            "router.endpoint_cluster: original_dst routes only to the endpoint "
+            "ace-extproc names, which it does in router.mode: prod only (a request it "
+            "names none for gets 503)"
+        )
     if upstream_mode == "endpoint":
-        clusters = _endpoint_clusters(config.fleet, lb_policy, ca_file)
+        original_dst = s.endpoint_cluster == "original_dst"
+        clusters = _endpoint_clusters(config.fleet, lb_policy, ca_file, original_dst)
     else:
         clusters = _pod_clusters(config.fleet, lb_policy, ca_file)
     if ext_proc:

@@ -66,6 +66,7 @@ PROVIDERS: tuple[str, ...] = get_args(Provider)
 FailureMode = Literal["auto", "open", "closed"]
 FAILURE_MODES: tuple[str, ...] = get_args(FailureMode)
 UpstreamMode = Literal["cluster", "endpoint"]
+EndpointCluster = Literal["override_host", "original_dst"]
 LogFormat = Literal["json", "text"]
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 
@@ -127,7 +128,22 @@ class DnsDiscovery(Discovery, frozen=True, tag="dns"):
     interval_s: Annotated[Seconds, _doc("Seconds between resolutions.")] = 5.0
 
 
-class KubernetesDiscovery(Discovery, frozen=True, tag="kubernetes"):
+class KubernetesApi(Discovery, frozen=True, kw_only=True):
+    """What the discoveries that watch the Kubernetes API share."""
+
+    api_url: Annotated[str, _doc("The Kubernetes API server.")] = KUBERNETES_API
+    token_path: Annotated[Text, _doc("The service account token the API is called with.")] = (
+        f"{SERVICE_ACCOUNT}/token"
+    )
+    ca_path: Annotated[Text, _doc("The CA the API server's certificate is checked against.")] = (
+        f"{SERVICE_ACCOUNT}/ca.crt"
+    )
+    interval_s: Annotated[
+        Seconds, _doc("The first reconnect delay in seconds (doubling, at most 30).")
+    ] = 1.0
+
+
+class KubernetesDiscovery(KubernetesApi, frozen=True, tag="kubernetes"):
     """The EndpointSlices of service in namespace, listed then watched with the pod's
     service account. Envoy resolves hostname for the destination's hosts: the pods'
     addresses only if the service is headless (clusterIP: None)."""
@@ -142,16 +158,23 @@ class KubernetesDiscovery(Discovery, frozen=True, tag="kubernetes"):
         Port | None, _doc("The pods' port, where the slice has no port named port_name.")
     ] = None
     port_name: Annotated[Text | None, _doc("The EndpointSlice port to use, by name.")] = None
-    api_url: Annotated[str, _doc("The Kubernetes API server.")] = KUBERNETES_API
-    token_path: Annotated[Text, _doc("The service account token the API is called with.")] = (
-        f"{SERVICE_ACCOUNT}/token"
-    )
-    ca_path: Annotated[Text, _doc("The CA the API server's certificate is checked against.")] = (
-        f"{SERVICE_ACCOUNT}/ca.crt"
-    )
-    interval_s: Annotated[
-        Seconds, _doc("The first reconnect delay in seconds (doubling, at most 30).")
-    ] = 1.0
+
+
+class PodsDiscovery(KubernetesApi, frozen=True, tag="kubernetes-pods"):
+    """The pods matching selector in namespace (an InferencePool's selector), listed
+    then watched through the pods API: each Ready pod's podIP on port (the pool's
+    targetPort). No Service needed; with endpoint_cluster: override_host, Envoy still
+    resolves hostname (a headless Service) for the destination's hosts."""
+
+    namespace: Annotated[K8sName, _doc("The pods' namespace.")]
+    selector: Annotated[
+        dict[Text, Text], _doc("Labels the pods must all carry (matchLabels).", min_length=1)
+    ]
+    port: Annotated[Port, _doc("The pods' port (an InferencePool's targetPort).")]
+    hostname: Annotated[
+        HostName | None,
+        _doc("What Envoy resolves for its hosts (override_host only; none: original_dst)."),
+    ] = None
 
 
 class Destination(Section, frozen=True):
@@ -183,10 +206,11 @@ class Destination(Section, frozen=True):
         ),
     ] = None
     discovery: Annotated[
-        DnsDiscovery | KubernetesDiscovery | None,
+        DnsDiscovery | KubernetesDiscovery | PodsDiscovery | None,
         _doc(
             "Pods found at run time, besides those listed (needs router.upstream_mode: "
-            "endpoint): type dns or kubernetes."
+            "endpoint): type dns, kubernetes (EndpointSlices) or kubernetes-pods (a label "
+            "selector)."
         ),
     ] = None
     api_key_env: Annotated[
@@ -253,6 +277,38 @@ class ExtProcTLS(Section, frozen=True):
     ] = ""
     client_key_file: Annotated[str, _doc("Envoy's private key.")] = ""
     server_name: Annotated[str, _doc("The name Envoy checks ace-extproc's certificate for.")] = ""
+
+
+class EndpointPicker(Section, frozen=True):
+    """Serve as the Gateway API Inference Extension's endpoint picker (an
+    InferencePool's endpointPickerRef): a gateway's own Envoy streams both bodies
+    through ace-extproc (FULL_DUPLEX_STREAMED) and routes on
+    x-gateway-destination-endpoint. Implies upstream_mode: endpoint (whatever that
+    setting says); no peer token is asked for (the gateway sends none: keep the port
+    private to it)."""
+
+    secure_serving: Annotated[
+        bool,
+        _doc(
+            "TLS on the ext_proc port, as GIE's endpoint picker serves it (the gateway "
+            "does not check the certificate unless told to)."
+        ),
+    ] = True
+    cert_file: Annotated[
+        str,
+        _doc(
+            "The certificate (a mounted Secret's tls.crt); empty: a self-signed one made at start."
+        ),
+    ] = ""
+    key_file: Annotated[str, _doc("Its private key (tls.key).")] = ""
+    fallbacks: Annotated[
+        bool,
+        _doc(
+            "Name fallback endpoints after the pick (ip:port,ip:port,...) for the gateway's "
+            "retries: only for an override_host cluster; an ORIGINAL_DST cluster cannot "
+            "read a list (503)."
+        ),
+    ] = False
 
 
 class Tenants(Section, frozen=True):
@@ -418,6 +474,15 @@ class RouterBase(Section, frozen=True):
             "(needed for discovery)."
         ),
     ] = "cluster"
+    endpoint_cluster: Annotated[
+        EndpointCluster,
+        _doc(
+            "Endpoint mode, the rendered Envoy's cluster per destination: override_host "
+            "(its pods as hosts, found by DNS or listed; fail-open through least_request; "
+            "retries go down the named fallbacks) or original_dst (any ip:port ace-extproc "
+            "names, no headless Service needed; no fail-open, one endpoint named)."
+        ),
+    ] = "override_host"
     share_url: Annotated[
         str,
         _doc(
@@ -476,6 +541,7 @@ class RouterBase(Section, frozen=True):
         ),
     ] = True
     ext_proc_tls: ExtProcTLS | None = None
+    endpoint_picker: EndpointPicker | None = None
     drain_file: Annotated[
         str, _doc("Operator drains kept across restarts (a JSON file); empty: none kept.")
     ] = ""

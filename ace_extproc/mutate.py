@@ -260,3 +260,13 @@ def streamed_chunk(data: bytes | memoryview, end_of_stream: bool) -> ProcessingR
     streamed.body = bytes(data)
     streamed.end_of_stream = end_of_stream
     return chunk
+
+
+def response_chunk(data: bytes, end_of_stream: bool) -> ProcessingResponse:
+    """Full-duplex: one chunk of the response body, passed on to the client unchanged
+    (Envoy forwards only what the processor returns)."""
+    chunk = ProcessingResponse()
+    streamed = chunk.response_body.response.body_mutation.streamed_response
+    streamed.body = data
+    streamed.end_of_stream = end_of_stream
+    return chunk

@@ -25,7 +25,11 @@ _LABEL = b"ace-extproc ext_proc peer"
 
 def token(settings: Settings) -> str | None:
     """The token Envoy must present, or None where none is asked for."""
-    if not settings.require_peer_token or settings.salt_secret_generated:
+    if (
+        not settings.require_peer_token
+        or settings.salt_secret_generated
+        or settings.endpoint_picker is not None  # a gateway's Envoy sends no token
+    ):
         return None
     return hmac.new(settings.salt_secret, _LABEL, hashlib.sha256).hexdigest()
 

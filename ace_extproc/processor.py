@@ -53,6 +53,8 @@ class RequestContext:
     # Decided by the headers not to route (mode off, a bad override), but the body is
     # still wanted: where tenants are configured it goes on salted (Processor._seal).
     unrouted: str | None = None
+    # The endpoints (ip:port) the data plane allows, where it set a subset (epp.py).
+    subset: frozenset[str] | None = None
 
 
 def _bypass(mode: Mode, reason: str) -> Outcome:
@@ -93,6 +95,13 @@ class Processor:
         self.sharing = sharing
         self.precise = precise  # token-exact keys for pods that publish KV events
         self._endpoint = settings.upstream_mode == "endpoint"
+        # Fallback endpoints for Envoy's retries; a gateway's picker names them only
+        # where its cluster can read a list (endpoint_picker.fallbacks).
+        gie = settings.endpoint_picker
+        if gie is not None:
+            self._fallbacks = gie.fallbacks
+        else:  # an ORIGINAL_DST cluster cannot read a list
+            self._fallbacks = settings.endpoint_cluster != "original_dst"
         # Tenants configured: no request reaches an engine without its tenant's salt.
         self._isolated = settings.tenants.isolated
         # Each destination's own key, as the header it goes in (made once, not per request).
@@ -102,8 +111,16 @@ class Processor:
 
     # ------------------------------------------------------------ header phase
 
-    def on_headers(self, headers: Mapping[str, str], end_of_stream: bool) -> RequestContext:
+    def on_headers(
+        self,
+        headers: Mapping[str, str],
+        end_of_stream: bool,
+        subset: frozenset[str] | None = None,
+    ) -> RequestContext:
+        """``subset``: the endpoints the data plane allows (the endpoint-picker
+        protocol's subset hint), or None for any."""
         ctx = self._headers(headers, end_of_stream)
+        ctx.subset = subset
         outcome = ctx.outcome
         # Decided here: counted now, unless a native-API body still follows.
         if outcome is not None and (not ctx.execute or outcome.reject_status):
@@ -294,6 +311,10 @@ class Processor:
             hashes, parsed.prompt, prompt_tokens, ctx.tenant, parsed.model, ctx.session
         )
         candidates = self.fleet.candidates(destination)
+        if ctx.subset is not None:
+            candidates &= self.fleet.mask_of(ctx.subset)
+            if not candidates and mode is Mode.PROD:
+                return _subset_unavailable(mode, len(ctx.subset))
         precise = None
         if self.precise is not None:
             # Keyed from the salt the engine will see (none: shadow, no tenants).
@@ -336,7 +357,7 @@ class Processor:
             outcome.pod = pick.pod
             outcome.upstream_auth = self._upstream_auth.get(destination.id)
             outcome.endpoint = self._endpoint
-            if pick.fallbacks:
+            if pick.fallbacks and self._fallbacks:
                 pods = self.fleet.pods
                 outcome.fallbacks = tuple([pods[slot] for slot in pick.fallbacks])
             fields = self._body_fields(destination, ctx, hashes, parsed, body)
@@ -508,6 +529,16 @@ def _not_an_object(mode: Mode, error: req.RequestError) -> Outcome:
     # Neither salted nor served by any engine: refused where tenants are configured.
     message = f"the request body is not a JSON object ({error})"
     return _reject(mode, f"reject_{error.reason}", 400, message, "invalid_request_error")
+
+
+def _subset_unavailable(mode: Mode, size: int) -> Outcome:
+    # The endpoint-picker protocol: none of the allowed endpoints eligible -> 503.
+    message = (
+        "the gateway's endpoint subset is empty"
+        if not size
+        else "no endpoint of the gateway's subset is available"
+    )
+    return _reject(mode, "reject_subset_unavailable", 503, message, "service_unavailable")
 
 
 def _reject(mode: Mode, action: str, status: int, message: str, kind: str) -> Outcome:

@@ -6,7 +6,11 @@ Full-duplex streamed mode (one round trip): hold the headers, collect body chunk
 then answer the headers with the route and stream the body back.
 Which one a stream uses is read from the ``protocol_config`` Envoy sends first, so
 the server follows whichever mode the Envoy config chose.
-Response headers are never sent here: Envoy adds them from dynamic metadata.
+Response headers are never asked for by the rendered Envoy: it adds them from dynamic
+metadata. A gateway configured as the Gateway API Inference Extension configures its
+endpoint picker sends responses too (headers, and bodies full-duplex streamed): they
+go back unchanged, chunk by chunk, and are observed on the way (``epp.py``: the
+endpoint the gateway says served the request).
 Streams of the observe-only filter (``observability_mode``: responses, never
 answered) feed an ``Observation`` to ``observe.Observer`` when they end.
 """
@@ -21,8 +25,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -37,12 +42,12 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from msgspec.structs import replace
 
-from ace_extproc import access_log, execute, mutate, native, peer
+from ace_extproc import access_log, epp, execute, mutate, native, peer, self_signed
 from ace_extproc import config as config_mod
 from ace_extproc import telemetry as tm
 from ace_extproc.admin import serve_admin
 from ace_extproc.app import App, build
-from ace_extproc.config import Config, ConfigError, ExtProcTLS, Mode
+from ace_extproc.config import Config, ConfigError, EndpointPicker, ExtProcTLS, Mode
 from ace_extproc.envoy_config import EXT_PROC_SERVICE
 from ace_extproc.logs import configure_logging
 from ace_extproc.observe import Observation, Observer
@@ -118,7 +123,9 @@ class _Stream:
         "outcome",
         "passing",
         "processor",
+        "response_duplex",
         "status",
+        "watch",
     )
 
     def __init__(self, processor: Processor, observer: Observer) -> None:
@@ -135,6 +142,8 @@ class _Stream:
         self.observed_all = False  # an observe stream whose response has been seen
         self.outcome: Outcome | None = None  # the decision, for the native API's envelope
         self.status = 0  # the response's status (native API)
+        self.response_duplex = False  # response bodies come full-duplex: echo each chunk
+        self.watch: Observation | None = None  # a routed request's response, if sent to us
 
     def on_message(self, msg: ProcessingRequest) -> Iterable[ProcessingResponse]:
         """One message of the stream: the answers it gets."""
@@ -154,9 +163,11 @@ class _Stream:
                     return self._on_response_headers(msg)
                 if kind == "response_body":
                     return self._on_response_body(msg)
+            if kind in _RESPONSE_PHASES:
+                return self._respond(msg, kind)
         except Exception as exc:  # a bug here must cost a decision, never the request
             log.exception("ext_proc: failed on %s; passing the request through", kind)
-            return self._failed(kind, exc)
+            return self._failed(msg, kind, exc)
         # Phases this server does not ask for: answer so Envoy never waits on us.
         unasked = _UNASKED.get(kind or "")
         return [unasked] if unasked is not None else []
@@ -164,11 +175,14 @@ class _Stream:
     def _on_headers(self, msg: ProcessingRequest) -> list[ProcessingResponse]:
         if msg.HasField("protocol_config"):
             self.duplex = msg.protocol_config.request_body_mode == _DUPLEX
+            self.response_duplex = msg.protocol_config.response_body_mode == _DUPLEX
         http = msg.request_headers
         self.ended = http.end_of_stream
         self.has_body = not http.end_of_stream
         headers = request_headers(msg)
-        self.ctx = ctx = self.processor.on_headers(headers, http.end_of_stream)
+        endpoint_mode = self.processor.settings.upstream_mode == "endpoint"
+        subset = epp.subset(msg, headers, header=endpoint_mode)
+        self.ctx = ctx = self.processor.on_headers(headers, http.end_of_stream, subset)
         if ctx.execute and not (ctx.outcome and ctx.outcome.reject_status):
             if self.duplex:  # Envoy allows no mode override there: no envelope back
                 log.info("/v1/execute needs Envoy's buffered body mode; refused")
@@ -251,6 +265,56 @@ class _Stream:
         )
         return [mutate.response_replaced(execute.wrap(self.status, msg.response_body.body, entry))]
 
+    def _respond(self, msg: ProcessingRequest, kind: str) -> list[ProcessingResponse]:
+        """A routed request's response, sent by a gateway configured to (the endpoint-
+        picker protocol's processing modes): passed on unchanged, observed on the way."""
+        if kind == "response_headers":
+            self.watch = self._watching(msg)
+            if msg.response_headers.end_of_stream:
+                self._settle()
+            return [mutate.RESPONSE_HEADERS_CONTINUE]
+        if kind == "response_body":
+            body = msg.response_body
+            watch = self.watch
+            if watch is not None and self.processor.settings.usage_capture:
+                watch.on_body(body.body)
+            if body.end_of_stream:
+                self._settle()
+            if self.response_duplex:
+                return [mutate.response_chunk(body.body, body.end_of_stream)]
+            return [_UNASKED[kind]]
+        self._settle()  # trailers end the response
+        return [_UNASKED[kind]]
+
+    def _watching(self, msg: ProcessingRequest) -> Observation:
+        """The observation of a response to a request this stream decided."""
+        obs = Observation()
+        outcome = self.outcome or (self.ctx.outcome if self.ctx is not None else None)
+        if outcome is not None:
+            obs.mode, obs.action = outcome.mode, outcome.action
+            obs.pinned = outcome.pod.key if outcome.pod is not None else ""
+            obs.would_pick = outcome.would_pick.key if outcome.would_pick is not None else ""
+            obs.saved_tokens = outcome.saved_tokens
+            obs.estimated_prompt_tokens = outcome.prompt_tokens
+        obs.upstream = epp.served(msg)
+        for h in msg.response_headers.headers.headers:
+            if h.key == ":status":
+                obs.status = int(h.raw_value or b"0")
+                break
+        return obs
+
+    def _settle(self) -> None:
+        """The watched response ended (or the stream did): passive health, the ledger,
+        and the engine's usage where usage capture is on."""
+        watch, self.watch = self.watch, None
+        if watch is None:
+            return
+        try:
+            self.observer.record(watch)
+            self.observer.finish(watch)
+        except Exception:
+            log.exception("observe: failed to record a response")
+
     def _observe(self, msg: ProcessingRequest, kind: str | None) -> None:
         try:
             if kind == "response_headers":
@@ -271,6 +335,7 @@ class _Stream:
 
     def close(self) -> None:
         """The response was seen to its end, or the stream ended: record it."""
+        self._settle()
         self.observed_all = True
         observed, self.observed = self.observed, None
         if observed is not None:
@@ -279,11 +344,17 @@ class _Stream:
             except Exception:
                 log.exception("observe: failed to record a response")
 
-    def _failed(self, kind: str | None, error: Exception) -> list[ProcessingResponse]:
+    def _failed(
+        self, msg: ProcessingRequest, kind: str | None, error: Exception
+    ) -> list[ProcessingResponse]:
         """The answer after a bug: the message's own phase answered, and the request
         passed on unrouted, or refused where it could not then be salted."""
         if kind not in _REQUEST_PHASES:  # a response phase: let it through as it is
             self.outcome = None
+            self.watch = None
+            if kind == "response_body" and self.response_duplex:
+                body = msg.response_body
+                return [mutate.response_chunk(body.body, body.end_of_stream)]
             unasked = _UNASKED.get(kind or "")
             return [unasked] if unasked is not None else []
         outcome = self.processor.internal_error(self.ctx)
@@ -302,6 +373,7 @@ class _Stream:
 
 
 _REQUEST_PHASES = frozenset({"request_headers", "request_body", "request_trailers"})
+_RESPONSE_PHASES = frozenset(_UNASKED)
 
 
 def request_headers(msg: ProcessingRequest) -> dict[str, str]:
@@ -353,21 +425,66 @@ async def start(app: App) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     access_log.add_to_server(server, app.observer, s)  # what became of each request
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if s.listen and _add_port(server, s.listen, s.ext_proc_tls) == 0:
+    if s.listen and _add_port(server, s.listen, s.ext_proc_tls, s.endpoint_picker) == 0:
         raise OSError(f"cannot listen on {s.listen}")
     if s.uds:
         server.add_insecure_port(f"unix:{s.uds}")
     await server.start()
     await app.start()
     await serve_admin(app, follow=server)  # stops after server
-    for name in ("", EXT_PROC_SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    if app.discovered:
+        await _set_ready(health_servicer)
+    else:
+        for name in READY_SERVICES:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        _in_background(_ready_when_synced(app, health_servicer), "ace-ready")
     return server, health_servicer
 
 
-def _add_port(server: grpc.aio.Server, address: str, tls: ExtProcTLS | None) -> int:
+# gRPC health (grpc.health.v1), as the endpoint-picker protocol names its services:
+# "liveness" answers SERVING while the process serves; "readiness", the ext_proc
+# service and "" (the whole server) only once every discovery has synced once.
+LIVENESS = "liveness"
+READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
+_background: set[asyncio.Task[None]] = set()
+
+
+async def _set_ready(health_servicer: health.aio.HealthServicer) -> None:
+    for name in READY_SERVICES:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+def _in_background(coro: Coroutine[Any, Any, None], name: str) -> None:
+    task = asyncio.create_task(coro, name=name)
+    _background.add(task)  # held until done: the loop keeps only a weak reference
+    task.add_done_callback(_background.discard)
+
+
+async def _ready_when_synced(app: App, health_servicer: health.aio.HealthServicer) -> None:
+    await app.until_discovered()
+    log.info("discovery synced: ready")
+    await _set_ready(health_servicer)
+
+
+async def probes_ready_when_synced(app: App, probes: Probes) -> None:
+    """The kubelet's ``/readyz`` too waits for discovery's first sync."""
+    await app.until_discovered()
+    probes.serving = True
+
+
+def _add_port(
+    server: grpc.aio.Server,
+    address: str,
+    tls: ExtProcTLS | None,
+    picker: EndpointPicker | None = None,
+) -> int:
     """The TCP listener: with ``router.ext_proc_tls``, mTLS (only clients whose
-    certificate the CA signed get a stream)."""
+    certificate the CA signed get a stream); as a gateway's endpoint picker, TLS
+    (``secure_serving``) with its certificate, or a self-signed one."""
+    if picker is not None and picker.secure_serving:
+        secure: int = server.add_secure_port(address, _picker_credentials(picker))
+        return secure
     if tls is None:
         port: int = server.add_insecure_port(address)
         return port
@@ -382,6 +499,17 @@ def _add_port(server: grpc.aio.Server, address: str, tls: ExtProcTLS | None) -> 
     )
     port = server.add_secure_port(address, credentials)
     return port
+
+
+def _picker_credentials(picker: EndpointPicker) -> grpc.ServerCredentials:
+    if picker.cert_file:
+        try:
+            cert, key = (Path(p).read_bytes() for p in (picker.cert_file, picker.key_file))
+        except OSError as exc:
+            raise ConfigError(f"router.endpoint_picker: {exc.filename}: {exc.strerror}") from None
+    else:
+        cert, key = self_signed.make()
+    return grpc.ssl_server_credentials([(key, cert)])
 
 
 def tune_gc() -> None:
@@ -404,7 +532,7 @@ async def serve(config: Config) -> None:
     # Its own port and thread: a scrape never waits on, or holds up, this loop. The
     # kubelet's probes ask there too: the ext_proc port need not be open to them.
     probes = Probes()
-    probes.serving = True
+    _in_background(probes_ready_when_synced(app, probes), "ace-probes-ready")
     heartbeat = asyncio.create_task(probes.beat(), name="ace-heartbeat")
     try:
         metrics = tm.serve_metrics(s.metrics_listen, app.telemetry, probes)

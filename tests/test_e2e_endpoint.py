@@ -14,11 +14,15 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
+from msgspec.structs import replace
 
 from ace_extproc import config as cfg
+from ace_extproc import envoy_config as ec
 from ace_extproc import stack as stack_mod
 from ace_extproc.config import Pod
 from ace_extproc.stack import Stack, StackOptions
+from tests.conftest import envoy_validate
 from tests.test_e2e import Client, cached, conversation, options, running, trace
 
 pytestmark = pytest.mark.envoy
@@ -193,3 +197,42 @@ def test_up_gives_the_server_and_envoy_one_upstream_mode(tmp_path: Path) -> None
     assert config.settings.upstream_mode == "endpoint"
     assert config.settings.mode is cfg.Mode.SHADOW  # the rest of router: kept
     assert fleet.read_text() == original
+
+
+def test_an_original_dst_cluster_needs_no_hosts_and_routes_to_the_named_endpoint(
+    tmp_path: Path,
+) -> None:
+    """router.endpoint_cluster: original_dst: the destination's cluster lists no hosts
+    (no headless Service to resolve); Envoy connects to the ip:port ace-extproc names,
+    one endpoint (a list would not parse)."""
+    router = {"endpoint_cluster": "original_dst"}
+    with running(options(upstream_mode="endpoint", router=router)) as client:
+        assert client.stack.config is not None
+        doc = ec.render(client.stack.config)
+        names = {p.destination for p in client.stack.config.fleet.pods}
+        dests = [c for c in doc["static_resources"]["clusters"] if c["name"] != "ace_extproc"]
+        assert len(dests) == len(names) >= 1, [c["name"] for c in dests]
+        for dest in dests:
+            assert dest["type"] == "ORIGINAL_DST" and "load_assignment" not in dest
+        path = tmp_path / "envoy.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        envoy_validate(path)
+        by_id = pods(client)
+        client.clear_records()
+        served = set()
+        for turn in range(3):
+            status, headers, body = client.chat(conversation(turn, "original-dst"))
+            assert status == 200, body
+            served.add(headers["x-sim-pod"])
+            # (No x-ace-served-by: ORIGINAL_DST's hosts carry no pod metadata.)
+            assert headers["x-ace-pinned"].split("/")[1] == headers["x-sim-pod"]
+        assert len(served) == 1
+        (pod_id,) = served
+        (*_, last) = client.records()[pod_id]
+        assert last["headers"][GIE] == by_id[pod_id].address  # one endpoint, no list
+    shadow = cfg.Config(
+        client.stack.config.fleet,
+        replace(client.stack.config.settings, mode=cfg.Mode.SHADOW),
+    )
+    with pytest.raises(cfg.ConfigError, match=r"original_dst.*prod"):
+        ec.render(shadow)

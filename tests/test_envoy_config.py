@@ -851,7 +851,15 @@ def test_the_example_fleet_documents_every_router_setting_with_its_default() -> 
     # Sections are shown key by key (passive_health's with its defaults); uds as an
     # example path, the default being none. salt_secret is better kept out of the file
     # (salt_secret_env is shown).
-    apart = {"tenants", "passive_health", "ext_proc_tls", "uds", "pipeline", "precise"}
+    apart = {
+        "tenants",
+        "passive_health",
+        "ext_proc_tls",
+        "endpoint_picker",
+        "uds",
+        "pipeline",
+        "precise",
+    }
     sections = (
         ("router", ff.Router()),
         ("passive_health", ff.PassiveHealth()),

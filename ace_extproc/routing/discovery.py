@@ -7,6 +7,9 @@
 * ``KubernetesDiscovery``: the service's EndpointSlices, LISTed then WATCHed from
   the list's ``resourceVersion``; a ``410 Gone`` re-lists. An endpoint that is not
   ready, or terminating (draining), is out of the fleet.
+* ``PodSelectorDiscovery``: the pods a label selector matches (an InferencePool's),
+  LISTed then WATCHed through the pods API the same way; a Ready pod, not being
+  deleted, is in the fleet at its podIP and the pool's port. No Service needed.
 
 A pod that joins takes a slot (``FleetState.add_pod``: the slot it had if it was here
 before and no other pod has taken it since, else a departed pod's, so slots stay
@@ -66,6 +69,8 @@ class Discovery:
         self.slots: dict[str, int] = {}  # pod key -> slot, of the pods discovery added
         self._task: asyncio.Task[None] | None = None
         self.syncs = 0  # for tests and debugging
+        # Set by the first sync: until then the pods are not known (gRPC readiness).
+        self.synced = asyncio.Event()
 
     async def start(self) -> None:
         if self._task is None:
@@ -86,6 +91,7 @@ class Discovery:
     def sync(self, pods: Iterable[Pod]) -> None:
         """Make the discovered pods exactly ``pods``: add the new, remove the gone."""
         self.syncs += 1
+        self.synced.set()
         want = {p.key: p for p in pods if p.key not in self._static}
         for key in [k for k in self.slots if k not in want]:
             slot = self.slots.pop(key)
@@ -102,6 +108,10 @@ class Discovery:
 
 class StaticDiscovery(Discovery):
     """The pods ``fleet.yaml`` lists: already in the ``FleetState``."""
+
+    def __init__(self, fleet: FleetState, index: BlockIndex, destination_id: str) -> None:
+        super().__init__(fleet, index, destination_id)
+        self.synced.set()  # nothing to wait for
 
 
 async def system_resolver(hostname: str, port: int) -> list[str]:
@@ -359,12 +369,72 @@ class KubernetesDiscovery(Discovery):
         if why != self._error:
             self._error = why
             log.warning(
-                "discovery: EndpointSlices of %s/%s: %s; keeping %d pods, retrying",
+                "discovery: %s of %s/%s: %s; keeping %d pods, retrying",
+                self.kind,
                 self.namespace,
                 self.service,
                 why,
                 len(self.slots),
             )
+
+    kind = "EndpointSlices"  # what is watched, for the logs
+
+
+class PodSelectorDiscovery(KubernetesDiscovery):
+    """The pods ``selector`` matches in ``namespace`` (an InferencePool's selector and
+    target port), through the pods API: each object is one pod, in the fleet while it
+    is Ready and not being deleted. The list and watch are ``KubernetesDiscovery``'s,
+    keyed by object name as for EndpointSlices."""
+
+    kind = "pods"
+
+    def __init__(
+        self,
+        fleet: FleetState,
+        index: BlockIndex,
+        destination_id: str,
+        api_url: str,
+        namespace: str,
+        selector: Mapping[str, str],
+        port: int,
+        token_path: str | None = None,
+        ca_path: str | None = None,
+        interval_s: float = 1.0,
+    ) -> None:
+        self.selector = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+        super().__init__(
+            fleet,
+            index,
+            destination_id,
+            api_url,
+            namespace,
+            self.selector,  # named in the logs where a service would be
+            port=port,
+            token_path=token_path,
+            ca_path=ca_path,
+            interval_s=interval_s,
+        )
+
+    @property
+    def url(self) -> str:
+        selector = quote(self.selector, safe="=,")
+        return f"{self.api_url}/api/v1/namespaces/{self.namespace}/pods?labelSelector={selector}"
+
+    def pods_of(self, obj: Mapping[str, Any]) -> list[Pod]:
+        """The pod as a fleet pod, if it may take requests: Running, Ready, an IP, and
+        not being deleted (terminating: draining)."""
+        if (obj.get("metadata") or {}).get("deletionTimestamp"):
+            return []
+        status = obj.get("status") or {}
+        ip = status.get("podIP")
+        if status.get("phase") != "Running" or not isinstance(ip, str) or not ip:
+            return []
+        conditions = status.get("conditions") or ()
+        if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
+            return []
+        ip = canonical_host(ip)
+        assert self.port is not None  # required by the configuration
+        return [Pod(self.destination_id, pod_id(ip), ip, self.port, tls=self.tls)]
 
 
 def for_destination(fleet: FleetState, index: BlockIndex, dest: Destination) -> Discovery:
@@ -375,6 +445,20 @@ def for_destination(fleet: FleetState, index: BlockIndex, dest: Destination) -> 
     if d.type == "dns":
         assert d.port is not None  # parse_discovery requires it
         return DnsDiscovery(fleet, index, dest.id, d.hostname, d.port, d.interval_s)
+    if d.type == "kubernetes-pods":
+        assert d.port is not None  # required by the configuration
+        return PodSelectorDiscovery(
+            fleet,
+            index,
+            dest.id,
+            d.api_url,
+            d.namespace,
+            dict(d.selector),
+            d.port,
+            token_path=d.token_path,
+            ca_path=d.ca_path,
+            interval_s=d.interval_s,
+        )
     return KubernetesDiscovery(
         fleet,
         index,

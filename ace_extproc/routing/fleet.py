@@ -99,6 +99,16 @@ class FleetState:
         """The bitmask of this destination's pods that may take new requests."""
         return self._dest_masks.get(destination.id, 0) & self.available
 
+    def mask_of(self, endpoints: frozenset[str]) -> int:
+        """The bitmask of the member pods named by ``ip:port`` (``Pod.endpoint``) in
+        ``endpoints``: the endpoint-picker protocol's subset."""
+        mask = 0
+        members = self.members
+        for slot, pod in enumerate(self.pods):
+            if members >> slot & 1 and pod.endpoint in endpoints:
+                mask |= 1 << slot
+        return mask
+
     def set_available(self, slot: int, available: bool) -> None:
         """Record the health checks' verdict on a pod. It takes new requests only
         while it is also in the fleet and not drained."""
