@@ -128,17 +128,24 @@ async def run_variant(capture: bool, requests: int, tokens: int, tpot_ms: float)
                 direct.streams.append(a)
                 proxied.streams.append(b)
                 same_text &= a.text == b.text and a.events == b.events
-            await asyncio.sleep(0.3)  # the observe filter's last reports
-            async with http.get(f"http://127.0.0.1:{ports[5]}/metrics") as resp:
-                metrics = await resp.text()
+            told = sum(
+                s.usage["prompt_tokens_details"]["cached_tokens"]
+                for s in proxied.streams
+                if s.usage and s.usage.get("prompt_tokens_details")
+            )
+            # The observe filter reports after each response ends: wait for the last
+            # reports (up to 5 s on a loaded machine), not a fixed pause.
+            deadline = time.monotonic() + 5.0
+            while True:
+                async with http.get(f"http://127.0.0.1:{ports[5]}/metrics") as resp:
+                    metrics = await resp.text()
+                observed = _sample(metrics, "ace_response_cached_tokens_total")
+                if not capture or observed >= told or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
     finally:
         await stack.stop()
     d, p = direct.summary(), proxied.summary()
-    told = sum(
-        s.usage["prompt_tokens_details"]["cached_tokens"]
-        for s in proxied.streams
-        if s.usage and s.usage.get("prompt_tokens_details")
-    )
     return {
         # What the clients were told in the usage chunks, and what ace-extproc read from
         # the same streams (its observe filter; 0 without usage capture).
