@@ -4,7 +4,7 @@ of the pods' caches changes.
 
     python -m bench.precise_sim --workload all             # every workload, both fleets
     python -m bench.precise_sim --workload seed800 --fleets kv-pressure --limit 300
-    python -m bench.precise_sim --workload all --fleets kv-tight --replicas 2
+    python -m bench.precise_sim --workload all --fleets kv-tight --replicas 2 --seeds 4
 
 Variants (``VARIANTS``):
 
@@ -60,6 +60,7 @@ FLEETS: dict[str, SimSettings] = {
 }
 # Workloads too big to run whole for every variant here: their first N requests.
 DEFAULT_LIMITS: dict[str, int] = {"mooncake": 1000}
+UNSEEDED = frozenset({"mooncake"})  # a replayed trace: every seed the same requests
 
 
 def _delay(d: float) -> str:
@@ -150,6 +151,30 @@ def run_workload(
     return out
 
 
+def mean_of(runs: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any]:
+    """Several seeds' ``run_workload`` results as one: each number the mean over the
+    seeds, and each variant's prefill saved per seed beside it (a single run of the
+    fleet simulation moves by a few points from one seed to the next: one pick sent
+    elsewhere changes what every later pick finds)."""
+    if len(runs) == 1:
+        return runs[0]
+    out: dict[str, Any] = {}
+    for fleet, by_variant in runs[0].items():
+        out[fleet] = {}
+        for variant, first in by_variant.items():
+            each = [run[fleet][variant] for run in runs]
+            merged: dict[str, Any] = {}
+            for key, value in first.items():
+                numbers = [f[key] for f in each]
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    merged[key] = round(sum(numbers) / len(numbers), 4)
+                else:
+                    merged[key] = value
+            merged["prefill_saved_by_seed"] = [f["prefill_saved_ratio"] for f in each]
+            out[fleet][variant] = merged
+    return out
+
+
 def table(name: str, fleets: dict[str, dict[str, dict[str, Any]]]) -> str:
     head = (
         f"{'fleet':<12}{'variant':<22}{'p50 ms':>9}{'p99 ms':>10}{'saved%':>8}"
@@ -195,7 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--delays-ms", default=",".join(f"{d * 1000:g}" for d in DELAYS_S), help="event delays"
     )
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the workload generator's seed")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="N seeds from --seed, each figure their mean (a trace that takes no seed, "
+        "Mooncake, runs once)",
+    )
     ap.add_argument(
         "--replicas",
         type=int,
@@ -208,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.replicas < 1:
         ap.error("--replicas must be at least 1")
+    if args.seeds < 1:
+        ap.error("--seeds must be at least 1")
     if args.out is None:
         args.out = str(
             OUT
@@ -237,18 +271,20 @@ def main(argv: list[str] | None = None) -> int:
     doc.setdefault("workloads", {})
     for name in names:
         limit = args.limit or DEFAULT_LIMITS.get(name)
+        seeds = range(args.seed, args.seed + (1 if name in UNSEEDED else args.seeds))
         try:
-            workload = workloads.get(name, seed=args.seed, limit=limit)
+            runs = [workloads.get(name, seed=seed, limit=limit) for seed in seeds]
         except (ValueError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        workload = runs[0]
         begin = time.perf_counter()
-        result = run_workload(workload, args.pods, fleets, chosen)
+        result = mean_of([run_workload(w, args.pods, fleets, chosen) for w in runs])
         wall = round(time.perf_counter() - begin, 1)
         entry = doc["workloads"].get(name)
         if entry is None or entry.get("requests") != len(workload.requests):
             entry = doc["workloads"][name] = {"fleets": {}, "wall_s": {}}
-        entry.update(requests=len(workload.requests), limit=limit)
+        entry.update(requests=len(workload.requests), limit=limit, seeds=list(seeds))
         if not isinstance(entry.get("wall_s"), dict):  # an older file: the total
             old = entry["fleets"]
             entry["wall_s"] = dict.fromkeys(
