@@ -192,7 +192,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 running=max(0, load.running),
                 waiting=max(0, load.waiting),
                 kv_usage=load.kv_usage,
-                queued_prefill_tokens=max(0, load.queued_prefill_tokens),
+                queued_prefill_ms=max(0.0, load.queued_prefill_ms),
             ),
             index=pb.PodIndex(
                 blocks_held=app.index.blocks_held(slot),

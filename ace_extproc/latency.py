@@ -35,6 +35,12 @@ class TTFTModel:
         n = max(uncached, 0)
         return max(self.t_step_ms, self.a_ms * n + self.b_ms * n * (cached + n / 2))
 
+    def prefill_work_ms(self, uncached: int, cached: int = 0) -> float:
+        """The compute of that prefill, without the step's floor: what it adds to a
+        busy engine, whose step runs many requests' prefills together."""
+        n = max(uncached, 0)
+        return self.a_ms * n + self.b_ms * n * (cached + n / 2)
+
     def ttft_ms(self, uncached: int, cached: int = 0) -> float:
         """TTFT of one request alone on an idle engine."""
         return self.server_ms(uncached + cached) + self.prefill_ms(uncached, cached)

@@ -333,7 +333,7 @@ class Processor:
         if self.placements is not None:
             self.placements.note(hashes.prefix_key, pick.slot)
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
-        self.load.sent(pick.slot, prompt_tokens - saved)
+        self.load.sent(pick.slot, prompt_tokens - saved, saved)
         if self.sharing is not None:  # queued for the other replicas; no I/O here
             self.sharing.note(
                 pick.pod.key, hashes.blocks, ctx.tenant, ctx.session, prompt_tokens - saved

@@ -451,9 +451,9 @@ class Telemetry(Collector):
             "ace_pod_kv_cache_usage_ratio", "Engine KV cache use, 0..1 (last scrape).", labels=pl
         )
         queued = GaugeMetricFamily(
-            "ace_pod_queued_prefill_tokens",
-            "Uncached prompt tokens sent to the pod and, by the router's estimate, not yet "
-            "prefilled.",
+            "ace_pod_queued_prefill_seconds",
+            "Prefill sent to the pod and, by the router's estimate, not yet done: each "
+            "request priced by the pod's TTFT model, drained in real time.",
             labels=pl,
         )
         capacity = GaugeMetricFamily(
@@ -518,7 +518,7 @@ class Telemetry(Collector):
                 waiting.add_metric(labels, load.waiting)
                 inflight.add_metric(labels, load.inflight)
                 kv.add_metric(labels, load.kv_usage)
-                queued.add_metric(labels, load.queued_prefill_tokens)
+                queued.add_metric(labels, load.queued_prefill_ms / 1000)
             if slot < len(capacities) and capacities[slot] is not None:
                 capacity.add_metric(labels, float(capacities[slot] or 0))
             stats = _stats(monitor, slot) if monitor is not None else None

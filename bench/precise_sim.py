@@ -19,7 +19,7 @@ Variants (``VARIANTS``):
 * ``approximate+shared`` (``--replicas N``): N replicas sharing their placements
   through Redis, 3 ms late; every other variant then runs as N replicas sharing
   no placements, each with its own precise index fed by every pod's events. All N
-  see one exact load view, as sharing replicas do in this simulation.
+  see one load view, as sharing replicas do in this simulation.
 
 Fleets (``FLEETS``): ``default`` (the simulation's 16,384 blocks a pod) and
 ``kv-pressure`` (4,096 blocks, 64K tokens: a pod holds a few prompts, so engines
@@ -75,7 +75,7 @@ SHARE_DELAY_S = 0.003  # Redis pub/sub between replicas (bench.report --share-ms
 def variants(delays: tuple[float, ...] = DELAYS_S, replicas: int = 1) -> dict[str, dict[str, Any]]:
     """Name -> the ``SimSettings`` fields it changes (and, with replicas, how many
     routers take turns: each keys and speculates alone, every one reads the events).
-    Replicas all see one exact load view, so only what they know of placements
+    Replicas all see one load view, so only what they know of placements
     differs between variants."""
     if replicas > 1:
         every = {"replicas": replicas, "common_load": True}

@@ -80,7 +80,7 @@ def measure(tokens: int, count: int, rounds: int) -> dict[str, float]:
         for placed in received:
             learner.apply(placed)
         for load in receiver.fleet.load:  # as the monitor's drain would, between rounds
-            load.inflight = load.queued_prefill_tokens = 0
+            load.inflight, load.queued_prefill_ms = 0, 0.0
 
     steps: dict[str, Callable[[], None]] = {
         "note": note,

@@ -71,46 +71,50 @@ def test_a_destination_names_its_own_model_and_the_router_s_is_the_default() -> 
 
 
 def test_each_destination_is_priced_with_its_own_model() -> None:
-    """The same warm pod and queue in each destination: 5,000 queued tokens cost a 70B
-    pod more than a cold 4K-token prefill elsewhere (it spills), and an 8B pod, whose
-    per-token cost is lower and attention term larger, less (it keeps the prefix)."""
+    """The same warm pod and queue in each destination: 150 ms of queued prefill cost
+    an 8B pod more than a cold 4K-token prefill elsewhere (~77 ms: it spills), and a
+    70B pod less than its cold prefill (~176 ms: it keeps the prefix)."""
     fleet = FleetState(parse_fleet(fleet_doc()))
     picker = cost_policy(Settings())(fleet, BlockIndex(10_000))
     assert isinstance(picker, Pipeline)
     prompt = bytes(range(256)) * 64  # 16 KB: 32 blocks, 4,096 tokens
     hashes = hash_prompt(prompt, None, 512, 1)
     request = RoutingRequest(hashes, prompt, 4096, "t", "m", None)
-    for name, spills in (("big", True), ("small", False)):
+    for name, spills in (("big", False), ("small", True)):
         destination = fleet.fleet.destinations[0 if name == "big" else 1]
         warm, other = (fleet.slot_of(p.key) for p in destination.pods)
         picker.index.record(warm, hashes.blocks)
-        fleet.load[warm].queued_prefill_tokens = 5_000
+        fleet.load[warm].queued_prefill_ms = 150.0
         pick = picker.pick(request, fleet.candidates(destination))
         assert pick is not None
         assert (pick.slot, pick.action) == ((other, "spill") if spills else (warm, "hit")), name
 
 
-def test_queued_prefill_drains_at_each_destination_s_rate() -> None:
+def test_each_destination_s_queue_is_priced_by_its_model_and_drains_at_its_speed() -> None:
     fleet = FleetState(parse_fleet(fleet_doc()))
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
     start = time.monotonic() + 0.01
     monitor.load.drain(start)
-    for load in fleet.load:
-        load.queued_prefill_tokens = 10_000
-    for i in range(1, 51):  # 100 ms in steps of 2 ms: the fractions carry per destination
-        monitor.load.drain(start + i * 0.002)
+    for slot in range(len(fleet.pods)):
+        monitor.load.sent(slot, 10_000)
+    monitor.load.drain(start + 0.1)
     big, small = get_model(DEFAULT_MODEL), get_model(SMALL)
     for slot, pod in enumerate(fleet.pods):
-        rate = (big if pod.destination == "big" else small).prefill_tokens_per_s
-        assert abs(fleet.load[slot].queued_prefill_tokens - (10_000 - 0.1 * rate)) <= 1
-    # The router's prefill_tokens_per_s, where set, is every pod's rate.
+        model = big if pod.destination == "big" else small
+        assert fleet.load[slot].queued_prefill_ms == pytest.approx(
+            model.prefill_work_ms(10_000) - 100
+        )
+    # The router's prefill_tokens_per_s, where set, is every pod's rate: each works
+    # through its model's milliseconds that many times faster than the model says.
     fleet = FleetState(parse_fleet(fleet_doc()))
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings(prefill_tokens_per_s=20_000))
     monitor.load.drain(start)
     for load in fleet.load:
-        load.queued_prefill_tokens = 10_000
+        load.queued_prefill_ms = 1_000.0
     monitor.load.drain(start + 0.1)
-    assert [load.queued_prefill_tokens for load in fleet.load] == [8_000] * 4
+    for slot, pod in enumerate(fleet.pods):
+        speed = 20_000 / (big if pod.destination == "big" else small).prefill_tokens_per_s
+        assert fleet.load[slot].queued_prefill_ms == pytest.approx(1_000 - 100 * speed)
 
 
 def test_the_reported_estimate_is_the_destination_s() -> None:

@@ -376,7 +376,7 @@ def test_replicas_sharing_placements_route_as_one() -> None:
     # depends on the queue the router sees, which unshared replicas see a part of.
     text = "a hot shared system prompt " * 400
     requests = [
-        completion(i * 0.02, text + f" question {i}" * 20, session=f"s{i}") for i in range(40)
+        completion(i * 0.005, text + f" question {i}" * 60, session=f"s{i}") for i in range(40)
     ]
     workload = Workload("t", "", requests)
     picker = policies.cost_policy(Settings())

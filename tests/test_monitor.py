@@ -18,6 +18,7 @@ from aiohttp import web
 from ace_extproc import server
 from ace_extproc.app import build
 from ace_extproc.config import Config, Destination, Fleet, Pod, Settings, sim_fleet
+from ace_extproc.latency import get_model
 from ace_extproc.routing import BlockIndex, FleetState
 from ace_extproc.routing.metrics_text import EngineStats, parse, restarted
 from ace_extproc.routing.monitor import FleetMonitor
@@ -406,58 +407,83 @@ def test_no_monitor_no_count() -> None:
     assert p.fleet.load[0].inflight == 0
 
 
-def test_queued_prefill_drains_at_the_model_rate_and_clears_when_the_engine_is_idle() -> None:
+def test_queued_prefill_drains_in_real_time_and_clears_when_the_engine_is_idle() -> None:
     fleet = FleetState(sim_fleet(["127.0.0.1:1", "127.0.0.1:2"]))
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
     load = fleet.load[0]
     # The time since the monitor was made drains nothing queued: the queue is filled
-    # after it. Past the drain's 1 ms step, so this call does take that time (under it,
-    # the call would leave it to the next: 0.04 ms of it, one token, failed a CI run).
+    # after it. Past the drain's 1 ms step, so this call does take that time.
     start = time.monotonic() + 0.01
     monitor.load.drain(start)
-    load.queued_prefill_tokens = 10_000  # as picks left it
+    load.queued_prefill_ms = 400.0  # as picks left it
     monitor.load.drain(start + 0.1)
-    # 100 ms of prefill at the model's rate drains 100 / a_ms tokens (2,500 at 0.04 ms).
-    assert load.queued_prefill_tokens == 7500
+    assert load.queued_prefill_ms == pytest.approx(300.0)  # 100 ms of it done
     monitor.apply(0, EngineStats(engine="vllm", running=3, waiting=2, kv_usage=0.5))
-    assert load.queued_prefill_tokens == 7500  # the engine still has a queue
+    assert load.queued_prefill_ms == pytest.approx(300.0)  # the engine still has a queue
     # Nothing waiting, but requests running: they may still be prefilling (chunked
     # prefill admits them at once), so the estimate stands.
     monitor.apply(0, EngineStats(engine="vllm", running=3, waiting=0, kv_usage=0.5))
-    assert load.queued_prefill_tokens == 7500
+    assert load.queued_prefill_ms == pytest.approx(300.0)
     monitor.apply(0, EngineStats(engine="vllm", running=0, waiting=0, kv_usage=0.0))
-    assert load.queued_prefill_tokens == 0  # an idle engine has no prefill left
+    assert load.queued_prefill_ms == 0.0  # an idle engine has no prefill left
+
+
+def test_a_long_prompt_queues_more_than_its_tokens_at_the_linear_rate() -> None:
+    """Each pick is priced by the TTFT model, attention term included: an 87,500-token
+    prompt queues its full prefill, ~2.6x its tokens at the per-token rate, and is not
+    taken as done once that linear time has passed (issue 27: short requests were sent
+    to a pod still prefilling one)."""
+    settings = Settings()
+    fleet = FleetState(sim_fleet(["127.0.0.1:1"]))
+    monitor = FleetMonitor(fleet, BlockIndex(100), settings)
+    model = get_model(settings.ttft_model)
+    start = time.monotonic() + 0.01
+    monitor.load.drain(start)
+    monitor.load.sent(0, 87_500)
+    queued = fleet.load[0].queued_prefill_ms
+    assert queued == pytest.approx(model.prefill_work_ms(87_500))
+    linear_ms = model.a_ms * 87_500
+    assert queued > 2.5 * linear_ms
+    monitor.load.drain(start + linear_ms / 1000)
+    assert fleet.load[0].queued_prefill_ms == pytest.approx(queued - linear_ms)
+    # A continuation's new tokens attend to its cached prefix: priced with it.
+    monitor.load.sent(0, 1_000, cached=50_000)
+    assert fleet.load[0].queued_prefill_ms == pytest.approx(
+        queued - linear_ms + model.prefill_work_ms(1_000, 50_000)
+    )
 
 
 def test_queued_prefill_drains_at_the_configured_prefill_rate() -> None:
     """``prefill_tokens_per_s``: pods faster (or slower) than the TTFT model, such as
-    simulated pods on a scaled clock, drain the estimate at their own rate."""
+    simulated pods on a scaled clock, work through the queue that much faster."""
+    settings = Settings(prefill_tokens_per_s=2_500_000)
     fleet = FleetState(sim_fleet(["127.0.0.1:1"]))
-    monitor = FleetMonitor(fleet, BlockIndex(100), Settings(prefill_tokens_per_s=2_500_000))
+    monitor = FleetMonitor(fleet, BlockIndex(100), settings)
+    speed = 2_500_000 / get_model(settings.ttft_model).prefill_tokens_per_s  # 100x
     load = fleet.load[0]
     start = time.monotonic() + 0.01  # the clock's own time: a fresh machine's is small
     monitor.load.drain(start)
-    load.queued_prefill_tokens = 10_000
-    monitor.load.drain(start + 0.002)  # 2 ms at 2,500 tokens a millisecond (the model's: 50)
-    assert abs(load.queued_prefill_tokens - 5000) <= 1
+    load.queued_prefill_ms = 400.0
+    monitor.load.drain(start + 0.002)
+    assert load.queued_prefill_ms == pytest.approx(400.0 - 2 * speed)
 
 
 def test_many_short_drains_drain_as_much_as_one_long_one() -> None:
-    """drain runs before every pick: at 10,000 picks a second each interval is worth
-    2.5 tokens, whose fractions must add up rather than be dropped."""
+    """drain runs before every pick: at 10,000 picks a second each interval is 0.1 ms,
+    which must add up rather than be dropped."""
     fleet = FleetState(sim_fleet(["127.0.0.1:1"]))
     monitor = FleetMonitor(fleet, BlockIndex(100), Settings())
     load = fleet.load[0]
     start = time.monotonic() + 0.01
     monitor.load.drain(start)
-    load.queued_prefill_tokens = 10_000
+    load.queued_prefill_ms = 400.0
     for i in range(1, 1001):
         monitor.load.drain(start + i * 0.0001)  # 1,000 intervals of 0.1 ms: 100 ms in all
     # It drains at most once a millisecond: up to the last one's worth may be pending...
-    assert 7500 <= load.queued_prefill_tokens <= 7500 + 25
+    assert 300.0 - 1e-6 <= load.queued_prefill_ms <= 301.0
     monitor.load.drain(start + 0.101)
-    # ... and is drained by the next call: 101 ms in all, 2,525 tokens.
-    assert abs(load.queued_prefill_tokens - 7475) <= 1
+    # ... and is drained by the next call: 101 ms in all.
+    assert load.queued_prefill_ms == pytest.approx(299.0)
 
 
 def test_the_prefill_rate_setting_is_checked() -> None:
@@ -498,11 +524,11 @@ def test_drains_closer_than_a_millisecond_apart_leave_the_queue_for_the_next() -
     load = fleet.load[0]
     start = time.monotonic() + 0.01
     monitor.load.drain(start)
-    load.queued_prefill_tokens = 10_000
+    load.queued_prefill_ms = 400.0
     monitor.load.drain(start + 0.0005)
-    assert load.queued_prefill_tokens == 10_000  # half a millisecond: not yet
+    assert load.queued_prefill_ms == 400.0  # half a millisecond: not yet
     monitor.load.drain(start + 0.002)
-    assert abs(load.queued_prefill_tokens - 9950) <= 1  # all 2 ms, at 0.04 ms a token
+    assert load.queued_prefill_ms == pytest.approx(398.0)  # all 2 ms
 
 
 def test_picks_add_their_uncached_prompt_to_the_queue_when_monitored() -> None:
@@ -514,8 +540,10 @@ def test_picks_add_their_uncached_prompt_to_the_queue_when_monitored() -> None:
     )
     headers = {":path": "/v1/chat/completions", ":method": "POST"}
     proc.on_body(proc.on_headers(headers, False), body)
-    first = proc.fleet.load[0].queued_prefill_tokens
-    assert 990 < first < 1010  # ~4 KB of prompt at ~4 bytes a token, nothing cached
+    model = get_model(cfg.settings.ttft_model)
+    first = proc.fleet.load[0].queued_prefill_ms
+    # ~4 KB of prompt at ~4 bytes a token, nothing cached, priced by the model.
+    assert model.prefill_work_ms(990) < first < model.prefill_work_ms(1010)
     proc.on_body(proc.on_headers(headers, False), body)
     # The repeat is mostly warm: it queues only its uncached tail.
-    assert 0 < proc.fleet.load[0].queued_prefill_tokens - first < 200
+    assert 0 < proc.fleet.load[0].queued_prefill_ms - first < model.prefill_work_ms(200, 800)

@@ -165,9 +165,10 @@ def test_learning_counts_the_load_unless_told_not_to() -> None:
     b = processor()
     placement = Placement(b.fleet.pods[2].key, [1, 2, 3], "anon", None, 900)
     learner_of(b).apply([placement])
-    assert (b.fleet.load[2].inflight, b.fleet.load[2].queued_prefill_tokens) == (1, 900)
+    queued = b.load.model_of(2).prefill_work_ms(900)  # its 900 uncached tokens, priced
+    assert (b.fleet.load[2].inflight, b.fleet.load[2].queued_prefill_ms) == (1, queued)
     learner_of(b, count_load=False).apply([placement])
-    assert (b.fleet.load[2].inflight, b.fleet.load[2].queued_prefill_tokens) == (1, 900)
+    assert (b.fleet.load[2].inflight, b.fleet.load[2].queued_prefill_ms) == (1, queued)
     assert b.index.match_depths([1, 2, 3], 0b1111) == {2: 3}
 
 
@@ -318,8 +319,8 @@ def test_two_replicas_learn_from_each_other_through_redis(redis_server: RedisSer
         assert sync_a.learner.applied == 0  # its own message came back and was skipped
         # B counts the prefill A queued there; once the pod has done it (as the next
         # scrape finding it idle tells), the conversation follows its history.
-        assert b.fleet.load[placed].queued_prefill_tokens > 700
-        b.fleet.load[placed].queued_prefill_tokens = 0
+        assert b.fleet.load[placed].queued_prefill_ms > b.load.model_of(placed).prefill_work_ms(700)
+        b.fleet.load[placed].queued_prefill_ms = 0.0
         assert route(b, chat("q1", "a1", "q2"), session="conv") == (placed, "hit")
         await until(lambda: sync_a.learner.applied == 1)  # and B's placement reached A
         assert sync_a.published == sync_b.published == 1

@@ -397,6 +397,7 @@ def test_burst32k_shape() -> None:
 def test_registry() -> None:
     assert workloads.NAMES == (
         "seed800", "mooncake", "azure-code", "azure-conv", "hot-prefix", "churn", "burst32k",
+        "conv-burst",
     )  # fmt: skip
     assert len(workloads.get("burst32k", limit=10).requests) == 10
     with pytest.raises(ValueError, match="unknown workload"):

@@ -48,7 +48,8 @@ class PodLoad:
     waiting: int = 0  # requests queued in the engine (vllm:num_requests_waiting)
     kv_usage: float = 0.0  # KV cache use, 0..1 (vllm:kv_cache_usage_perc)
     inflight: int = 0
-    queued_prefill_tokens: int = 0  # uncached prompt tokens sent and not yet prefilled
+    # Prefill sent and not yet done, in milliseconds of the pod's TTFT model (load.py)
+    queued_prefill_ms: float = 0.0
 
 
 class FleetState:

@@ -4,71 +4,83 @@ Between two scrapes a pod's figures would be stale by every request sent since, 
 each pick adds its own (``sent``): one more in flight, and the prefill it queues ahead
 of the next request there. An engine prefills its running requests' prompts in turn
 (vLLM's chunked prefill shares each step's token budget among them), so a new request
-waits behind them whether or not the engine reports a waiting queue. The estimate
-drains at the pods' prefill rate (``drain``, before each pick), and each scrape
-corrects it (``observed``): an idle engine has none left. The other replicas'
-placements count too (``routing/replicas.py``). The simulation keeps these figures
-exact, so there the accounting is off.
+waits behind them whether or not the engine reports a waiting queue.
+
+The queue is kept in milliseconds of prefill, each request's compute priced by its
+pod's TTFT model (``latency.py``), the same model that prices new work (without the
+step's floor: a busy engine's step runs many prefills together): a prompt's cost grows
+faster than its length (the attention term), so an 87K-token prompt queues ~2.6x the
+time its token count at the linear rate says, and a count of tokens drained at a
+flat rate called that pod free seconds before it was (issue 27's short requests
+waited behind it). The queue drains in real time, scaled by how much faster than
+their model the pods run (``prefill_tokens_per_s``: a simulated fleet on a fast
+clock), before each pick (``drain``); each scrape corrects it (``observed``): an idle
+engine has none left. The other replicas' placements count too
+(``routing/replicas.py``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from ace_extproc.config import Settings, ttft_models
-from ace_extproc.latency import get_model
+from ace_extproc.latency import TTFTModel, get_model
 from ace_extproc.routing.fleet import FleetState
 
 # The queued-prefill estimate drains at most this often.
 DRAIN_EVERY_MS = 1.0
 
 
-class DrainRate:
-    """Prefill drained at ``tokens_per_s``, in whole tokens. ``drain`` runs before every
-    pick, so the intervals are short: the fraction of a token is carried to the next
-    call, or at a few thousand picks a second most of the drain would be rounded away."""
-
-    __slots__ = ("carry", "ms_per_token")
-
-    def __init__(self, tokens_per_s: float) -> None:
-        self.ms_per_token = 1000.0 / tokens_per_s
-        self.carry = 0.0
-
-    def tokens(self, elapsed_ms: float) -> int:
-        due = elapsed_ms / self.ms_per_token + self.carry
-        whole = int(due + 1e-9)  # 2,499.9999 tokens of float error is 2,500
-        self.carry = max(0.0, due - whole)
-        return whole
-
-
 class LoadAccounting:
-    def __init__(self, fleet: FleetState, settings: Settings, *, active: bool = True) -> None:
+    def __init__(
+        self,
+        fleet: FleetState,
+        settings: Settings,
+        *,
+        active: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """``active`` False: nothing is added or drained (no scrapes would correct it:
-        without a monitor the estimate would only grow)."""
+        without a monitor the estimate would only grow). ``clock``: seconds (the fleet
+        simulation's own)."""
         self.fleet = fleet
         self.active = active
-        # How fast the prefill this replica sent drains: the pods' prefill rate (the
-        # setting, else their destination's TTFT model).
-        rate = settings.prefill_tokens_per_s or get_model(settings.ttft_model).prefill_tokens_per_s
-        self._drain = DrainRate(rate)
-        self._drain_by_destination: dict[str, DrainRate] = {}  # those of another model
-        if not settings.prefill_tokens_per_s:
-            for dest, model in ttft_models(fleet.fleet, settings).items():
-                if model.prefill_tokens_per_s != rate:
-                    self._drain_by_destination[dest] = DrainRate(model.prefill_tokens_per_s)
-        self._drained_at = time.monotonic()
+        self.clock = clock
+        self._default = get_model(settings.ttft_model)
+        self._models: dict[str, TTFTModel] = ttft_models(fleet.fleet, settings)
+        # Milliseconds of the model's prefill a pod does per millisecond: 1, unless the
+        # pods are set to prefill faster (or slower) than their model says.
+        rate = settings.prefill_tokens_per_s
+        self._speeds: dict[str, float] = {
+            dest: rate / model.prefill_tokens_per_s if rate else 1.0
+            for dest, model in self._models.items()
+        }
+        self._speed = rate / self._default.prefill_tokens_per_s if rate else 1.0
+        self._drained_at = clock()
 
-    def sent(self, slot: int, prefill_tokens: int) -> None:
-        """A request went to ``slot`` with ``prefill_tokens`` it does not hold warm."""
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Count and drain on ``clock`` from now (the fleet simulation's, whose scrapes
+        correct the estimate as the monitor's do)."""
+        self.clock, self.active = clock, True
+        self._drained_at = clock()
+
+    def model_of(self, slot: int) -> TTFTModel:
+        """The TTFT model that prices the pod's prefill (its destination's)."""
+        return self._models.get(self.fleet.pods[slot].destination, self._default)
+
+    def sent(self, slot: int, uncached: int, cached: int = 0) -> None:
+        """A request went to ``slot`` with ``uncached`` prompt tokens past the ``cached``
+        ones the pod holds warm: its prefill joins the pod's queue."""
         if self.active:
             load = self.fleet.load[slot]
             load.inflight += 1
-            load.queued_prefill_tokens += prefill_tokens
+            load.queued_prefill_ms += self.model_of(slot).prefill_work_ms(uncached, cached)
 
     def observed(self, slot: int, running: int, waiting: int, kv_usage: float | None) -> None:
         """A scrape's figures for the pod: they replace the estimate's in-flight count
         (picks since are added on top). An idle engine has no prefill left: whatever the
-        estimate still holds (a pod faster than the drain rate, prompts more cached than
+        estimate still holds (a pod faster than its model, prompts more cached than
         believed) is dropped; a busy one keeps it, its running requests may still be
         prefilling."""
         load = self.fleet.load[slot]
@@ -77,34 +89,26 @@ class LoadAccounting:
             load.kv_usage = kv_usage
         load.inflight = running + waiting
         if running == 0 and waiting == 0:
-            load.queued_prefill_tokens = 0
+            load.queued_prefill_ms = 0.0
 
     def drain(self, now: float | None = None) -> None:
-        """Let the queued prefill drain at the pods' prefill rate since it was last
-        looked at; called before each pick."""
+        """Let the queued prefill drain for the time since it was last looked at;
+        called before each pick."""
         if not self.active:
             return
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         elapsed_ms = (now - self._drained_at) * 1000
-        # At most once a millisecond (~25 tokens at the model's rate): at thousands of
-        # picks a second a loop over the fleet per pick would cost more than the drain
-        # is worth. The time skipped is drained by the next call, nothing is lost.
-        # (Less a nanosecond: a millisecond measured between two float clock readings
-        # can come out a hair short, and the drain would then wait another whole one.)
-        if elapsed_ms < DRAIN_EVERY_MS - 1e-6:
+        # At most once a millisecond: at thousands of picks a second a loop over the
+        # fleet per pick would cost more than the drain is worth. The time skipped is
+        # drained by the next call, nothing is lost.
+        if elapsed_ms < DRAIN_EVERY_MS:
             if elapsed_ms < 0:  # a clock not seen before: start from it
                 self._drained_at = now
             return
         self._drained_at = now
-        done = self._drain.tokens(elapsed_ms)
-        if not self._drain_by_destination:  # every pod at the router's rate
-            for load in self.fleet.load:
-                if load.queued_prefill_tokens:
-                    load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - done)
-            return
-        done_by = {d: rate.tokens(elapsed_ms) for d, rate in self._drain_by_destination.items()}
+        speeds, default = self._speeds, self._speed
         pods = self.fleet.pods
         for slot, load in enumerate(self.fleet.load):
-            if load.queued_prefill_tokens:
-                drained = done_by.get(pods[slot].destination, done)
-                load.queued_prefill_tokens = max(0, load.queued_prefill_tokens - drained)
+            if load.queued_prefill_ms:
+                done = elapsed_ms * speeds.get(pods[slot].destination, default)
+                load.queued_prefill_ms = max(0.0, load.queued_prefill_ms - done)

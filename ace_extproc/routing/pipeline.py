@@ -13,10 +13,11 @@ wins while its queue costs less than the prefill it saves; when it saturates, th
 request spills to the cheapest other pod, which warms up too (the hot prefix is
 replicated).
 
-Among pods priced within a small slack of the cheapest, the default picker
-(``NearBest``) takes the deepest match, then the pod a session last went to, then the
-prefix's rendezvous order, so replicas still agree on where new prefixes go and a
-conversation does not flap between two nearly equal pods. A session's first request
+The default picker (``NearBest``) takes the cheapest pod: where a match steers, its
+saving is in the price already. Where nothing steers (a new prefix), pods priced
+within a small slack of the cheapest are ties, placed by the session's pod, then the
+prefix's rendezvous order, so replicas agree on where new prefixes go with no shared
+state. A session's first request
 is placed by its session: a warm match is then some other session's prefix, and
 following it would pile sessions onto one pod.
 """
@@ -142,16 +143,14 @@ class EvictionCost:
 
 @dataclass(frozen=True, slots=True)
 class QueueCost:
-    """The prefill already queued on the pod, ahead of this request. Kept by the load
-    accounting (``fleet.py``: requests sent since the last scrape, corrected by each
-    scrape); exact in the fleet simulation."""
+    """The prefill already queued on the pod, ahead of this request: milliseconds of
+    the pod's TTFT model, each request sent priced as this one is, long prompts' extra
+    attention cost included (``load.py``: picks since the last scrape, corrected by
+    each scrape)."""
 
     def __call__(self, c: Candidates) -> list[float]:
-        a_ms, load = c.model.a_ms, c.fleet.load
-        return [
-            a_ms * queued if (queued := load[slot].queued_prefill_tokens) > 0 else 0.0
-            for slot in c.slots
-        ]
+        load = c.fleet.load
+        return [load[slot].queued_prefill_ms for slot in c.slots]
 
 
 # ------------------------------------------------------------------ picker
@@ -159,10 +158,11 @@ class QueueCost:
 
 @dataclass(frozen=True, slots=True)
 class NearBest:
-    """Among the pods priced within the slack of the cheapest, the deepest match; then
-    the session's pod; then, with ``balance_new``, the least busy for a new prefix
-    (better balanced with one replica, but replicas then disagree, so off by default);
-    then rendezvous order."""
+    """The cheapest pod. Where nothing held steers, the pods priced within the slack
+    of the cheapest are ties: the session's pod, then, with ``balance_new``, the least
+    busy (better balanced with one replica, but replicas then disagree, so off by
+    default), then the prefix's rendezvous order. Exact ties: the deepest match, the
+    session's pod, rendezvous order."""
 
     slack_ratio: float = 0.10
     slack_ms: float = 5.0
@@ -170,8 +170,15 @@ class NearBest:
     balance_new: bool = False
 
     def __call__(self, c: Candidates, prices: list[float]) -> tuple[int, tuple[int, ...]]:
-        limit = min(prices) * (1 + self.slack_ratio) + self.slack_ms
         get = c.depths.get
+        limit = min(prices)
+        if not any([get(slot, 0) for slot in c.slots]):
+            # Nothing held steers (a new prefix, a session's first request): the pods
+            # within the slack are ties, placed by rendezvous order so that replicas
+            # agree on where the prefix goes. Where a match steers, its saving is in
+            # the prices already: the cheapest wins, a deeper match gets no slack
+            # (one made short requests wait behind long prefills, issue 27).
+            limit = limit * (1 + self.slack_ratio) + self.slack_ms
         near_slots = [slot for price, slot in zip(prices, c.slots, strict=True) if price <= limit]
         deepest = max([get(slot, 0) for slot in near_slots])
         near = 0

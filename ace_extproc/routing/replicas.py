@@ -149,6 +149,8 @@ class Learner:
                 remember((p.tenant, p.session), slot)
             self.applied += 1
             if self.load is not None:
+                # Priced as if nothing were cached: a placement carries its uncached
+                # tokens only (the attention over a warm prefix is left out).
                 self.load.sent(slot, p.queued_tokens)
 
 

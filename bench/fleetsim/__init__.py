@@ -63,15 +63,14 @@ long later, with one exact load view common to all (``_Run.share``).
   to the next finish and cut at the current step's end if a request arrives, so
   the event count grows with requests, not with tokens.
 
-**The router's view of load** (``processor.fleet.load``): every
-``scrape_interval_s`` of simulated time each pod's ``running``, ``waiting`` and
-``kv_usage`` (blocks referenced / capacity) are copied in, as a ``/metrics``
-scrape would.  ``inflight`` (requests this replica routed and not yet finished)
-and ``queued_prefill_tokens`` (their prompt tokens not yet prefilled: at routing
-the engine's exact uncached count on that pod at that moment, corrected at
-admission, reduced chunk by chunk) are updated at every event.  A proxy router
-in the data path sees in-flight counts exactly; ace-extproc in production only
-sees requests start, so it will approximate them.
+**The router's view of load** (``processor.fleet.load``) is what a real one has:
+the production ``LoadAccounting`` on the simulated clock. Each pick adds one in
+flight and its prefill, priced by the TTFT model, to the pod's queue, which drains
+in simulated time; every ``scrape_interval_s`` each pod's ``running``, ``waiting``
+and ``kv_usage`` (blocks referenced / capacity) correct it, as a ``/metrics``
+scrape does (in flight becomes running + waiting; an idle pod has no queue).
+Between scrapes the router does not see requests finish, nor how long a prefill
+really took.
 
 **Fleet events** (``workload.events``, ``workload.initially_absent``): ``remove``
 marks the pod unavailable and drops it from the index; its requests not yet

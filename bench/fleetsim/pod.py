@@ -38,7 +38,6 @@ class Job:
     prefilled: int = 0  # uncached tokens computed so far
     first_step_s: float = -1.0  # start of its first prefill step
     first_token_s: float = -1.0
-    charged: int = 0  # what it counts in the router's queued_prefill_tokens
     # For KV events (kept only while they are on): the prompt the block token ids
     # come from, and the salt of block 0.
     prompt: bytes | list[int] = b""
@@ -52,8 +51,6 @@ class Job:
 class Listener(Protocol):
     """What the runner hears from a pod (for the router's counters and the records)."""
 
-    def admitted(self, job: Job) -> None: ...
-    def prefilled(self, job: Job, tokens: int) -> None: ...
     def committed(self, job: Job, blocks: range) -> None:
         """The prefill step cached these of ``job``'s full prompt blocks (BlockStored)."""
 
@@ -147,7 +144,6 @@ class SimPod:
         done_prefill = False
         for job, chunk in plan.chunks:
             job.prefilled += chunk
-            listener.prefilled(job, chunk)
             assert job.alloc is not None and job.cache is not None
             # vLLM caches each full block as soon as it is computed.
             blocks = job.cache.commit(
@@ -258,7 +254,6 @@ class SimPod:
         self.evictions += cache.evictions - before
         job.alloc, job.cache, job.cached = alloc, cache, alloc.cached_tokens
         self.running += 1
-        self.listener.admitted(job)
         return True
 
     def _finish(self, job: Job, now: float) -> None:

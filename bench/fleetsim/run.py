@@ -53,7 +53,7 @@ def simulate(
 
     ``share_delay_s``: replicas share their placements (``router.share_url``), each
     reaching the others this long after it was made; None: they share nothing.
-    ``common_load``: replicas that share no placements still see one exact load view
+    ``common_load``: replicas that share no placements still see one load view
     (as sharing ones do here), so that only what they know of placements differs."""
     if pods < 1 or replicas < 1:
         raise ValueError("pods and replicas must be at least 1")
@@ -137,8 +137,14 @@ class _Run:
                 precise=Precise(speculate=settings.speculate),
             ),
         )
-        # No monitor (probe_interval_s 0): the simulation keeps the load view exact itself.
+        # No monitor (probe_interval_s 0): the simulation scrapes the pods itself.
         self.procs = [build(config, picker) for _ in range(replicas)]
+        self.now = 0.0
+        for proc in self.procs:
+            # The router sees what a real one sees: its own estimate of each pod's queue
+            # (each pick priced by the TTFT model, drained on the simulated clock),
+            # corrected by the scrapes every scrape_interval_s.
+            proc.load.use_clock(lambda: self.now)
         # Each replica's precise index (KV events on), on the simulated clock.
         self.precise: list[PreciseIndex] = []
         for proc in self.procs:
@@ -316,21 +322,23 @@ class _Run:
             self.push(end, _STEP_END, (slot, self.pods[slot].epoch))
 
     def _scrape(self) -> None:
+        """What the fleet monitor's scrape of each pod's /metrics tells the router: the
+        engine's running and waiting counts and KV use, which correct the router's own
+        estimate (an idle pod has no prefill left)."""
         self.scrapes += 1
+        views = self.procs[:1] if self.load_shared else self.procs
         for pod in self.pods:
             kv = min(1.0, pod.cache.used_blocks / self.usage_blocks)
-            for proc in self.procs:
-                load = proc.fleet.load[pod.slot]
-                load.running, load.waiting, load.kv_usage = pod.running, len(pod.waiting), kv
+            for proc in views:
+                proc.load.observed(pod.slot, pod.running, len(pod.waiting), kv)
 
     # -- replicas sharing placements ----------------------------------------------------
     def share(self, delay_s: float) -> None:
         """Replicas share what they place, as ``router.share_url`` makes them: each
         placement reaches the others' index and session map through the production
         ``Learner`` ``delay_s`` later (Redis pub/sub: the publisher's batching, then the
-        network). The load view is kept exact and common to all replicas instead (one
-        list of ``PodLoad``), as this simulation keeps a single replica's: in
-        production each replica's monitor drains what it learned at the pods' rate."""
+        network). The load view is common to all replicas instead (``common_load``):
+        in production each replica adds what it learned to its own."""
         self.common_load()
         self.learners = []
         for replica, proc in enumerate(self.procs):
@@ -339,10 +347,12 @@ class _Run:
             proc.processor.sharing = _Shared(self, replica, delay_s)
 
     def common_load(self) -> None:
-        """One exact load view (one list of ``PodLoad``) for every replica."""
-        load = self.procs[0].fleet.load
+        """One load view for every replica: the first replica's accounting counts and
+        drains every replica's picks (one list of ``PodLoad``)."""
+        first = self.procs[0]
         for proc in self.procs:
-            proc.fleet.load = load
+            proc.fleet.load = first.fleet.load
+            proc.processor.load = first.load
         self.load_shared = True
 
     # -- routing ----------------------------------------------------------------------
@@ -395,14 +405,7 @@ class _Run:
             job = _job(index, r, prompt, replica)
             if self.precise:  # the events' token ids come from the prompt
                 job.prompt, job.salt = prompt.prompt, prompt.salt
-        pod = self.pods[slot]
         job.slot = slot
-        # The router's own counters, exact here: requests it sent and has not seen
-        # finish, and their prompt tokens not yet prefilled (the uncached part).
-        load = proc.fleet.load[slot]
-        load.inflight += 1
-        job.charged = job.tokens - pod.cache.match_keys(job.keys, job.tokens)
-        load.queued_prefill_tokens += job.charged
         # The API server's share (t0, and p a prompt token) before the engine's queue.
         self.push(self.now + self.model.server_ms(job.tokens) / 1000, _ENTER, (slot, job))
 
@@ -433,19 +436,12 @@ class _Run:
         slot, job = payload
         pod = self.pods[slot]
         if not pod.present:  # the pod left while the request was on its way
-            self._unroute(slot, job)
             self._reroute(job)
             return
         self._schedule(slot, pod.enter(job, self.now))
         if pod.plan is None and not pod.wake_pending:
             pod.wake_pending = True
             self.push(self.now, _WAKE, slot)
-
-    def _unroute(self, slot: int, job: Job) -> None:
-        load = self.procs[job.replica].fleet.load[slot]
-        load.inflight -= 1
-        load.queued_prefill_tokens -= job.charged
-        job.charged = 0
 
     def _reroute(self, job: Job) -> None:
         self.rerouted += 1
@@ -473,7 +469,6 @@ class _Run:
             self.present_s[slot] += self.now - self.joined_at[slot]
         pod.present = False
         for job in pod.take_waiting():
-            self._unroute(slot, job)
             self._reroute(job)
 
     def _add(self, slot: int) -> None:
@@ -492,19 +487,8 @@ class _Run:
         self._events_on(slot)
 
     # -- what pods report (the Listener) -----------------------------------------------
-    def admitted(self, job: Job) -> None:
-        # The estimate made at routing becomes the engine's actual uncached count.
-        load = self.procs[job.replica].fleet.load[job.slot]
-        load.queued_prefill_tokens += job.uncached - job.charged
-        job.charged = job.uncached
-
-    def prefilled(self, job: Job, tokens: int) -> None:
-        self.procs[job.replica].fleet.load[job.slot].queued_prefill_tokens -= tokens
-        job.charged -= tokens
-
     def finished(self, job: Job, now: float) -> None:
         slot = job.slot
-        self.procs[job.replica].fleet.load[slot].inflight -= 1
         r = self.workload.requests[job.index]
         action, would, estimated = self.actions.pop(job.index, ("", -1, 0))
         self.records.append(

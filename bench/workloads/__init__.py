@@ -12,6 +12,7 @@ name            what                                                   default s
 ``hot-prefix``  90% on one system prompt (:mod:`.stress`)               3,000 requests
 ``churn``       the suite's families while a pod leaves and one joins   1,200 requests
 ``burst32k``    bursts of 24 parallel ~30K-token documents              480 requests
+``conv-burst``  conversations, one shared block, whole-second bursts    3,000 requests
 ==============  =====================================================  ================
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import azure, mooncake, stress, suite
+from . import azure, convburst, mooncake, stress, suite
 from .base import FleetEvent, Request, TraceError, Workload
 
 __all__ = [
@@ -35,7 +36,10 @@ __all__ = [
 ]
 
 # The built-in workloads; any Mooncake-format file is also a workload: "trace:PATH".
-NAMES = ("seed800", "mooncake", "azure-code", "azure-conv", "hot-prefix", "churn", "burst32k")
+NAMES = (
+    "seed800", "mooncake", "azure-code", "azure-conv", "hot-prefix", "churn", "burst32k",
+    "conv-burst",
+)  # fmt: skip
 TRACE_PREFIX = "trace:"
 
 TRACE_FILES = {
@@ -94,6 +98,7 @@ def get(
         "hot-prefix": stress.hot_prefix,
         "churn": stress.churn,
         "burst32k": stress.burst32k,
+        "conv-burst": convburst.build,
     }
     if name not in makers:
         known = ", ".join((*NAMES, TRACE_PREFIX + "PATH"))

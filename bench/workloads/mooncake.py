@@ -165,8 +165,21 @@ def replay(
 ) -> Workload:
     records = read(path, limit)
     scale = arrival_scale(records, speed, rate)
+    return Workload(
+        name=name,
+        description=(
+            f"Mooncake-format trace {Path(path).name}: {len(records)} requests, block ids as "
+            f"2048-byte texts, /v1/completions, arrivals x{1 / (1000 * scale):g}"
+        ),
+        requests=requests_of(records, scale),
+    )
+
+
+def requests_of(records: list[TraceRecord], scale: float = 0.001) -> list[Request]:
+    """The records as requests (see the module's docstring), arrivals at ``scale``
+    seconds a trace millisecond from the first."""
     t0 = records[0].timestamp_ms if records else 0.0
-    requests = [
+    return [
         Request(
             arrival_s=(rec.timestamp_ms - t0) * scale,
             path=COMPLETIONS_PATH,
@@ -183,11 +196,3 @@ def replay(
         )
         for rec in records
     ]
-    return Workload(
-        name=name,
-        description=(
-            f"Mooncake-format trace {Path(path).name}: {len(requests)} requests, block ids as "
-            f"2048-byte texts, /v1/completions, arrivals x{1 / (1000 * scale):g}"
-        ),
-        requests=requests,
-    )
