@@ -56,6 +56,45 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+# Policies that are not routers one would deploy: the bounds, and ours' variants.
+NOT_PEERS = ("ace", "bound_", "round_robin", "random", "least_loaded", "session_hash")
+
+
+def targets(reports: list[dict[str, Any]]) -> str:
+    """One row a workload, against issue 27's targets: ours' TTFT p50 in each context
+    bucket against round robin's, its TTFT p99 against the best other deployable policy's
+    (a peer's or a baseline's, ours' variants aside), and its prefill saved as a share of
+    the pooled-cache bound's."""
+    rows = [
+        "| workload | TTFT p50 by bucket, ours / round robin (ms) | TTFT p99 ours / best other"
+        " (ms) | prefill saved, ours / pooled bound |",
+        "| --- | --- | --- | --- |",
+    ]
+    for report in reports:
+        pol = report["policies"]
+        ace, rr, pooled = pol.get("ace"), pol.get("round_robin"), pol.get("bound_pooled")
+        if ace is None or rr is None or pooled is None:
+            continue
+        cells = []
+        for b in BUCKETS:
+            ours = ace["ttft_by_bucket"].get(b, {})
+            theirs = rr["ttft_by_bucket"].get(b, {})
+            if ours.get("count") and theirs.get("count"):
+                mark = "" if ours["p50_ms"] <= theirs["p50_ms"] else " ✗"
+                cells.append(f"{b} {ours['p50_ms']:.0f} / {theirs['p50_ms']:.0f}{mark}")
+        others = {n: p for n, p in pol.items() if not n.startswith(NOT_PEERS) or n == "round_robin"}
+        others.update({n: p for n, p in pol.items() if n in ("least_loaded", "session_hash")})
+        best_name, best = min(others.items(), key=lambda kv: kv[1]["ttft_p99_ms"])
+        ratio = best["ttft_p99_ms"] / ace["ttft_p99_ms"] if ace["ttft_p99_ms"] else 0.0
+        share = ace["prefill_saved_ratio"] / pooled["prefill_saved_ratio"]
+        rows.append(
+            f"| {report['workload']} | {', '.join(cells)} | {ace['ttft_p99_ms']:,.0f} / "
+            f"{best['ttft_p99_ms']:,.0f} ({best_name}): {ratio:.2f}x | "
+            f"{ace['prefill_saved_ratio']:.1%} / {pooled['prefill_saved_ratio']:.1%}: {share:.0%} |"
+        )
+    return "\n".join(rows)
+
+
 def live_table(live: dict[str, Any]) -> str:
     w = live["workload"]
     rows = [
@@ -130,8 +169,12 @@ def overhead_table(data: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     folder = Path(args[0] if args else "bench/results")
-    for path in sorted(folder.glob("report-*.json")):
-        print(table(json.loads(path.read_text())))
+    reports = [json.loads(path.read_text()) for path in sorted(folder.glob("report-*.json"))]
+    for report in reports:
+        print(table(report))
+        print()
+    if reports:
+        print(targets(reports))
         print()
     lives = [json.loads(path.read_text()) for path in sorted(folder.glob("live-*.json"))]
     if lives:

@@ -298,3 +298,21 @@ def test_sessions_are_remembered_per_tenant() -> None:
     assert first is not None and again is not None and other is not None
     assert again.action == "hit"  # tenant a's session continues on its pod
     assert other.action == "miss"  # tenant b's "s1" is new here: the match does not steer
+
+
+def test_pods_alike_in_price_and_match_go_to_the_least_busy() -> None:
+    """A prefix every pod holds, every queue drained: the prices tie exactly, and the
+    least busy pod takes the request, not always the first in rendezvous order."""
+    fleet, index, picker = setup(4)
+    r = request()
+    for slot in range(4):
+        index.record(slot, r.hashes.blocks)
+    first = rendezvous.best(r.hashes.route_key, fleet.seeds)
+    for slot in range(4):
+        fleet.load[slot].inflight = 5
+    fleet.load[(first + 1) % 4].inflight = 2
+    pick = picker.pick(r, fleet.available)
+    assert pick is not None and pick.slot == (first + 1) % 4 and pick.action == "hit"
+    fleet.load[(first + 1) % 4].inflight = 5  # all alike again: rendezvous order decides
+    again = picker.pick(r, fleet.available)
+    assert again is not None and again.slot == first

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from ace_extproc.request import parse
@@ -407,3 +408,29 @@ def test_registry() -> None:
     default = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
     if "ACE_TRACES_DIR" not in os.environ:
         assert workloads.traces_dir() == default
+
+
+def test_conv_burst_has_the_held_back_trace_s_shape() -> None:
+    """One shared first block, heavy-tailed lengths, whole-second bursts at ~3.4 req/s,
+    and later turns that extend earlier ones."""
+    w = workloads.get("conv-burst")
+    prompts = [msgspec.json.decode(r.body)["prompt"] for r in w.requests]
+    first_blocks = {p[:MOONCAKE_BLOCK_BYTES] for p in prompts}
+    assert len(first_blocks) == 1  # every prompt starts with the same 512-token block
+    tokens = sorted(len(p) // 4 for p in prompts)
+    median, mean = tokens[len(tokens) // 2], sum(tokens) / len(tokens)
+    assert mean > 1.3 * median and tokens[-1] > 8 * median  # a heavy tail
+    arrivals = [r.arrival_s for r in w.requests]
+    assert all(a == int(a) for a in arrivals)  # whole seconds
+    assert max(Counter(arrivals).values()) >= 8  # bursts
+    assert 3.0 < len(arrivals) / (arrivals[-1] - arrivals[0]) < 3.8
+    # A later turn begins with its conversation's own first block, after the shared one:
+    # about two requests in three (three turns a conversation on average).
+    seen: set[str] = set()
+    later = 0
+    for p in prompts:
+        head = p[: 2 * MOONCAKE_BLOCK_BYTES]
+        later += head in seen
+        seen.add(head)
+    assert len(prompts) // 3 < later < len(prompts) * 5 // 6
+    assert workloads.get("conv-burst", seed=1).requests != w.requests

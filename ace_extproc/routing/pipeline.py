@@ -162,7 +162,7 @@ class NearBest:
     of the cheapest are ties: the session's pod, then, with ``balance_new``, the least
     busy (better balanced with one replica, but replicas then disagree, so off by
     default), then the prefix's rendezvous order. Exact ties: the deepest match, the
-    session's pod, rendezvous order."""
+    session's pod, the least busy, rendezvous order."""
 
     slack_ratio: float = 0.10
     slack_ms: float = 5.0
@@ -188,7 +188,11 @@ class NearBest:
         home = c.home
         if home >= 0 and (near >> home) & 1:
             near = 1 << home  # a session stays on its pod among equals
-        elif not deepest and self.balance_new:  # a new prefix: the least busy first
+        elif near & (near - 1) and (deepest or self.balance_new):
+            # Equal in price and in what they hold of it (a prefix all of them hold, its
+            # queues all drained): the least busy, or the first in rendezvous order would
+            # take every such request. A new prefix keeps rendezvous order, so that
+            # replicas agree where it goes, unless ``balance_new``.
             load = c.fleet.load
             slots = [slot for slot in c.slots if (near >> slot) & 1]
             least = min(load[slot].inflight for slot in slots)

@@ -175,7 +175,9 @@ def replay(
     )
 
 
-def requests_of(records: list[TraceRecord], scale: float = 0.001) -> list[Request]:
+def requests_of(
+    records: list[TraceRecord], scale: float = 0.001, family: str = "mooncake"
+) -> list[Request]:
     """The records as requests (see the module's docstring), arrivals at ``scale``
     seconds a trace millisecond from the first."""
     t0 = records[0].timestamp_ms if records else 0.0
@@ -191,8 +193,8 @@ def requests_of(records: list[TraceRecord], scale: float = 0.001) -> list[Reques
                 }
             ),
             output_tokens=rec.output_length,
-            family="mooncake",
-            session=f"mooncake-{rec.line}",
+            family=family,
+            session=f"{family}-{rec.line}",
         )
         for rec in records
     ]
