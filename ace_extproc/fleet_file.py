@@ -434,9 +434,9 @@ class RouterBase(Section, frozen=True):
     prefill_tokens_per_s: Annotated[
         float,
         _doc(
-            "The pods' prefill rate in uncached prompt tokens a second, for the queued-"
-            "prefill estimate; 0: each destination's TTFT model's. Set, it holds for "
-            "every pod.",
+            "The pods' prefill rate in uncached prompt tokens a second, where they run faster "
+            "or slower than their TTFT model: the queued-prefill estimate drains that much "
+            "faster; 0: as the model says. Set, it holds for every pod.",
             ge=0,
         ),
     ] = 0.0

@@ -287,6 +287,9 @@ def test_requests_reach_https_pods_through_envoy_pinned_and_cached(
         "upstream_ca_file": str(ca_path),
         "salt_secret": "tls-e2e",
         "upstream_mode": upstream_mode,
+        # The pods answer at once (--time-scale 0): told so, the router does not count
+        # a turn's prefill as still queued when the next turn follows it straight away.
+        "prefill_tokens_per_s": 1e9,
     }
     # The pods' own API key (vLLM's --api-key, a hosted API's), in place of the client's.
     doc["destinations"][0]["api_key_env"] = "LLAMA_API_KEY"

@@ -172,7 +172,7 @@ class NearBest:
     def __call__(self, c: Candidates, prices: list[float]) -> tuple[int, tuple[int, ...]]:
         get = c.depths.get
         limit = min(prices)
-        if not any([get(slot, 0) for slot in c.slots]):
+        if not any(c.depths.values()):  # the candidates' depths, those holding any
             # Nothing held steers (a new prefix, a session's first request): the pods
             # within the slack are ties, placed by rendezvous order so that replicas
             # agree on where the prefix goes. Where a match steers, its saving is in
