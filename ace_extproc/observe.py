@@ -145,6 +145,7 @@ class Observation:
     # as read from the body (None: not such an answer).
     store_tenant: str = ""
     stored: StoredId | None = None
+    remembered: bool = False  # its id has been noted (as soon as it could be)
 
     def estimated_in_engine_tokens(self) -> int:
         """``saved_tokens`` scaled to the engine's count of the prompt (Totals)."""
@@ -267,25 +268,39 @@ class Observer:
         pod_key = fleet.pods[answered].key if answered is not None else None
         self.ledger.add(obs, pod_key)
 
+    def on_body(self, obs: Observation, chunk: bytes) -> None:
+        """A chunk of a response the observe filter sees. A stored answer's id is noted
+        as soon as the chunk tells it, not at the body's end: the client may send the
+        next turn the moment it has read this one."""
+        obs.on_body(chunk)
+        if obs.stored is not None and not obs.remembered:
+            self._remember(obs, obs.stored.ready())
+
     def finish(self, obs: Observation) -> None:
         """A response the observe filter saw to its end: its usage, as the access log
         reports the response itself; and a stored Responses answer's id, remembered
-        with the pod that answered."""
-        fleet = self.fleet
-        answered = self._answered(obs, fleet.slot_of(obs.pinned) if obs.pinned else None)
-        pod_key = fleet.pods[answered].key if answered is not None else None
-        if obs.stored is not None:
-            self._remember(obs, obs.stored.result(), pod_key)
+        with the pod that answered, if not already."""
+        if obs.stored is not None and not obs.remembered:
+            self._remember(obs, obs.stored.result())
         if not self.usage_capture:
             return
         obs.read_usage()
         if obs.cached_tokens is not None:
-            self.ledger.add_usage(obs, pod_key)
+            self.ledger.add_usage(obs, self._pod_key(obs))
 
-    def _remember(self, obs: Observation, response_id: str | None, pod_key: str | None) -> None:
+    def _pod_key(self, obs: Observation) -> str | None:
+        fleet = self.fleet
+        answered = self._answered(obs, fleet.slot_of(obs.pinned) if obs.pinned else None)
+        return fleet.pods[answered].key if answered is not None else None
+
+    def _remember(self, obs: Observation, response_id: str | None) -> None:
         # Only a success is stored by the engine; only a pod known here can be pinned.
-        if self.homes is None or response_id is None or pod_key is None or obs.status != 200:
+        if self.homes is None or response_id is None or obs.status != 200:
             return
+        pod_key = self._pod_key(obs)
+        if pod_key is None:
+            return
+        obs.remembered = True
         self.homes.remember(obs.store_tenant, response_id, pod_key)
         if self.sharing is not None:  # queued for the other replicas; no I/O here
             self.sharing.note_home(obs.store_tenant, response_id, pod_key)

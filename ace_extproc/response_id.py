@@ -81,6 +81,14 @@ class StoredId:
         if not self._done and len(head) >= HEAD_BYTES:
             self._finish()  # no id in reach: the answer is not remembered
 
+    def ready(self) -> str | None:
+        """The stored response's id as soon as the bytes so far tell it: a JSON answer's
+        once its leading id has passed (vLLM stores the response before it answers), a
+        stream's once its terminal event has (stored just before it). None: not yet."""
+        if not self._done or not self._id:
+            return None
+        return self._id if not self._sse or self._ended else None
+
     def result(self) -> str | None:
         """The stored response's id, at the answer's end (None: none, or not stored)."""
         if not self._done and not self._sse and self._head:

@@ -277,7 +277,7 @@ class _Stream:
             body = msg.response_body
             watch = self.watch
             if watch is not None and (self.processor.settings.usage_capture or watch.store_tenant):
-                watch.on_body(body.body)
+                self.observer.on_body(watch, body.body)
             if body.end_of_stream:
                 self._settle()
             if self.response_duplex:
@@ -327,7 +327,7 @@ class _Stream:
                 if msg.response_headers.end_of_stream or not wanted:
                     self.close()
             elif kind == "response_body" and self.observed is not None:
-                self.observed.on_body(msg.response_body.body)
+                self.observer.on_body(self.observed, msg.response_body.body)
                 if msg.response_body.end_of_stream:
                     self.close()
             else:

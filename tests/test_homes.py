@@ -171,3 +171,18 @@ def test_the_id_of_a_stream_once_it_has_completed(step: int) -> None:
 )
 def test_no_id_where_the_answer_has_none(data: bytes) -> None:
     assert feed(data, 3) is None
+
+
+def test_the_id_is_ready_as_soon_as_the_engine_has_stored_the_response() -> None:
+    """A JSON answer is stored before it is sent: its leading id is enough. A stream is
+    stored just before its terminal event: not before that has passed."""
+    json_answer = StoredId()
+    json_answer.feed(b'{"id": "resp_1", "output": [')
+    assert json_answer.ready() == "resp_1"
+    stream = StoredId()
+    stream.feed(
+        event("response.created", {"response": {"id": "resp_2"}, "type": "response.created"})
+    )
+    assert stream.ready() is None
+    stream.feed(b"event: response.completed\ndata: {")
+    assert stream.ready() == "resp_2"
