@@ -22,6 +22,7 @@ from ace_extproc.processor import Processor
 from ace_extproc.routing import BlockIndex, FleetState, Policy, policies
 from ace_extproc.routing.discovery import Discovery, for_destination
 from ace_extproc.routing.fleet import ADDED, RETIRED
+from ace_extproc.routing.homes import ResponseHomes, ResponseHomesMetrics
 from ace_extproc.routing.kv_events import KvEvents
 from ace_extproc.routing.load import LoadAccounting
 from ace_extproc.routing.monitor import FleetMonitor
@@ -54,6 +55,7 @@ class App:
     discoveries: tuple[Discovery, ...]  # pods found at run time
     sharing: ReplicaSync | None  # placements shared with the other replicas
     kv_events: KvEvents | None  # the engines' KV event streams (precise routing)
+    homes: ResponseHomes  # the pods holding stored Responses-API responses
 
     async def start(self) -> None:
         """Start what runs in the background. Sharing connects in the background: Redis
@@ -114,7 +116,8 @@ def build(config: Config, picker: PolicyFactory | None = None) -> App:
         kv_events = KvEvents(
             fleet, precise_index, frozenset(precise.tokenizers), rebuild_s=s.precise.rebuild_s
         )
-    monitor = FleetMonitor(fleet, index, s, load, precise_index) if watching else None
+    homes = ResponseHomes(fleet, s.responses_remembered, s.responses_ttl_s)
+    monitor = FleetMonitor(fleet, index, s, load, precise_index, homes) if watching else None
     discoveries = tuple(
         for_destination(fleet, index, d)
         for d in config.fleet.destinations
@@ -122,16 +125,17 @@ def build(config: Config, picker: PolicyFactory | None = None) -> App:
     )
     sharing = None
     if s.share_url:
-        learner = Learner(fleet, index, getattr(chosen, "remember", None), load)
+        learner = Learner(fleet, index, getattr(chosen, "remember", None), load, homes)
         sharing = ReplicaSync(
             learner, s.share_url, s.block_bytes, s.share_channel, password=s.share_password
         )
     outliers = OutlierDetector(fleet, s.passive_health)
-    observer = Observer(fleet, outliers)
+    observer = Observer(fleet, outliers, homes, sharing, s.usage_capture)
     placements = PrefixPlacements()
     telemetry = Telemetry(s, fleet, index, monitor, ledger=observer.ledger, sharing=sharing)
     if kv_events is not None or precise.failed:
         telemetry.registry.register(PreciseMetrics(kv_events, precise))
+    telemetry.registry.register(ResponseHomesMetrics(homes))
     processor = Processor(
         s,
         fleet,
@@ -143,6 +147,7 @@ def build(config: Config, picker: PolicyFactory | None = None) -> App:
         placements=placements,
         sharing=sharing,
         precise=precise if kv_events is not None else None,
+        homes=homes,
     )
 
     def forget(slot: int, change: str) -> None:
@@ -170,6 +175,7 @@ def build(config: Config, picker: PolicyFactory | None = None) -> App:
         discoveries,
         sharing,
         kv_events,
+        homes,
     )
 
 

@@ -26,6 +26,7 @@ import yaml
 from ace_extproc import config as cfg
 from ace_extproc import peer
 from ace_extproc.outcome import UPSTREAM_HEADER
+from ace_extproc.request import RESPONSES_PATH
 
 # Headers only ace-extproc or Envoy may set: a client-supplied copy is removed before
 # routing (early header mutation), or a client could pin any pod while ext_proc is down.
@@ -615,13 +616,28 @@ def _ext_proc_filter(
     return {"name": "envoy.filters.http.ext_proc", "typed_config": config}
 
 
+OBSERVE_FILTER = "ace.observe"
+# The observe-only filter's processing: response headers, then the body as it streams.
+_OBSERVE_MODE = {
+    "request_header_mode": "SKIP",
+    "request_body_mode": "NONE",
+    "request_trailer_mode": "SKIP",
+    "response_header_mode": "SEND",
+    "response_body_mode": "STREAMED",
+    "response_trailer_mode": "SKIP",
+}
+
+
 def _observe_filter(settings: cfg.Settings) -> dict[str, Any]:
-    """The observe-only filter, for usage capture (observe.py): Envoy sends it each
-    response and its body without waiting for an answer, with the routing filter's
-    ``ace`` metadata and the host that answered, so it delays nothing. It costs a
-    stream a request: only where the body must be read (the access log does the rest)."""
+    """The observe-only filter (observe.py): Envoy sends it each response and its body
+    without waiting for an answer, with the routing filter's ``ace`` metadata and the
+    host that answered, so it delays nothing. It costs a stream a request: only where
+    a body must be read (the access log does the rest). With usage capture, every
+    response's; without, only the Responses API's (for the ids of stored responses:
+    ``_observing_responses`` turns it on for that path alone)."""
     return {
-        "name": "ace.observe",
+        "name": OBSERVE_FILTER,
+        "disabled": not settings.usage_capture,
         "typed_config": {
             "@type": "type.googleapis.com/"
             "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
@@ -629,14 +645,7 @@ def _observe_filter(settings: cfg.Settings) -> dict[str, Any]:
             "stat_prefix": "ace_observe",
             "observability_mode": True,
             "failure_mode_allow": True,
-            "processing_mode": {
-                "request_header_mode": "SKIP",
-                "request_body_mode": "NONE",
-                "request_trailer_mode": "SKIP",
-                "response_header_mode": "SEND",
-                "response_body_mode": "STREAMED" if settings.usage_capture else "NONE",
-                "response_trailer_mode": "SKIP",
-            },
+            "processing_mode": dict(_OBSERVE_MODE),
             "metadata_options": {"forwarding_namespaces": {"untyped": ["ace"]}},
             "response_attributes": list(RESPONSE_ATTRIBUTES),
         },
@@ -723,6 +732,32 @@ def _endpoint_routes(config: cfg.Config) -> list[dict[str, Any]]:
     return routes
 
 
+def _observing_responses(routes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``routes``, each first also as a copy for the Responses API's path that turns the
+    observe-only filter on (disabled elsewhere without usage capture), so the ids of
+    stored responses are read (observe.py) at no cost to any other path. Envoy matches
+    the normalized path without its query, as the engine's server does."""
+    enable = {
+        OBSERVE_FILTER: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3."
+            "ExtProcPerRoute",
+            "overrides": {"processing_mode": dict(_OBSERVE_MODE)},
+        }
+    }
+    observed = []
+    for route in routes:
+        match = {k: v for k, v in route["match"].items() if k != "prefix"}
+        observed.append(
+            {
+                **route,
+                "name": f"{route['name']}_responses",
+                "match": {"path": RESPONSES_PATH, **match},
+                "typed_per_filter_config": enable,
+            }
+        )
+    return [*observed, *routes]
+
+
 def _host_rewrite(config: cfg.Config) -> dict[str, Any]:
     """An https upstream by name (a hosted API) must be asked for by its own name, not
     the gateway's: Host is rewritten to the chosen host's name. Hosts given by IP have
@@ -731,7 +766,9 @@ def _host_rewrite(config: cfg.Config) -> dict[str, Any]:
     return {"auto_host_rewrite": True} if named else {}
 
 
-def _route_config(config: cfg.Config, upstream_mode: str) -> dict[str, Any]:
+def _route_config(
+    config: cfg.Config, upstream_mode: str, observe_responses_api: bool = False
+) -> dict[str, Any]:
     retry = {"retry_on": "connect-failure,reset", "num_retries": 1}
     # A pinned request whose pod fails to connect or resets retries on a standby pod of
     # the pod's cluster (priority 1), never the same pod again.
@@ -775,6 +812,9 @@ def _route_config(config: cfg.Config, upstream_mode: str) -> dict[str, Any]:
             },
         },
     ]
+    routes = _endpoint_routes(config) if upstream_mode == "endpoint" else cluster_routes
+    if observe_responses_api:
+        routes = _observing_responses(routes)
     return {
         "name": "ace",
         # On the route_config, so Envoy's own error replies carry them too. An absent
@@ -789,9 +829,7 @@ def _route_config(config: cfg.Config, upstream_mode: str) -> dict[str, Any]:
                 "domains": ["*"],
                 # BUFFERED bodies are limited by this (Envoy's default is ~1 MiB: 413 above).
                 "request_body_buffer_limit": config.settings.max_body_bytes,
-                "routes": (
-                    _endpoint_routes(config) if upstream_mode == "endpoint" else cluster_routes
-                ),
+                "routes": routes,
             }
         ],
     }
@@ -846,10 +884,10 @@ def _http_connection_manager(
     s = config.settings
     filters = [_ext_proc_filter(s, processing_mode, message_timeout_s)] if ext_proc else []
     loggers = _access_log(access_log, endpoint)
-    if ext_proc and s.observe_responses:
+    observing = ext_proc and s.observe_responses
+    if observing:
         loggers.append(_access_log_service(s))
-        if s.usage_capture:  # only a filter can read the response body
-            filters.append(_observe_filter(s))
+        filters.append(_observe_filter(s))  # only a filter can read the response body
     if s.tenants.header is not None:  # only an auth filter of Envoy's may set it
         stripped = (*stripped, s.tenants.header)
     return {
@@ -878,7 +916,7 @@ def _http_connection_manager(
                 }
             ],
             "access_log": loggers,
-            "route_config": _route_config(config, upstream_mode),
+            "route_config": _route_config(config, upstream_mode, observing and not s.usage_capture),
             "http_filters": [*filters, router],
         },
     }

@@ -428,6 +428,23 @@ class RouterBase(Section, frozen=True):
             gt=0,
         ),
     ] = 200_000
+    responses_remembered: Annotated[
+        int,
+        _doc(
+            "Stored Responses-API responses remembered with the pod that holds each "
+            "(a later turn naming one in previous_response_id goes there), the least "
+            "recently used forgotten first; 0: none (such turns are routed by prefix).",
+            ge=0,
+        ),
+    ] = 100_000
+    responses_ttl_s: Annotated[
+        float,
+        _doc(
+            "A stored response is forgotten this long after it was stored; 0: only when "
+            "responses_remembered is full (vLLM itself keeps them while it runs).",
+            ge=0,
+        ),
+    ] = 0.0
     ttft_model: Annotated[
         str, _doc("The pods' calibrated TTFT model, where a destination names none.")
     ] = DEFAULT_MODEL

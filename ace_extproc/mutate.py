@@ -141,6 +141,8 @@ def metadata(outcome: Outcome) -> list[tuple[str, str | float]]:
         fields.append(("served_by", outcome.pod.key))
     if outcome.would_pick is not None:
         fields.append(("pod", outcome.would_pick.key))
+    if outcome.store_tenant:  # the observe filter remembers the answer's id (observe.py)
+        fields.append(("store_tenant", outcome.store_tenant))
     return fields
 
 

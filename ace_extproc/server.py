@@ -276,8 +276,8 @@ class _Stream:
         if kind == "response_body":
             body = msg.response_body
             watch = self.watch
-            if watch is not None and self.processor.settings.usage_capture:
-                watch.on_body(body.body)
+            if watch is not None and (self.processor.settings.usage_capture or watch.store_tenant):
+                self.observer.on_body(watch, body.body)
             if body.end_of_stream:
                 self._settle()
             if self.response_duplex:
@@ -296,6 +296,7 @@ class _Stream:
             obs.would_pick = outcome.would_pick.key if outcome.would_pick is not None else ""
             obs.saved_tokens = outcome.saved_tokens
             obs.estimated_prompt_tokens = outcome.prompt_tokens
+            obs.store_tenant = outcome.store_tenant
         obs.upstream = epp.served(msg)
         for h in msg.response_headers.headers.headers:
             if h.key == ":status":
@@ -318,13 +319,15 @@ class _Stream:
     def _observe(self, msg: ProcessingRequest, kind: str | None) -> None:
         try:
             if kind == "response_headers":
-                self.observed = Observation()
-                self.observed.on_headers(msg)
-                # Without usage capture Envoy sends no body: the headers are all there is.
-                if msg.response_headers.end_of_stream or not self.processor.settings.usage_capture:
+                observed = self.observed = Observation()
+                observed.on_headers(msg)
+                # Without usage capture Envoy sends no body (but a stored Responses
+                # answer's, for its id): the headers are all there is.
+                wanted = self.processor.settings.usage_capture or observed.store_tenant
+                if msg.response_headers.end_of_stream or not wanted:
                     self.close()
             elif kind == "response_body" and self.observed is not None:
-                self.observed.on_body(msg.response_body.body)
+                self.observer.on_body(self.observed, msg.response_body.body)
                 if msg.response_body.end_of_stream:
                     self.close()
             else:

@@ -486,7 +486,7 @@ class Stack:
             )
             await asyncio.sleep(wait)
             try:
-                await self._restart(name)
+                await self.restart_process(name)
             except (OSError, StackError, ConfigError) as exc:
                 self.failure = (
                     f"{name} exited with {code} and could not be started again: {exc}\n"
@@ -510,7 +510,7 @@ class Stack:
             for task in list(reviving):
                 task.cancel()
 
-    async def _restart(self, name: str) -> None:
+    async def restart_process(self, name: str) -> None:
         """Start the stack's process ``name`` again, as it was started."""
         if name.startswith("ace-extproc"):
             await self._start_ext_proc(Path(self._fleet_path()), wait=False)

@@ -6,7 +6,8 @@ import random
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -201,3 +202,48 @@ def running_stack(stack: "Stack") -> Iterator[asyncio.AbstractEventLoop]:
     finally:
         loop.run_until_complete(stack.stop())
         loop.close()
+
+
+# The bytes the in-process simulated pods wrote: what a client must get through Envoy.
+SENT = web.RequestKey("sent", list)
+
+
+@dataclass
+class Sent:
+    """What each simulated pod wrote back, per response, in order."""
+
+    by_pod: dict[str, list[bytes]] = field(default_factory=dict)
+    _open: dict[int, list[bytes]] = field(default_factory=dict)
+
+    def middleware(self, pod_id: str) -> Callable[..., Awaitable[web.StreamResponse]]:
+        @web.middleware
+        async def capture(
+            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+        ) -> web.StreamResponse:
+            request[SENT] = chunks = []
+            resp = await handler(request)
+            if isinstance(resp, web.Response) and resp.body is not None:
+                assert isinstance(resp.body, bytes)
+                chunks.append(resp.body)
+            if request.path.startswith("/v1/"):
+                self.by_pod.setdefault(pod_id, []).append(b"".join(chunks))
+            return resp
+
+        return capture
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch) -> Sent:
+    """Records every streamed write of the in-process pods (aiohttp's
+    ``StreamResponse.write``) under the request being answered."""
+    record = Sent()
+    original = web.StreamResponse.write
+
+    async def write(self: web.StreamResponse, data: Any) -> None:
+        req = getattr(self, "_req", None)
+        if req is not None and SENT in req:
+            req[SENT].append(bytes(data))
+        await original(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    return record

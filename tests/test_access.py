@@ -195,18 +195,22 @@ def test_every_unpinned_request_carries_its_tenant_salt_and_not_the_client_s(
 
 
 def test_other_paths_bodies_are_salted_too() -> None:
-    """vLLM takes cache_salt on its other prompt APIs (the Responses API among them):
-    a tenant's body there goes on unrouted, salted, and never with its own salt."""
+    """vLLM takes cache_salt on its other prompt APIs (Anthropic messages among them):
+    a tenant's body there goes on unrouted, salted, and never with its own salt. The
+    Responses API is routed, and salted as chat is."""
     p = make()
     body = msgspec.json.encode({"model": "sim-llama", "input": "hi", "cache_salt": "mine"})
-    for path in ("/v1/responses", "/v1/embeddings", "/v1/chat/completions/"):
+    for path in ("/v1/messages", "/v1/embeddings", "/v1/chat/completions/"):
         out = run(p, headers(path=path, authorization="Bearer key-a"), body)
         assert out.action == "bypass_unknown_path" and out.pod is None, path
         assert sent(out) == {"model": "sim-llama", "input": "hi", "cache_salt": SALTS.salt("acme")}
-    assert run(p, headers(path="/v1/responses"), b"[1]").reject_status == 400
+    routed = run(p, headers(path="/v1/responses", authorization="Bearer key-a"), body)
+    assert routed.pod is not None and sent(routed)["cache_salt"] == SALTS.salt("acme")
+    for path in ("/v1/messages", "/v1/responses"):
+        assert run(p, headers(path=path), b"[1]").reject_status == 400
     # A GET has no body to salt; without tenants nothing is read at all.
     assert p.on_headers(headers(path="/v1/models", method="GET"), True).outcome is not None
-    plain = make(tenants=TenantConfig()).on_headers(headers(path="/v1/responses"), False)
+    plain = make(tenants=TenantConfig()).on_headers(headers(path="/v1/messages"), False)
     assert plain.outcome is not None and plain.outcome.action == "bypass_unknown_path"
 
 

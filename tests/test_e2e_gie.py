@@ -15,8 +15,8 @@ import asyncio
 import contextlib
 import json
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +24,19 @@ import aiohttp
 import grpc
 import pytest
 import yaml
-from aiohttp import web
 
 from ace_extproc.app import App
 from ace_extproc.config import Config, parse_fleet, parse_settings
 from ace_extproc.server import start
 from ace_extproc.sim.app import POD_HEADER, SimConfig, SimServer
 from ace_extproc.stack import envoy_binary
-from tests.conftest import envoy_validate, free_ports, make_app
+from tests.conftest import Sent, envoy_validate, free_ports, make_app
 
 pytestmark = pytest.mark.envoy
 
 GIE = "x-gateway-destination-endpoint"
 SUBSET = "x-gateway-destination-endpoint-subset"
 PODS = 3
-SENT = web.RequestKey("sent", list)
 _T = "type.googleapis.com/"
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
@@ -223,50 +221,6 @@ def _subset_filter(subset: list[str]) -> dict[str, Any]:
             ],
         },
     }
-
-
-# ------------------------------------------------------------------ the engine's bytes
-
-
-@dataclass
-class Sent:
-    """What each simulated pod wrote back, per response, in order."""
-
-    by_pod: dict[str, list[bytes]] = field(default_factory=dict)
-    _open: dict[int, list[bytes]] = field(default_factory=dict)
-
-    def middleware(self, pod_id: str) -> Callable[..., Awaitable[web.StreamResponse]]:
-        @web.middleware
-        async def capture(
-            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-        ) -> web.StreamResponse:
-            request[SENT] = chunks = []
-            resp = await handler(request)
-            if isinstance(resp, web.Response) and resp.body is not None:
-                assert isinstance(resp.body, bytes)
-                chunks.append(resp.body)
-            if request.path.startswith("/v1/"):
-                self.by_pod.setdefault(pod_id, []).append(b"".join(chunks))
-            return resp
-
-        return capture
-
-
-@pytest.fixture
-def sent(monkeypatch: pytest.MonkeyPatch) -> Sent:
-    """Records every streamed write of the in-process pods (aiohttp's
-    ``StreamResponse.write``) under the request being answered."""
-    record = Sent()
-    original = web.StreamResponse.write
-
-    async def write(self: web.StreamResponse, data: Any) -> None:
-        req = getattr(self, "_req", None)
-        if req is not None and SENT in req:
-            req[SENT].append(bytes(data))
-        await original(self, data)
-
-    monkeypatch.setattr(web.StreamResponse, "write", write)
-    return record
 
 
 @dataclass

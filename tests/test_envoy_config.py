@@ -100,6 +100,11 @@ def _vhost(doc: dict[str, Any]) -> dict[str, Any]:
     return vhost
 
 
+def _routes(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The routes, less the Responses API's copies (``_observing_responses``)."""
+    return [r for r in _vhost(doc)["routes"] if not r["name"].endswith("_responses")]
+
+
 def _clusters(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in doc["static_resources"]["clusters"]}
 
@@ -132,7 +137,7 @@ def test_listener_and_admin_addresses(default: cfg.Config) -> None:
 
 
 def test_pinned_route_first_then_fail_open_default(default: cfg.Config) -> None:
-    pinned, fallback = _vhost(ec.render(default))["routes"]
+    pinned, fallback = _routes(ec.render(default))
     assert pinned["match"] == {
         "prefix": "/",
         "headers": [{"name": "x-ace-upstream", "present_match": True}],
@@ -173,19 +178,24 @@ def test_responses_reach_ace_extproc_by_the_access_log_and_bodies_by_the_observe
 
     def observe(doc: dict[str, Any]) -> dict[str, Any] | None:
         found = [f for f in _hcm(doc)["http_filters"] if f["name"] == "ace.observe"]
-        return found[0]["typed_config"] if found else None
+        return found[0] if found else None
 
     doc = ec.render(default)
     als = _als(doc)
-    assert als is not None and observe(doc) is None
+    # Without usage capture: only on the Responses API's path (its stored ids).
+    off_by_default = observe(doc)
+    assert als is not None and off_by_default is not None and off_by_default["disabled"]
     assert als["grpc_service"] == {"envoy_grpc": {"cluster_name": "ace_extproc"}}
     assert als["log_name"] == "ace" and als["transport_api_version"] == "V3"
     assert als["buffer_flush_interval"] == "0.1s" and als["buffer_size_bytes"] == 65536
     # With access_log off (the JSON lines), ace-extproc still gets its entries.
     assert _als(ec.render(default, access_log="off")) == als
     usage = cfg.Config(default.fleet, replace(default.settings, usage_capture=True))
-    streamed = observe(ec.render(usage))
-    assert streamed is not None and _als(ec.render(usage)) == als
+    on = observe(ec.render(usage))
+    assert on is not None and not on["disabled"] and _als(ec.render(usage)) == als
+    assert _vhost(ec.render(usage))["routes"] == _routes(ec.render(usage))  # no copies needed
+    streamed = on["typed_config"]
+    assert streamed == off_by_default["typed_config"]
     assert streamed["observability_mode"] is True and streamed["failure_mode_allow"] is True
     mode = streamed["processing_mode"]
     assert (mode["request_header_mode"], mode["request_body_mode"]) == ("SKIP", "NONE")
@@ -201,6 +211,28 @@ def test_responses_reach_ace_extproc_by_the_access_log_and_bodies_by_the_observe
         assert observe(ec.render(off)) is None and _als(ec.render(off)) is None
 
 
+@pytest.mark.parametrize("upstream_mode", ["cluster", "endpoint"])
+def test_the_responses_api_path_turns_the_observe_filter_on(
+    default: cfg.Config, upstream_mode: str
+) -> None:
+    """Each route is first also a copy for /v1/responses (the normalized path, any
+    query) that enables the observe filter: the ids of stored responses are read where
+    usage capture is off, at no cost to any other path."""
+    routes = _vhost(ec.render(default, upstream_mode=upstream_mode))["routes"]
+    plain = _routes(ec.render(default, upstream_mode=upstream_mode))
+    copies = routes[: len(routes) - len(plain)]
+    assert routes[len(copies) :] == plain and len(copies) == len(plain)
+    for copy, route in zip(copies, plain, strict=True):
+        assert copy["name"] == route["name"] + "_responses"
+        assert copy["route"] == route["route"]
+        match = {k: v for k, v in route["match"].items() if k != "prefix"}
+        assert copy["match"] == {"path": "/v1/responses", **match}
+        (enable,) = copy["typed_per_filter_config"].values()
+        assert list(copy["typed_per_filter_config"]) == ["ace.observe"]
+        mode = enable["overrides"]["processing_mode"]
+        assert (mode["response_header_mode"], mode["response_body_mode"]) == ("SEND", "STREAMED")
+
+
 def test_client_routing_headers_are_stripped_before_routing(default: cfg.Config) -> None:
     hcm = _hcm(ec.render(default))
     (early,) = hcm["early_header_mutation_extensions"]
@@ -212,7 +244,7 @@ def test_client_routing_headers_are_stripped_before_routing(default: cfg.Config)
 def test_ext_proc_filter_fails_open_and_receives_metadata(default: cfg.Config) -> None:
     doc = ec.render(default, message_timeout_s=0.25)
     filters = [f["name"] for f in _hcm(doc)["http_filters"]]
-    assert filters == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    assert filters == ["envoy.filters.http.ext_proc", "ace.observe", "envoy.filters.http.router"]
     ext = _ext_proc(doc)
     # A generated salt secret (none configured): no token Envoy could share.
     assert ext["grpc_service"] == {"envoy_grpc": {"cluster_name": "ace_extproc"}}
@@ -554,7 +586,7 @@ def test_without_ext_proc_is_plain_envoy(default: cfg.Config, tmp_path: Path) ->
     doc = ec.render(default, ext_proc=False)
     assert [f["name"] for f in _hcm(doc)["http_filters"]] == ["envoy.filters.http.router"]
     assert "ace_extproc" not in _clusters(doc) and _als(doc) is None
-    assert _vhost(doc)["routes"] == _vhost(ec.render(default))["routes"]
+    assert _vhost(doc)["routes"] == _routes(ec.render(default))  # no Responses copies
     path = tmp_path / "envoy.yaml"
     path.write_text(ec.render_yaml(default, ext_proc=False))
     assert "(no ext_proc)" in path.read_text().splitlines()[0]
@@ -644,7 +676,7 @@ def test_endpoint_mode_routes_straight_to_the_destination_and_retries_down_the_l
     default: cfg.Config,
 ) -> None:
     doc = ec.render(default, upstream_mode="endpoint")
-    (route,) = _vhost(doc)["routes"]
+    (route,) = _routes(doc)
     assert route["match"] == {"prefix": "/"}  # no header needed: fail-open is the same route
     assert route["route"]["cluster"] == "ace_default.sim"
     assert "cluster_header" not in route["route"]
@@ -676,7 +708,7 @@ def test_endpoint_mode_comes_from_settings_unless_overridden(
     doc = ec.render(config)
     assert set(_clusters(doc)) == {"ace_extproc", "ace_default.chat", "ace_default.code"}
     # Several destinations: ext_proc's x-ace-destination chooses the cluster first.
-    chosen, fallback = _vhost(doc)["routes"]
+    chosen, fallback = _routes(doc)
     assert chosen["match"]["headers"] == [{"name": "x-ace-destination", "present_match": True}]
     assert chosen["route"]["cluster_header"] == "x-ace-destination"
     assert fallback["route"]["cluster"] == "ace_default.chat"

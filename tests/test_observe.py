@@ -20,6 +20,7 @@ from ace_extproc.access_log import observation
 from ace_extproc.config import PassiveHealth, sim_fleet
 from ace_extproc.observe import Observation, Observer
 from ace_extproc.routing import FleetState
+from ace_extproc.routing.homes import ResponseHomes
 from ace_extproc.routing.outlier import OutlierDetector
 from tests.conftest import put_fields
 from tests.test_access_log import entry
@@ -192,6 +193,51 @@ def test_the_estimate_is_counted_in_the_engines_tokens(observer: Observer) -> No
     assert (t.prompt_tokens, t.cached_tokens, t.estimated_saved_with_usage) == (1600, 768, 800)
 
 
+class Homes:
+    """What the observer tells the other replicas (replicas.ReplicaSync.note_home)."""
+
+    def __init__(self) -> None:
+        self.noted: list[tuple[str, str, str]] = []
+
+    def note_home(self, tenant: str, response_id: str, pod: str) -> None:
+        self.noted.append((tenant, response_id, pod))
+
+
+def responses_answer(response_id: str, prompt: int, cached: int) -> bytes:
+    usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}}
+    return json.dumps({"id": response_id, "object": "response", "usage": usage}).encode()
+
+
+@pytest.mark.parametrize("usage_capture", [False, True])
+def test_a_stored_response_is_remembered_with_the_pod_that_answered(usage_capture: bool) -> None:
+    """The routing filter marks the answers the engine is asked to store (store_tenant);
+    their id and the pod that answered are remembered and told to the other replicas.
+    Their usage (input_tokens) counts only where usage capture is on."""
+    fleet = FleetState(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(3)]))
+    homes, shared = ResponseHomes(fleet), Homes()
+    outliers = OutlierDetector(fleet, PassiveHealth(), schedule=lambda _s, _f: None)
+    observer = Observer(fleet, outliers, homes, shared, usage_capture)
+    pod = fleet.pods[1]
+    for status, rid, tenant in ((200, "resp_1", "acme"), (404, "resp_2", "acme"), (200, "x", "")):
+        obs = Observation()
+        ace: dict[str, str | int] = {"mode": "prod", "store_tenant": tenant} if tenant else {}
+        obs.on_headers(headers_message(status, pod.address, **ace))
+        answer = responses_answer(rid, 900, 640)
+        observer.on_body(obs, answer[:30])
+        # Noted from the first chunk: the next turn may come before the body's end.
+        assert (homes.find("acme", rid).result == "pinned") == (status == 200 and bool(tenant))
+        observer.on_body(obs, answer[30:])
+        observer.finish(obs)
+    # Only the success of a marked answer: an error stored nothing, unmarked is not ours.
+    assert shared.noted == [("acme", "resp_1", pod.key)]
+    assert homes.find("acme", "resp_1").slot == 1 and len(homes) == 1
+    totals = observer.ledger.by_mode.get("prod")
+    if usage_capture:
+        assert totals is not None and (totals.prompt_tokens, totals.cached_tokens) == (1800, 1280)
+    else:
+        assert totals is None
+
+
 @pytest.mark.envoy
 @pytest.mark.parametrize("upstream_mode", ["endpoint", "cluster"])
 def test_passive_health_alone_takes_a_dead_pod_out_through_envoy(upstream_mode: str) -> None:
@@ -203,7 +249,9 @@ def test_passive_health_alone_takes_a_dead_pod_out_through_envoy(upstream_mode: 
     router = {"probe_interval_s": 3600.0, "scrape_interval_s": 0.0}
     with running(options(upstream_mode=upstream_mode, router=router)) as client:
         rendered = (client.stack.workdir / "envoy.yaml").read_text()
-        assert "envoy.access_loggers.http_grpc" in rendered and "ace.observe" not in rendered
+        assert "envoy.access_loggers.http_grpc" in rendered
+        # The observe filter is there for the Responses API's path alone (its ids).
+        assert rendered.count("disabled: true") == 1
         status, headers, _ = client.chat(conversation(0, "passive"))
         assert status == 200
         home = headers["x-ace-served-by"].split("/")[1]

@@ -309,3 +309,97 @@ def test_a_routed_request_records_its_step_times_with_its_decision():
     # A request that is not routed records none.
     bypass = run(p, headers(path="/v1/models", method="GET"), b"", eos=True)
     assert bypass.steps_ns is None and step_counts(p) == after
+
+
+# ------------------------------------------------------------------ the Responses API
+
+RESPONSES = "/v1/responses"
+
+
+def responses_body(**fields):
+    return msgspec.json.encode({"model": "sim-llama", **fields})
+
+
+def test_a_responses_request_is_routed_and_salted_like_a_chat():
+    """Keyed by its prefix like the same chat (the same pod), salted per tenant with the
+    client's own salt gone; a stream gets no stream_options (its usage comes anyway);
+    an answer the engine is asked to store is marked for the observe filter."""
+    p = make(usage_capture=True)
+    chat = run(
+        p, headers(), body([{"role": "system", "content": LONG}, {"role": "user", "content": "hi"}])
+    )
+    fields = {"instructions": LONG, "input": "hi", "stream": True, "cache_salt": "mine"}
+    out = run(p, headers(RESPONSES), responses_body(**fields))
+    assert (out.action, out.pod, out.prefix_key) == ("hit", chat.pod, chat.prefix_key)
+    sent = msgspec.json.decode(out.body)
+    assert sent["cache_salt"] == msgspec.json.decode(chat.body)["cache_salt"] != "mine"
+    assert "stream_options" not in sent and sent["input"] == "hi"
+    assert out.store_tenant == "anon" and "previous_response" not in out.trace
+    unstored = run(p, headers(RESPONSES), responses_body(input="hi", store=False))
+    assert unstored.store_tenant == ""
+
+
+def test_a_continuation_goes_to_the_pod_that_stored_its_response():
+    p = make()
+    first = run(p, headers(RESPONSES), responses_body(input=LONG))
+    home = next(slot for slot in range(4) if slot != first.slot)
+    p.homes.remember("anon", "resp_1", p.fleet.pods[home].key)
+    for _ in range(5):  # whatever its prefix says
+        out = run(p, headers(RESPONSES), responses_body(input=LONG, previous_response_id="resp_1"))
+        assert (out.action, out.slot, out.pod) == ("previous_response", home, p.fleet.pods[home])
+        assert out.trace.endswith(",previous_response=pinned")
+        assert msgspec.json.decode(out.body)["cache_salt"]  # salted as any other
+    # Unknown here: routed by its prefix, and the trace says so.
+    unknown = run(p, headers(RESPONSES), responses_body(input=LONG, previous_response_id="resp_9"))
+    assert unknown.action == "hit" and unknown.slot == first.slot
+    assert unknown.trace.endswith(",previous_response=unknown")
+
+
+def test_a_continuation_whose_pod_is_gone_is_refused_saying_why():
+    p = make()
+    p.homes.remember("anon", "resp_1", p.fleet.pods[1].key)
+    continued = responses_body(input="more", previous_response_id="resp_1")
+    p.fleet.set_available(1, False)
+    down = run(p, headers(RESPONSES), continued)
+    assert (down.action, down.reject_status) == ("reject_response_unavailable", 503)
+    error = msgspec.json.decode(down.reject_body)["error"]
+    assert "resp_1" in error["message"] and "health checks" in error["message"]
+    assert error["param"] == "previous_response_id"
+    p.fleet.set_available(1, True)
+    p.fleet.remove_pod(1)
+    lost = run(p, headers(RESPONSES), continued)
+    assert (lost.action, lost.reject_status) == ("reject_response_lost", 404)
+    message = msgspec.json.decode(lost.reject_body)["error"]["message"]
+    assert "is lost" in message and "left the fleet" in message
+    # Shadow changes nothing for the client: routed as usual, the trace says what it saw.
+    shadow = run(
+        p, headers(RESPONSES, **{"x_ace_skill_override": "prefix_kv_cache=shadow"}), continued
+    )
+    assert shadow.reject_status == 0 and shadow.pod is None
+    assert shadow.trace.endswith(",previous_response=lost")
+
+
+def test_shadow_reports_the_pin_without_pinning():
+    p = make(mode=Mode.SHADOW)
+    p.homes.remember("anon", "resp_1", p.fleet.pods[3].key)
+    out = run(p, headers(RESPONSES), responses_body(input="more", previous_response_id="resp_1"))
+    assert out.action == "previous_response" and out.pod is None
+    assert out.would_pick == p.fleet.pods[3]
+
+
+def test_a_tenant_cannot_pin_to_another_tenant_s_response():
+    p = keyed()
+    p.homes.remember("acme", "resp_1", p.fleet.pods[2].key)
+    continued = responses_body(input=LONG, previous_response_id="resp_1")
+    own = run(p, headers(RESPONSES, authorization="Bearer key-a"), continued)
+    assert own.previous_response == "pinned" and own.slot == 2
+    other = run(p, headers(RESPONSES, authorization="Bearer key-b"), continued)
+    assert other.previous_response == "unknown" and other.action != "previous_response"
+
+
+def test_a_continuation_whose_pod_is_outside_the_gateway_s_subset_is_unavailable():
+    p = make()
+    p.homes.remember("anon", "resp_1", p.fleet.pods[0].key)
+    ctx = p.on_headers(headers(RESPONSES), False, frozenset({p.fleet.pods[1].endpoint}))
+    out = p.on_body(ctx, responses_body(input="more", previous_response_id="resp_1"))
+    assert (out.action, out.reject_status) == ("reject_response_unavailable", 503)

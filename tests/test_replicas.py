@@ -24,9 +24,20 @@ from ace_extproc import server, stack
 from ace_extproc.admin import config_document
 from ace_extproc.app import App, build
 from ace_extproc.config import Config, ConfigError, Settings, parse_settings, sim_fleet
+from ace_extproc.observe import Observation
 from ace_extproc.routing import replicas
 from ace_extproc.routing.load import LoadAccounting
-from ace_extproc.routing.replicas import Learner, Placement, ReplicaSync, decode, encode
+from ace_extproc.routing.replicas import (
+    HomesBatch,
+    Learner,
+    Placement,
+    ReplicaSync,
+    StoredHome,
+    decode,
+    decode_any,
+    encode,
+    encode_homes,
+)
 from tests.conftest import free_port, free_ports, make_app, peer_metadata
 
 CHAT = "/v1/chat/completions"
@@ -55,7 +66,7 @@ def route(p: App, body: bytes, session: str | None = None) -> tuple[int, str]:
 
 def learner_of(p: App, count_load: bool = True) -> Learner:
     load = LoadAccounting(p.fleet, p.config.settings) if count_load else None
-    return Learner(p.fleet, p.index, getattr(p.picker, "remember", None), load)
+    return Learner(p.fleet, p.index, getattr(p.picker, "remember", None), load, p.homes)
 
 
 class Recorder:
@@ -90,7 +101,8 @@ def test_a_batch_round_trips() -> None:
     [
         b"",
         b"not msgpack at all",
-        msgspec.msgpack.encode([2, "r", 512, []]),  # a newer version
+        msgspec.msgpack.encode([9, "r", 512, []]),  # a newer version
+        msgspec.msgpack.encode([2, "r", 512, []]),  # stored homes of the wrong shape
         msgspec.msgpack.encode([1, "r", 512]),  # too short
         msgspec.msgpack.encode([1, "r", 512, [["pod", b"1234567", "t", None, 1]]]),  # 7 bytes
         msgspec.msgpack.encode([1, "r", 512, [["pod", "text", "t", None, 1]]]),  # not bytes
@@ -109,6 +121,17 @@ def test_any_bytes_decode_or_raise_value_error(data: bytes) -> None:
     except ValueError:
         return  # the only error a bad message may raise: the subscriber catches it
     assert all(isinstance(b, int) for p in placements for b in p.blocks)
+
+
+def test_a_batch_of_stored_responses_round_trips_beside_placements() -> None:
+    homes = [StoredHome("acme", "resp_1", "sim/pod-0"), StoredHome("t-é", "resp_\u00e9", "x")]
+    data = encode_homes("r1", homes)
+    assert decode_any(data) == HomesBatch("r1", homes)
+    # Read as placements (an older reader's view): none, no error.
+    assert decode(data) == ("r1", 0, [])
+    # A placement batch's bytes are what they were: [1, replica, block_bytes, rows].
+    placed = encode("r1", 512, [Placement("p", [1], "t", None, 3)])
+    assert msgspec.msgpack.decode(placed)[:3] == [1, "r1", 512]
 
 
 def test_negative_queued_tokens_count_as_none() -> None:
@@ -324,6 +347,37 @@ def test_two_replicas_learn_from_each_other_through_redis(redis_server: RedisSer
         assert route(b, chat("q1", "a1", "q2"), session="conv") == (placed, "hit")
         await until(lambda: sync_a.learner.applied == 1)  # and B's placement reached A
         assert sync_a.published == sync_b.published == 1
+        await sync_a.stop()
+        await sync_b.stop()
+
+    run_async(test)
+
+
+def test_a_replica_pins_turns_to_responses_another_one_saw_stored(
+    redis_server: RedisServer,
+) -> None:
+    """A stored response's pod, seen by A's observe filter, reaches B through Redis:
+    B pins the turn continuing it there too."""
+
+    async def test() -> None:
+        a, b = processor(), processor()
+        sync_a, sync_b = syncing(a, redis_server.url), syncing(b, redis_server.url)
+        a.observer.sharing = sync_a
+        await sync_a.start()
+        await sync_b.start()
+        await until(lambda: sync_a.subscribed.is_set() and sync_b.subscribed.is_set())
+        obs = Observation(status=200, upstream=a.fleet.pods[2].address, store_tenant="anon")
+        obs.on_body(b'{"id": "resp_42", "object": "response"}')
+        a.observer.finish(obs)
+        await until(lambda: sync_b.learner.homes_learned == 1)
+        assert sync_a.homes_published == 1 and sync_a.learner.homes_learned == 0
+        headers = dict(HEADERS, **{":path": "/v1/responses"})
+        body = msgspec.json.encode(
+            {"model": "sim-llama", "input": "more", "previous_response_id": "resp_42"}
+        )
+        outcome = b.processor.on_body(b.processor.on_headers(headers, False), body)
+        assert (outcome.action, outcome.slot) == ("previous_response", 2)
+        assert sync_b.stats()["homes_learned"] == 1
         await sync_a.stop()
         await sync_b.stop()
 

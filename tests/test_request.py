@@ -128,3 +128,112 @@ def test_nesting_past_the_decoders_stack_is_bad_json() -> None:
         with pytest.raises(req.RequestError) as err:
             req.parse_pure(path, deep)
         assert err.value.reason == "bad_json"
+
+
+# ------------------------------------------------------------------ the Responses API
+
+
+def responses(**fields):
+    return msgspec.json.encode({"model": "m", **fields})
+
+
+def test_a_responses_request_keys_like_the_same_chat():
+    """instructions are the system message, a string input one user message: the
+    prompt, its cacheable prefix and so its prefix key are chat's."""
+    r = req.parse(req.RESPONSES_PATH, responses(instructions="Be terse.", input="Hi"))
+    c = req.parse(
+        req.CHAT_PATH,
+        chat([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]),
+    )
+    assert (r.prompt, r.cacheable_end, r.model) == (c.prompt, c.cacheable_end, c.model)
+    assert r.stored and r.previous_response_id is None and not c.stored
+
+
+def test_responses_items_key_as_vllm_makes_chat_messages_of_them():
+    """Parts read as text; an assistant item keeps its first part's text; a function
+    call joins the assistant message before it; its output is a tool message."""
+    call = '{"city":"Oslo"}'
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {
+            "type": "message",
+            "id": "msg_1",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "Checking", "annotations": []}],
+        },
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": call},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"role": "user", "content": "thanks"},
+    ]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {
+            "role": "assistant",
+            "content": "Checking",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": call},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "user", "content": "thanks"},
+    ]
+    r = req.parse(req.RESPONSES_PATH, responses(input=items))
+    c = req.parse(req.CHAT_PATH, chat(messages))
+    assert (r.prompt, r.cacheable_end) == (c.prompt, c.cacheable_end)
+    # A call of its own (no assistant message before it) is an assistant message too.
+    alone = req.parse(req.RESPONSES_PATH, responses(input=items[2:]))
+    assert alone.prompt == req.parse(req.CHAT_PATH, chat(messages[1:])).prompt.replace(
+        b"Checking", b"", 1
+    )
+
+
+def test_responses_items_chat_has_no_word_for_are_keyed_by_their_bytes():
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [{"text": "think"}]}
+    user = {"role": "user", "content": "x"}
+    a = req.parse(req.RESPONSES_PATH, responses(input=[reasoning, user]))
+    b = req.parse(req.RESPONSES_PATH, responses(input=[user]))
+    assert b"think" in a.prompt and a.prompt.endswith(b.prompt)
+    # Flat Responses tools key differently from chat's nested ones: both in the prompt.
+    tools = [{"type": "function", "name": "f", "parameters": {}}]
+    with_tools = req.parse(req.RESPONSES_PATH, responses(input="x", tools=tools))
+    assert with_tools.prompt.startswith(b"\x1dtools\x1f") and b'"name":"f"' in with_tools.prompt
+
+
+def test_a_continuation_carries_its_previous_response_and_may_have_no_new_input():
+    r = req.parse(
+        req.RESPONSES_PATH,
+        responses(input="", previous_response_id="resp_1", store=None, stream=None, model=None),
+    )
+    assert r.previous_response_id == "resp_1" and r.stored and not r.stream and r.model == ""
+    off = req.parse(req.RESPONSES_PATH, responses(input="x", store=False, stream=True))
+    assert not off.stored and off.stream and not off.stream_options
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (responses(), "empty_prompt"),  # no input at all
+        (responses(input=""), "empty_prompt"),
+        (responses(input=[]), "empty_prompt"),
+        (responses(input=[1]), "invalid_body"),  # an item that is not an object
+        (responses(input=[{"role": "user", "content": 5}]), "invalid_body"),
+        (responses(input=5), "invalid_body"),
+        (responses(input="x", previous_response_id=7), "invalid_body"),
+        (b"[1]", "not_object"),
+        (b"{", "bad_json"),
+    ],
+)
+def test_bad_responses_bodies_name_a_reason(body, reason):
+    with pytest.raises(req.RequestError) as err:
+        req.parse(req.RESPONSES_PATH, body)
+    assert err.value.reason == reason
+
+
+def test_the_responses_path_is_routable():
+    assert req.RESPONSES_PATH in req.ROUTABLE_PATHS
+    assert req.canonical_path("/v1//responses?x=1") == req.RESPONSES_PATH

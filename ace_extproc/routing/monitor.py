@@ -51,6 +51,7 @@ import aiohttp
 from ace_extproc.config import Pod, Settings
 from ace_extproc.routing import metrics_text
 from ace_extproc.routing.fleet import ADDED, REMOVED, FleetState
+from ace_extproc.routing.homes import ResponseHomes
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.load import LoadAccounting
 from ace_extproc.routing.metrics_text import EngineStats
@@ -82,13 +83,16 @@ class FleetMonitor:
         settings: Settings,
         load: LoadAccounting | None = None,
         precise: PreciseIndex | None = None,
+        homes: ResponseHomes | None = None,
     ) -> None:
         """``load``: the accounting each scrape corrects (the process's one; a test's
         own where None). ``precise``: the event-driven index, told each engine's block
-        size and KV size, and its restarts."""
+        size and KV size, and its restarts. ``homes``: the stored responses' pods, told
+        of restarts too (what a restarted engine stored is gone)."""
         self.fleet = fleet
         self.index = index
         self.precise = precise
+        self.homes = homes
         self.settings = settings
         self.load = load if load is not None else LoadAccounting(fleet, settings)
         self._destinations = {d.id: d for d in fleet.fleet.destinations}
@@ -347,6 +351,8 @@ class FleetMonitor:
         self.index.add_pod(slot)
         if self.precise is not None:
             self.precise.clear(slot)
+        if self.homes is not None:
+            self.homes.restarted(slot)
 
     def _complain(self, slot: int, what: str) -> None:
         st = self._state[slot]

@@ -8,6 +8,12 @@ replicas TTFT p99 rises 1.5-3.6 times; ``bench/RESULTS.md``). With ``router.shar
 set, every replica publishes each placement on a Redis pub/sub channel and applies
 the others' to its own index, session map and load view, as if it had routed them.
 
+The same channel carries where each stored Responses-API response lives (its
+tenant, id and pod: ``routing/homes.py``), so a later turn naming it goes to the pod
+that holds it whichever replica gets the turn. Unlike a placement, a lost one of these
+is not corrected by later traffic: the turn it would have pinned is routed by its
+prefix, and the engine answers 404 if it lands elsewhere.
+
 Nothing on the request path touches the network: a pick appends one tuple to an
 outbox (``note``); a task publishes the outbox in batches every ``flush_s``, another
 applies what arrives between requests, on the same event loop. Pub/sub delivers at
@@ -31,12 +37,14 @@ from urllib.parse import urlsplit, urlunsplit
 import msgspec
 
 from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.homes import ResponseHomes
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.load import LoadAccounting
 
 log = logging.getLogger("ace_extproc.replicas")
 
-VERSION = 1
+VERSION = 1  # a placement batch's first element; a batch of stored responses' is HOMES
+HOMES = 2
 DEFAULT_CHANNEL = "ace-extproc:placements"
 FLUSH_S = 0.002  # a batch waits this long for company: one message per ~burst
 MAX_OUTBOX = 50_000  # placements held while Redis is away; beyond, the newest are dropped
@@ -53,33 +61,75 @@ class Placement(NamedTuple):
     queued_tokens: int  # its uncached prompt tokens: prefill now queued on the pod
 
 
-def encode(replica: str, block_bytes: int, placements: Sequence[Placement]) -> bytes:
-    """One message: ``[version, replica, block_bytes, [[pod, blocks, tenant, session,
-    tokens], ...]]`` in msgpack, each prompt's hashes packed as little-endian uint64."""
-    rows = [(p.pod, _pack(p.blocks), p.tenant, p.session, p.queued_tokens) for p in placements]
-    return _ENCODER.encode((VERSION, replica, block_bytes, rows))
+class StoredHome(NamedTuple):
+    """A stored Responses-API response and the pod that holds it (``routing/homes.py``)."""
 
-
-def decode(data: bytes) -> tuple[str, int, list[Placement]]:
-    """``(replica, block_bytes, placements)``; ``ValueError`` for anything malformed."""
-    try:
-        version, replica, block_bytes, rows = _DECODER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ValueError(f"not a placement batch: {exc}") from None
-    if version != VERSION:
-        raise ValueError(f"placement batch version {version}, expected {VERSION}")
-    placements = []
-    for pod, packed, tenant, session, tokens in rows:
-        if len(packed) % 8:
-            raise ValueError("block hashes not a whole number of uint64")
-        placements.append(Placement(pod, _unpack(packed), tenant, session, max(tokens, 0)))
-    return replica, block_bytes, placements
+    tenant: str
+    response_id: str
+    pod: str  # Pod.key
 
 
 # Typed, so a wrong shape fails the decode instead of the code that reads it.
 _Row = tuple[str, bytes, str, str | None, int]
+
+
+class _Placements(msgspec.Struct, array_like=True, tag=VERSION):
+    replica: str
+    block_bytes: int
+    rows: list[_Row]
+
+
+class _Homes(msgspec.Struct, array_like=True, tag=HOMES):
+    replica: str
+    rows: list[tuple[str, str, str]]
+
+
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(tuple[int, str, int, list[_Row]])
+_DECODER = msgspec.msgpack.Decoder(_Placements | _Homes)
+
+
+def encode(replica: str, block_bytes: int, placements: Sequence[Placement]) -> bytes:
+    """One message: ``[version, replica, block_bytes, [[pod, blocks, tenant, session,
+    tokens], ...]]`` in msgpack, each prompt's hashes packed as little-endian uint64."""
+    rows = [(p.pod, _pack(p.blocks), p.tenant, p.session, p.queued_tokens) for p in placements]
+    return _ENCODER.encode(_Placements(replica, block_bytes, rows))
+
+
+def encode_homes(replica: str, homes: Sequence[StoredHome]) -> bytes:
+    """One message: ``[2, replica, [[tenant, response id, pod], ...]]`` in msgpack. A
+    replica older than these reads it as a malformed placement batch and ignores it."""
+    return _ENCODER.encode(_Homes(replica, [(h.tenant, h.response_id, h.pod) for h in homes]))
+
+
+class HomesBatch(NamedTuple):
+    replica: str
+    homes: list[StoredHome]
+
+
+def decode_any(data: bytes) -> tuple[str, int, list[Placement]] | HomesBatch:
+    """``(replica, block_bytes, placements)`` of a placement batch, or a ``HomesBatch``;
+    ``ValueError`` for anything malformed."""
+    try:
+        message = _DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"not a placement batch: {exc}") from None
+    if isinstance(message, _Homes):
+        return HomesBatch(message.replica, [StoredHome(*row) for row in message.rows])
+    placements = []
+    for pod, packed, tenant, session, tokens in message.rows:
+        if len(packed) % 8:
+            raise ValueError("block hashes not a whole number of uint64")
+        placements.append(Placement(pod, _unpack(packed), tenant, session, max(tokens, 0)))
+    return message.replica, message.block_bytes, placements
+
+
+def decode(data: bytes) -> tuple[str, int, list[Placement]]:
+    """``(replica, block_bytes, placements)`` (none for a batch of stored homes);
+    ``ValueError`` for anything malformed."""
+    message = decode_any(data)
+    if isinstance(message, HomesBatch):
+        return message.replica, 0, []
+    return message
 
 
 def _pack(blocks: Sequence[int]) -> bytes:
@@ -117,6 +167,12 @@ class PlacementSink(Protocol):
     ) -> None: ...
 
 
+class HomeSink(Protocol):
+    """Where ``Observer`` reports each stored response it sees (``ReplicaSync``)."""
+
+    def note_home(self, tenant: str, response_id: str, pod: str) -> None: ...
+
+
 class Learner:
     """Applies other replicas' placements to this replica's routing state."""
 
@@ -126,16 +182,29 @@ class Learner:
         index: BlockIndex,
         remember: Callable[[tuple[str, str], int], None] | None,
         load: LoadAccounting | None = None,
+        homes: ResponseHomes | None = None,
     ) -> None:
         """``remember``: the picker's session map (``Pipeline.remember``), if it has one.
         ``load``: the accounting each placement adds to (None where the load view is
-        kept some other way: the simulation's)."""
+        kept some other way: the simulation's). ``homes``: where the others' stored
+        responses are noted."""
         self.fleet = fleet
         self.index = index
         self.remember = remember
         self.load = load
+        self.homes = homes
         self.applied = 0  # placements learned, for tests and the log
         self.skipped = 0  # for pods this replica does not route to (not, or no longer)
+        self.homes_learned = 0  # stored responses learned
+
+    def apply_homes(self, homes: Sequence[StoredHome]) -> None:
+        """Where the others' stored responses are: noted as if this replica had seen
+        them (a pod not known here is noted too: a lookup says it is not in the fleet)."""
+        if self.homes is None:
+            return
+        for h in homes:
+            self.homes.remember(h.tenant, h.response_id, h.pod)
+        self.homes_learned += len(homes)
 
     def apply(self, placements: Sequence[Placement]) -> None:
         fleet, index, remember = self.fleet, self.index, self.remember
@@ -175,11 +244,14 @@ class ReplicaSync:
         self.flush_s = flush_s
         self.replica = os.urandom(8).hex()  # tells this replica's own messages apart
         self._outbox: list[Placement] = []
+        self._homes: list[StoredHome] = []  # stored responses to tell the others of
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._clients: list[Any] = []
         self.published = 0  # placements sent
         self.dropped = 0  # placements not sent: the outbox was full (Redis away)
+        self.homes_published = 0  # stored responses' homes sent
+        self.homes_dropped = 0
         self.subscribed = asyncio.Event()  # set while the subscription is live
         self._complaints: set[str] = set()  # logged once per outage
 
@@ -191,6 +263,9 @@ class ReplicaSync:
             "learned": self.learner.applied,
             "skipped": self.learner.skipped,
             "subscribed": int(self.subscribed.is_set()),
+            "homes_published": self.homes_published,
+            "homes_dropped": self.homes_dropped,
+            "homes_learned": self.learner.homes_learned,
         }
 
     # ------------------------------------------------------------ request path
@@ -203,6 +278,15 @@ class ReplicaSync:
             self.dropped += 1
             return
         self._outbox.append(Placement(pod, blocks, tenant, session, tokens))
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def note_home(self, tenant: str, response_id: str, pod: str) -> None:
+        """A stored response this replica saw answered: queued for the others."""
+        if len(self._homes) >= MAX_OUTBOX:
+            self.homes_dropped += 1
+            return
+        self._homes.append(StoredHome(tenant, response_id, pod))
         if not self._wake.is_set():
             self._wake.set()
 
@@ -233,7 +317,7 @@ class ReplicaSync:
         tasks, self._tasks = self._tasks, []
         if not tasks:
             return
-        if self._outbox:
+        if self._outbox or self._homes:
             # Shutting down: what cannot be sent now is only sharing lost.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._send(self._clients[0]), timeout=1.0)
@@ -259,13 +343,21 @@ class ReplicaSync:
                 self._complain("publish", exc)
                 failures += 1
                 await asyncio.sleep(_BACKOFF_S[min(failures, len(_BACKOFF_S)) - 1])
-                if self._outbox:
+                if self._outbox or self._homes:
                     self._wake.set()
                 continue
             failures = 0
             self._resolved("publish")
 
     async def _send(self, client: Any) -> None:
+        homes, self._homes = self._homes, []
+        if homes:
+            try:
+                await client.publish(self.channel, encode_homes(self.replica, homes))
+            except BaseException:
+                self._homes[:0] = homes[: max(0, MAX_OUTBOX - len(self._homes))]
+                raise
+            self.homes_published += len(homes)
         batch, self._outbox = self._outbox, []
         if not batch:
             return
@@ -304,12 +396,16 @@ class ReplicaSync:
         if not isinstance(data, bytes):
             return
         try:
-            replica, block_bytes, placements = decode(data)
+            message = decode_any(data)
         except ValueError as exc:
             self._complain("message", exc)
             return
-        if replica == self.replica:
+        if message[0] == self.replica:
             return  # our own, echoed back
+        if isinstance(message, HomesBatch):  # no hashes to disagree on
+            self.learner.apply_homes(message.homes)
+            return
+        replica, block_bytes, placements = message
         if block_bytes != self.block_bytes:
             # Its hashes cover other spans of the prompt: they would never match ours.
             self._complain(

@@ -1,7 +1,8 @@
 """One simulated vLLM pod: an aiohttp OpenAI-compatible server.
 
 Endpoints (vLLM's shapes unless noted): ``POST /v1/chat/completions``,
-``POST /v1/completions`` (streaming and not), ``GET /health``,
+``POST /v1/completions``, ``POST /v1/responses`` (streaming and not; stored responses
+with ``VLLM_ENABLE_RESPONSES_API_STORE=1``, as vLLM), ``GET /health``,
 ``GET /v1/models``, ``GET /version``, ``POST /tokenize``,
 ``POST /v1/chat/completions/render`` and ``POST /v1/completions/render``,
 ``POST /reset_prefix_cache``, ``GET /metrics``, ``GET /kv_event_sources``; SGLang's
@@ -74,6 +75,18 @@ from .protocol import (
     usage_chunk,
     validate_cache_salt,
 )
+from .responses import (
+    Events,
+    ResponsesParams,
+    ResponseStore,
+    Stored,
+    message_item_id,
+    output_message,
+    parse_request,
+    response_object,
+    store_enabled,
+)
+from .responses import usage as responses_usage
 from .tokenizer import TemplateError, encode, render_chat
 
 POD_HEADER = "x-sim-pod"
@@ -98,6 +111,9 @@ class SimConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 131072
     record: int = 0  # keep the last N requests for GET /debug/requests; 0 = off
+    # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: stored Responses-API responses (a later
+    # turn's previous_response_id) kept in this pod; off, as vLLM's default.
+    responses_store: bool = False
     kv_events: KVEventsConfig | None = None  # vLLM's --kv-events-config; None = off
     kv_events_delay_ms: float = 0.0  # sim only: hold each event batch back this long
 
@@ -128,6 +144,7 @@ class SimPod:
         )
         self.started = time.time()
         self.names = (config.model, *config.aliases)
+        self.responses = ResponseStore(config.responses_store)
 
 
 POD = web.AppKey("sim_pod", SimPod)
@@ -336,6 +353,94 @@ async def _stream(
         await response.write_eof()
     except* ConnectionError:
         pass  # the client went away; engine.generate has aborted its requests
+    return response
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses`` (sim/responses.py): the conversation rendered like a
+    chat's, so both hit the same cached blocks; stored, where the store is on, for a
+    later turn's ``previous_response_id``."""
+    pod = request.app[POD]
+    body = await _body(request)
+    check_model(body, pod.names)
+    salt = validate_cache_salt(body.get("cache_salt"))
+    params = parse_request(body, pod.responses)
+    try:
+        prompt = render_chat(params.messages, params.tools or None).encode()
+    except TemplateError as exc:
+        raise ApiError(str(exc), param="input") from None
+    size = text_tokens(prompt)
+    asked = params.max_tokens or pod.config.max_tokens_default
+    limit = fit_context(size, asked, pod.config.max_model_len)
+    try:
+        pod.engine.check(size, limit, 1)
+    except CapacityError as exc:
+        raise ApiError(str(exc)) from None
+    if params.stream:
+        return await _responses_stream(request, pod, params, prompt, size, limit, salt)
+    async with pod.engine.generate(prompt, salt=salt, max_tokens=limit, n=1) as req:
+        await pod.engine.decode(req, limit - 1)
+    text = filler_text(limit)
+    answer = response_object(
+        params,
+        pod.config.model,
+        now(),
+        limit,
+        [output_message(message_item_id(), text)],
+        "incomplete",  # the sim always stops at max_output_tokens
+        _responses_use(pod, size, limit, req.cached_tokens),
+    )
+    answer[TTFT_FIELD] = _ms(req.ttft_s)
+    _store(pod, params, text)
+    return _json(answer)
+
+
+def _responses_use(pod: SimPod, size: int, output: int, cached: int) -> dict[str, Any]:
+    block = pod.config.block_size
+    return responses_usage(size, output, cached, size // block * block - cached)
+
+
+def _store(pod: SimPod, params: ResponsesParams, text: str) -> None:
+    if params.store and pod.responses.enabled:  # vLLM: store quietly off without the env
+        pod.responses.put(params.response_id, Stored(params.messages, text))
+
+
+async def _responses_stream(
+    request: web.Request,
+    pod: SimPod,
+    params: ResponsesParams,
+    prompt: bytes,
+    size: int,
+    limit: int,
+    salt: str | None,
+) -> web.StreamResponse:
+    """vLLM's event sequence for a text answer: response.created and .in_progress at
+    once, the message item and its part opened with the first token, a delta a token,
+    the part and item closed, then response.completed with the whole response."""
+    model, created = pod.config.model, now()
+    events = Events(message_item_id())
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    try:
+        await response.write(
+            events.opening(response_object(params, model, created, limit, [], "in_progress", None))
+        )
+        async with pod.engine.generate(prompt, salt=salt, max_tokens=limit, n=1) as req:
+            await response.write(events.first(filler_piece(0)))
+            for i in range(1, limit):
+                await pod.engine.decode(req, 1)
+                await response.write(events.delta(filler_piece(i)))
+        text = filler_text(limit)
+        use = _responses_use(pod, size, limit, req.cached_tokens)
+        final = response_object(
+            params, model, created, limit, [output_message(events.item, text)], "incomplete", use
+        )
+        final[TTFT_FIELD] = _ms(req.ttft_s)
+        _store(pod, params, text)  # before the last event: a client may continue at once
+        await response.write(events.closing(text, final))
+        await response.write_eof()
+    except ConnectionError:
+        pass  # the client went away; engine.generate has aborted the request
     return response
 
 
@@ -607,6 +712,7 @@ def build_app(config: SimConfig, host: str = "127.0.0.1") -> web.Application:
     routes = [
         web.post("/v1/chat/completions", _api(_chat_completions)),
         web.post("/v1/completions", _api(_completions)),
+        web.post("/v1/responses", _api(_responses)),
         web.post("/v1/chat/completions/render", _api(_render_chat)),
         web.post("/v1/completions/render", _api(_render_completions)),
         web.post("/tokenize", _api(_tokenize)),
@@ -836,6 +942,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         record=args.record,
+        responses_store=store_enabled(),
         kv_events=args.kv_events_config,
         kv_events_delay_ms=args.kv_events_delay_ms,
     )

@@ -50,7 +50,10 @@ def engines() -> VllmOptions:
     """What ``make engines`` built (skips every test here without it)."""
     try:
         envoy_binary()
-        return VllmOptions.find(kv_blocks=KV_BLOCKS, dev_mode=True, kv_events=True)
+        # The Responses API's store too (tests/engines/test_responses.py): it changes
+        # nothing for the other APIs.
+        store = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+        return VllmOptions.find(kv_blocks=KV_BLOCKS, dev_mode=True, kv_events=True, env=store)
     except (EnginesMissing, RuntimeError) as exc:
         pytest.skip(str(exc))
 
