@@ -348,7 +348,8 @@ class Processor:
         if self.placements is not None:
             self.placements.note(hashes.prefix_key, pick.slot)
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
-        self.load.sent(pick.slot, prompt_tokens - saved, saved)
+        if mode is Mode.PROD:  # shadow's pick is not sent there: only scrapes say its load
+            self.load.sent(pick.slot, prompt_tokens - saved, saved)
         if self.sharing is not None:  # queued for the other replicas; no I/O here
             self.sharing.note(
                 pick.pod.key, hashes.blocks, ctx.tenant, ctx.session, prompt_tokens - saved

@@ -124,6 +124,7 @@ def run_workload(
     fleets: dict[str, SimSettings],
     chosen: dict[str, dict[str, Any]],
     *,
+    policy: str = "ace",
     log: bool = True,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """fleet -> variant -> figures, every variant on the same requests."""
@@ -135,7 +136,7 @@ def run_workload(
             sim = {k: v for k, v in fields.items() if k not in RUN_FIELDS}
             result = simulate(
                 workload,
-                resolve("ace"),
+                resolve(policy),
                 pods=pods,
                 settings=replace(base, **sim),
                 progress=False,
@@ -220,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--delays-ms", default=",".join(f"{d * 1000:g}" for d in DELAYS_S), help="event delays"
     )
+    ap.add_argument(
+        "--policy",
+        default="ace",
+        help="ours with router settings changed, as bench.report: e.g. ace@min_match=0",
+    )
     ap.add_argument("--seed", type=int, default=0, help="the workload generator's seed")
     ap.add_argument(
         "--seeds",
@@ -264,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": date.today().isoformat(),
             "python": platform.python_version(),
             "pods": args.pods,
+            "policy": args.policy,
             "fleets": {f: asdict(s) for f, s in fleets.items()},
             "variants": chosen,
         }
@@ -279,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         workload = runs[0]
         begin = time.perf_counter()
-        result = mean_of([run_workload(w, args.pods, fleets, chosen) for w in runs])
+        result = mean_of(
+            [run_workload(w, args.pods, fleets, chosen, policy=args.policy) for w in runs]
+        )
         wall = round(time.perf_counter() - begin, 1)
         entry = doc["workloads"].get(name)
         if entry is None or entry.get("requests") != len(workload.requests):

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from ace_extproc import server
 from ace_extproc.app import build
-from ace_extproc.config import Config, Destination, Fleet, Pod, Settings, sim_fleet
+from ace_extproc.config import Config, Destination, Fleet, Mode, Pod, Settings, sim_fleet
 from ace_extproc.latency import get_model
 from ace_extproc.routing import BlockIndex, FleetState
 from ace_extproc.routing.metrics_text import EngineStats, parse, restarted
@@ -547,3 +547,17 @@ def test_picks_add_their_uncached_prompt_to_the_queue_when_monitored() -> None:
     proc.on_body(proc.on_headers(headers, False), body)
     # The repeat is mostly warm: it queues only its uncached tail.
     assert 0 < proc.fleet.load[0].queued_prefill_ms - first < model.prefill_work_ms(200, 800)
+
+
+def test_shadow_s_picks_queue_nothing() -> None:
+    """In shadow the request goes where Envoy's default route sends it, not to the pod
+    ace-extproc would pick: that pod's queue is not charged (its scrapes tell its load)."""
+    cfg = Config(sim_fleet(["127.0.0.1:1"]), Settings(salt_secret=b"s", mode=Mode.SHADOW))
+    proc = build(cfg).processor
+    body = msgspec.json.encode(
+        {"model": "m", "messages": [{"role": "user", "content": "x" * 4000}]}
+    )
+    headers = {":path": "/v1/chat/completions", ":method": "POST"}
+    outcome = proc.on_body(proc.on_headers(headers, False), body)
+    assert outcome.would_pick is not None  # it decided ...
+    assert proc.fleet.load[0].queued_prefill_ms == 0.0  # ... and charged no one
