@@ -54,7 +54,7 @@ MODES: dict[str, dict[str, Any]] = {
 MODE_KINDS = {
     "gateway": set(),
     "endpoint-picker": {"InferencePool"},
-    "extension": {"EnvoyExtensionPolicy"},
+    "extension": {"EnvoyExtensionPolicy", "BackendTrafficPolicy"},
     "istio": {"EnvoyFilter"},  # one path or the other, never both (each would ask)
     "istio-pool": {"InferencePool"},
 }
@@ -298,3 +298,109 @@ def test_envoy_refuses_a_broken_patch(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(_bootstrap_with(value, "c")))
     with pytest.raises(AssertionError, match="envoy rejected"):
         envoy_validate(path)
+
+
+# ------------------------------------------------------------------ the pool modes' picker
+
+POOL_DESTINATION = [{"id": "llama", "models": ["llama"]}]  # says nowhere where its pods are
+
+
+@pytest.mark.parametrize("mode", ["endpoint-picker", "istio-pool"])
+def test_a_pool_mode_makes_ace_extproc_the_pool_s_endpoint_picker(
+    mode: str, tmp_path: Path
+) -> None:
+    """What the InferencePool asks is GIE's endpoint picker: TLS (self-signed), endpoint
+    mode, and the pool's own pods found by label, with the pods API granted."""
+    docs = render({**MODES[mode], "destinations": POOL_DESTINATION}, namespace="serving")
+    config = cfg.load(fleet_file(docs, tmp_path), env={})
+    picker = config.settings.endpoint_picker
+    assert picker is not None and picker.secure_serving and not picker.cert_file
+    assert config.settings.upstream_mode == "endpoint"
+    (destination,) = config.fleet.destinations
+    discovery = destination.discovery
+    assert discovery is not None and discovery.type == "kubernetes-pods"
+    assert (discovery.namespace, dict(discovery.selector), discovery.port) == (
+        "serving",
+        {"app": "vllm-llama"},
+        8000,
+    )
+    roles = [
+        d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "gw-ace-extproc-pods"
+    ]
+    assert [r["metadata"]["namespace"] for r in roles] == ["serving"]
+    assert roles[0]["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    validate_all(docs)
+
+
+def test_the_picker_s_certificate_from_a_secret_and_tls_off(tmp_path: Path) -> None:
+    values = {
+        **MODES["endpoint-picker"],
+        "endpointPicker": {"tls": {"existingSecret": "epp-cert"}, "fallbacks": True},
+    }
+    docs = render(values)
+    picker = cfg.load(fleet_file(docs, tmp_path), env={}).settings.endpoint_picker
+    assert picker is not None and picker.fallbacks
+    assert (picker.cert_file, picker.key_file) == (
+        "/etc/ace-epp-tls/tls.crt",
+        "/etc/ace-epp-tls/tls.key",
+    )
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "epp-tls"]
+    assert volume["secret"]["secretName"] == "epp-cert"
+    mounts = containers(docs)["ace-extproc"]["volumeMounts"]
+    assert {"name": "epp-tls", "mountPath": "/etc/ace-epp-tls", "readOnly": True} in mounts
+    validate_all(docs)
+    plain = render({**MODES["endpoint-picker"], "endpointPicker": {"tls": {"enabled": False}}})
+    picker = cfg.load(fleet_file(plain, tmp_path), env={}).settings.endpoint_picker
+    assert picker is not None and not picker.secure_serving
+    assert not [
+        v
+        for v in one(plain, "Deployment")["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "epp-tls"
+    ]
+
+
+def test_outside_the_pool_modes_no_endpoint_picker_and_destinations_as_given(
+    tmp_path: Path,
+) -> None:
+    for mode in ("gateway", "extension", "istio"):
+        docs = render(MODES[mode])
+        config = cfg.load(fleet_file(docs, tmp_path), env={})
+        assert config.settings.endpoint_picker is None, mode
+        assert not [d for d in docs if d["metadata"]["name"].endswith("-pods")], mode
+    with pytest.raises(helm.HelmError, match="endpointPicker"):
+        render({**MODES["endpoint-picker"], "endpointPicker": {"tls": {"secret": "x"}}})
+
+
+# ------------------------------------------------------------------ Envoy Gateway's pinning
+
+
+def test_extension_mode_pins_through_a_backend_traffic_policy(tmp_path: Path) -> None:
+    """Envoy Gateway balances the route's backend itself: the BackendTrafficPolicy on the
+    same targets takes the endpoint ace-extproc names, and ace-extproc names pods as
+    ip:port (endpoint mode)."""
+    docs = render(MODES["extension"])
+    btp = one(docs, "BackendTrafficPolicy")["spec"]
+    assert btp["targetRefs"] == MODES["extension"]["extension"]["targetRefs"]
+    assert btp["loadBalancer"] == {
+        "type": "LeastRequest",
+        "endpointOverride": {"extractFrom": [{"header": envoy_config.GIE_HEADER}]},
+    }
+    assert cfg.load(fleet_file(docs, tmp_path), env={}).settings.upstream_mode == "endpoint"
+    validate_all(docs)  # the CRD vendored from envoyproxy/gateway
+    crd_schema.assert_refused(
+        one(docs, "BackendTrafficPolicy"),
+        ["spec", "loadBalancer", "endpointOverride", "extractFrm"],
+        [{"header": "x"}],
+    )
+    off = render(
+        {
+            **MODES["extension"],
+            "extension": {**MODES["extension"]["extension"], "endpointOverride": False},
+        }
+    )
+    assert not [d for d in off if d["kind"] == "BackendTrafficPolicy"]
+    with pytest.raises(helm.HelmError, match="destination llama needs discovery"):
+        render({**MODES["extension"], "destinations": POOL_DESTINATION})

@@ -84,6 +84,13 @@ ACE_SHARE_PASSWORD
 {{- if and (eq .Values.mode "extension") (not .Values.extension.targetRefs) -}}
 {{- fail "extension.targetRefs: name the Gateway or HTTPRoute the EnvoyExtensionPolicy attaches to" -}}
 {{- end -}}
+{{- if and (eq .Values.mode "extension") .Values.extension.endpointOverride -}}
+{{- range .Values.destinations -}}
+{{- if not .discovery -}}
+{{- fail (printf "extension.endpointOverride: destination %s needs discovery (the HTTPRoute backend Service's EndpointSlices, type: kubernetes), so that ace-extproc names its pods as Envoy Gateway knows them (or set extension.endpointOverride: false)" (toString .id)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if and (eq .Values.mode "istio") (eq .Values.istio.path "envoyFilter") (not .Values.istio.workloadSelector) -}}
 {{- fail "istio.workloadSelector: the labels of the Istio ingress gateway or sidecar pods the EnvoyFilter patches" -}}
 {{- end -}}
@@ -168,6 +175,28 @@ capabilities:
 {{/* The ext_proc Service as the gateway that dials it names it. */}}
 {{- define "ace-extproc.grpcHost" -}}
 {{- printf "%s.%s.svc.cluster.local" (include "ace-extproc.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/* The Secret holding the endpoint picker's certificate, where a pool mode serves
+     TLS from one ("" otherwise). */}}
+{{- define "ace-extproc.eppSecret" -}}
+{{- if and (include "ace-extproc.poolMode" .) .Values.endpointPicker.tls.enabled -}}
+{{- .Values.endpointPicker.tls.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The namespaces whose pods `type: kubernetes-pods` discovery reads (the release's
+     in a pool mode, for the destinations that find the pool's pods). */}}
+{{- define "ace-extproc.podsNamespaces" -}}
+{{- $namespaces := list -}}
+{{- range .Values.destinations -}}
+{{- if and .discovery (eq (toString .discovery.type) "kubernetes-pods") -}}
+{{- $namespaces = append $namespaces (toString .discovery.namespace) -}}
+{{- else if and (include "ace-extproc.poolMode" $) (not .discovery) (not .pods) -}}
+{{- $namespaces = append $namespaces $.Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+{{- $namespaces | uniq | sortAlpha | join "," -}}
 {{- end -}}
 
 {{/* Whether this mode makes an InferencePool ("true" or ""). */}}
