@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +24,14 @@ import aiohttp
 import grpc
 import pytest
 import yaml
+from aiohttp import web
 
 from ace_extproc.app import App
 from ace_extproc.config import Config, parse_fleet, parse_settings
 from ace_extproc.server import start
 from ace_extproc.sim.app import POD_HEADER, SimConfig, SimServer
 from ace_extproc.stack import envoy_binary
+from tests import bootstrap_parts as parts
 from tests.conftest import Sent, envoy_validate, free_ports, make_app
 
 pytestmark = pytest.mark.envoy
@@ -37,10 +39,7 @@ pytestmark = pytest.mark.envoy
 GIE = "x-gateway-destination-endpoint"
 SUBSET = "x-gateway-destination-endpoint-subset"
 PODS = 3
-_T = "type.googleapis.com/"
-_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
-_EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
-_LB = "type.googleapis.com/envoy.extensions.load_balancing_policies."
+_EXT_PROC = parts.T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 
 
 def gie_envoy(
@@ -78,141 +77,31 @@ def gie_envoy(
             },
         },
     }
-    hosts = [
-        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-        for p in pods
-    ]
-    pool: dict[str, Any] = {"name": "pool", "connect_timeout": "5s"}
+    pool: dict[str, Any]
     if shape == "original_dst":
-        pool |= {
+        pool = {
+            "name": "pool",
+            "connect_timeout": "5s",
             "type": "ORIGINAL_DST",
             "lb_policy": "CLUSTER_PROVIDED",
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": GIE},
         }
     else:
-        pool |= {
-            "type": "STATIC",
-            "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": hosts}]},
-            "load_balancing_policy": {
-                "policies": [
-                    {
-                        "typed_extension_config": {
-                            "name": "envoy.load_balancing_policies.override_host",
-                            "typed_config": {
-                                "@type": _LB + "override_host.v3.OverrideHost",
-                                "override_host_sources": [
-                                    {"header": GIE},
-                                    {"metadata": {"key": "envoy.lb", "path": [{"key": GIE}]}},
-                                ],
-                                "fallback_policy": {
-                                    "policies": [
-                                        {
-                                            "typed_extension_config": {
-                                                "name": "envoy.load_balancing_policies.round_robin",
-                                                "typed_config": {
-                                                    "@type": _LB + "round_robin.v3.RoundRobin"
-                                                },
-                                            }
-                                        }
-                                    ]
-                                },
-                            },
-                        }
-                    }
-                ]
-            },
-        }
-    epp = {
-        "name": "epp",
-        "type": "STATIC",
-        "connect_timeout": "5s",
-        # TLS, the certificate not checked: GIE's Istio and gateway setups with the
-        # picker's self-signed certificate.
-        "transport_socket": {
-            "name": "envoy.transport_sockets.tls",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
-                "UpstreamTlsContext",
-                "common_tls_context": {"alpn_protocols": ["h2"]},
-            },
-        },
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        },
-        "load_assignment": {
-            "cluster_name": "epp",
-            "endpoints": [
-                {
-                    "lb_endpoints": [
-                        {
-                            "endpoint": {
-                                "address": {
-                                    "socket_address": {
-                                        "address": "127.0.0.1",
-                                        "port_value": ext_proc,
-                                    }
-                                }
-                            }
-                        }
-                    ]
-                }
-            ],
-        },
-    }
-    hcm = {
-        "name": "envoy.filters.network.http_connection_manager",
-        "typed_config": {
-            "@type": _HCM + "HttpConnectionManager",
-            "stat_prefix": "gie",
-            "route_config": {
-                "virtual_hosts": [
-                    {
-                        "name": "pool",
-                        "domains": ["*"],
-                        "routes": [
-                            {
-                                "match": {"prefix": "/"},
-                                "route": {"cluster": "pool", "timeout": "60s"},
-                            }
-                        ],
-                    }
-                ]
-            },
-            "http_filters": [
-                *([_subset_filter(subset)] if subset is not None else []),
-                ext_proc_filter,
-                {
-                    "name": "envoy.filters.http.router",
-                    "typed_config": {
-                        "@type": _T + "envoy.extensions.filters.http.router.v3.Router"
-                    },
-                },
-            ],
-        },
-    }
-    return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "gie",
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
-                    "filter_chains": [{"filters": [hcm]}],
-                }
-            ],
-            "clusters": [pool, epp],
-        },
-    }
+        pool = parts.static_cluster("pool", pods)
+        sources = [{"header": GIE}, {"metadata": {"key": "envoy.lb", "path": [{"key": GIE}]}}]
+        pool["load_balancing_policy"] = parts.override_host(sources, "round_robin")
+    # TLS, the certificate not checked: GIE's Istio and gateway setups with the picker's
+    # self-signed certificate.
+    epp = parts.grpc_cluster("epp", ext_proc, tls=True)
+    filters = [*([_subset_filter(subset)] if subset is not None else []), ext_proc_filter]
+    return parts.bootstrap(listen, admin, filters, "pool", [pool, epp])
 
 
 def _subset_filter(subset: list[str]) -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.set_metadata",
         "typed_config": {
-            "@type": _T + "envoy.extensions.filters.http.set_metadata.v3.Config",
+            "@type": parts.T + "envoy.extensions.filters.http.set_metadata.v3.Config",
             "metadata": [
                 {
                     "metadata_namespace": "envoy.lb.subset_hint",
@@ -250,12 +139,21 @@ class Gie:
         return result
 
 
+POD_ID = web.AppKey("pod_id", str)  # each simulated pod's id, for a middleware's records
+Middleware = Callable[
+    [web.Request, Callable[..., Awaitable[web.StreamResponse]]], Awaitable[web.StreamResponse]
+]
+
+
 @contextlib.asynccontextmanager
-async def _pods(ports: list[int], sent: Sent) -> AsyncIterator[list[SimServer]]:
+async def _pods(
+    ports: list[int], sent: Sent, *middlewares: Middleware
+) -> AsyncIterator[list[SimServer]]:
     sims = []
     for i, port in enumerate(ports):
         sim = SimServer(SimConfig(pod_id=f"pod-{i}", time_scale=0, tpot_ms=0), port=port)
-        sim.app.middlewares.append(sent.middleware(f"pod-{i}"))
+        sim.app[POD_ID] = f"pod-{i}"
+        sim.app.middlewares.extend([sent.middleware(f"pod-{i}"), *middlewares])
         sims.append(sim)
     async with contextlib.AsyncExitStack() as stack:
         for sim in sims:
@@ -263,26 +161,29 @@ async def _pods(ports: list[int], sent: Sent) -> AsyncIterator[list[SimServer]]:
         yield sims
 
 
-def _config(ports: list[int], ext_proc: int, router: dict[str, Any] | None = None) -> Config:
+def pod_config(ports: list[int], router: dict[str, Any]) -> Config:
+    """ace-extproc in prod over pods ``pod-i`` at ``ports``, its ``router`` settings."""
     pods = [{"id": f"pod-{i}", "base_url": f"http://127.0.0.1:{p}"} for i, p in enumerate(ports)]
     fleet = parse_fleet(
         {"destinations": [{"id": "llama", "base_url": pods[0]["base_url"], "pods": pods}]}
     )
-    settings = parse_settings(
+    settings = {"mode": "prod", "admin_listen": "off", "metrics_listen": "off", **router}
+    return Config(fleet, parse_settings(settings))
+
+
+def _config(ports: list[int], ext_proc: int, router: dict[str, Any] | None = None) -> Config:
+    return pod_config(
+        ports,
         {
-            "mode": "prod",
             "upstream_mode": "endpoint",
             # TLS with a self-signed certificate, no peer token; one endpoint named
             # (an ORIGINAL_DST cluster cannot read a list).
             "endpoint_picker": {},
             "salt_secret": "gie-secret",
             "listen": f"127.0.0.1:{ext_proc}",
-            "admin_listen": "off",
-            "metrics_listen": "off",
             **(router or {}),
-        }
+        },
     )
-    return Config(fleet, settings)
 
 
 @contextlib.contextmanager
@@ -298,17 +199,34 @@ def gie(
     ``subset``: the indexes of the pods the gateway's subset hint allows."""
     *pod_ports, listen, admin, ext_proc = free_ports(PODS + 3)
     allowed = None if subset is None else [f"127.0.0.1:{pod_ports[i]}" for i in subset]
-    bootstrap = tmp_path / f"envoy-{shape}-{fail_open}.yaml"
     doc = gie_envoy(listen, admin, ext_proc, pod_ports, shape, fail_open, allowed)
+    config = _config(pod_ports, ext_proc, router)
+    name = f"envoy-{shape}-{fail_open}"
+    with running(tmp_path / name, (listen, admin), doc, config, sent, _pods(pod_ports, sent)) as g:
+        yield g
+
+
+@contextlib.contextmanager
+def running(
+    where: Path,
+    ports: tuple[int, int],
+    doc: dict[str, Any],
+    config: Config,
+    sent: Sent,
+    pods_cm: contextlib.AbstractAsyncContextManager[list[SimServer]],
+) -> Iterator[Gie]:
+    """The pods, ace-extproc (``config``) and the real Envoy on the bootstrap ``doc``
+    (validated first; its listener and admin ``ports``), all until the block ends;
+    ``sent`` records what the pods wrote."""
+    listen, admin = ports
+    bootstrap = where.with_suffix(".yaml")
     bootstrap.write_text(yaml.safe_dump(doc))
     envoy_validate(bootstrap)
     loop = asyncio.new_event_loop()
-    config = _config(pod_ports, ext_proc, router)
     app = make_app(config)
-    pods_cm = _pods(pod_ports, sent)
     loop.run_until_complete(pods_cm.__aenter__())
     server, _ = loop.run_until_complete(start(app))
-    log = (tmp_path / "envoy.log").open("w")
+    log = where.with_suffix(".log").open("w")
     envoy = subprocess.Popen(
         [envoy_binary(), "-c", str(bootstrap), "--concurrency", "1", "-l", "warning"],
         stdout=log,
