@@ -140,9 +140,8 @@ class Gie:
 
 
 POD_ID = web.AppKey("pod_id", str)  # each simulated pod's id, for a middleware's records
-Middleware = Callable[
-    [web.Request, Callable[..., Awaitable[web.StreamResponse]]], Awaitable[web.StreamResponse]
-]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
 @contextlib.asynccontextmanager
