@@ -477,9 +477,9 @@ class RouterBase(Section, frozen=True):
     affinity_slack: Annotated[
         float,
         _doc(
-            "cost: where nothing held steers (a new prefix), pods priced within this share "
-            "(plus affinity_slack_ms) of the cheapest are ties, placed by rendezvous order "
-            "so replicas agree; where a match steers, the cheapest pod wins.",
+            "cost: pods priced within this share (plus affinity_slack_ms) of the cheapest "
+            "are near-ties, and the deepest match among them wins: more reuse, a higher "
+            "TTFT tail.",
             ge=0,
         ),
     ] = 0.10

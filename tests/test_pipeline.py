@@ -56,21 +56,51 @@ def test_new_prefixes_follow_rendezvous_when_loads_are_equal() -> None:
         assert pick is not None and pick.slot == rendezvous.best(r.hashes.route_key, fleet.seeds)
 
 
-def test_a_match_gets_no_slack_the_cheapest_pod_wins() -> None:
-    """A warm pod whose queue costs a millisecond more than the prefill its blocks save
-    loses to a cold pod, however near the prices, and a millisecond less keeps it:
-    the saving is priced already, a match gets no slack on top (issue 27: short
-    requests warm only on a shared first block waited behind long prefills)."""
-    model = get_model(Settings().ttft_model)
-    saving = model.prefill_ms(4096) - model.prefill_ms(1, 4095)  # all but its last token
-    for queue_ms, stays in ((saving + 1.0, False), (saving - 1.0, True)):
-        fleet, _, picker = setup(2)
-        first = picker.pick(request(), fleet.available)
-        assert first is not None
-        fleet.load[first.slot].queued_prefill_ms = queue_ms
-        again = picker.pick(request(), fleet.available)
-        assert again is not None and (again.slot == first.slot) is stays
-        assert again.action == ("hit" if stays else "spill")
+def test_near_ties_keep_affinity_instead_of_flapping() -> None:
+    fleet, _, picker = setup(2)
+    short = PROMPT[:1100]  # 2 blocks: saves little, so the slack decides
+    first = picker.pick(request(short), fleet.available)
+    assert first is not None
+    fleet.load[first.slot].queued_prefill_ms = 2.4  # a little more queue: within the slack
+    again = picker.pick(request(short), fleet.available)
+    assert again is not None and again.slot == first.slot
+
+
+@pytest.mark.parametrize(
+    ("slack", "stays"),
+    [({}, False), ({"affinity_slack": 1.0}, True), ({"affinity_slack_ms": 10_000.0}, True)],
+)
+def test_the_affinity_slack_sets_how_long_a_queued_warm_pod_keeps_its_prefix(
+    slack: dict[str, float], stays: bool
+) -> None:
+    """A warm pod whose queue makes it cost half as much again as a cold pod: the
+    default spills; a slack of 100% (or of ten seconds) keeps the request there."""
+    settings = Settings(**slack)
+    fleet = FleetState(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(4)]))
+    picker = policies.cost_policy(settings)(fleet, BlockIndex(10_000))
+    first = picker.pick(request(), fleet.available)
+    assert first is not None
+    model = get_model(settings.ttft_model)
+    fleet.load[first.slot].queued_prefill_ms = 1.5 * model.prefill_ms(len(PROMPT) // 4, 0)
+    again = picker.pick(request(), fleet.available)
+    assert again is not None and (again.slot == first.slot) is stays
+    assert again.action == ("hit" if stays else "spill")
+
+
+def test_pods_holding_a_prefix_alike_go_by_price_not_by_the_slack() -> None:
+    """A prefix every pod holds as deep (a shared first block): no affinity is at stake,
+    so the cheapest pod takes the request, even one a few milliseconds cheaper (issue
+    27: short requests warm only on that block waited behind long prefills)."""
+    fleet, index, picker = setup(4)
+    r = request()
+    for slot in range(4):
+        index.record(slot, r.hashes.blocks)
+    first = rendezvous.best(r.hashes.route_key, fleet.seeds)
+    for slot in range(4):
+        fleet.load[slot].queued_prefill_ms = 3.0
+    fleet.load[(first + 2) % 4].queued_prefill_ms = 1.0  # two milliseconds cheaper
+    pick = picker.pick(r, fleet.available)
+    assert pick is not None and pick.slot == (first + 2) % 4 and pick.action == "hit"
 
 
 @pytest.mark.parametrize(

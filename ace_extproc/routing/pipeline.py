@@ -13,11 +13,11 @@ wins while its queue costs less than the prefill it saves; when it saturates, th
 request spills to the cheapest other pod, which warms up too (the hot prefix is
 replicated).
 
-The default picker (``NearBest``) takes the cheapest pod: where a match steers, its
-saving is in the price already. Where nothing steers (a new prefix), pods priced
-within a small slack of the cheapest are ties, placed by the session's pod, then the
-prefix's rendezvous order, so replicas agree on where new prefixes go with no shared
-state. A session's first request
+Among pods priced within a small slack of the cheapest, the default picker
+(``NearBest``) takes the deepest match, then the pod a session last went to, then,
+among pods that hold the match alike, the cheapest, then the prefix's rendezvous order,
+so replicas still agree on where new prefixes go and a conversation does not flap
+between two nearly equal pods. A session's first request
 is placed by its session: a warm match is then some other session's prefix, and
 following it would pile sessions onto one pod.
 """
@@ -158,11 +158,11 @@ class QueueCost:
 
 @dataclass(frozen=True, slots=True)
 class NearBest:
-    """The cheapest pod. Where nothing held steers, the pods priced within the slack
-    of the cheapest are ties: the session's pod, then, with ``balance_new``, the least
-    busy (better balanced with one replica, but replicas then disagree, so off by
-    default), then the prefix's rendezvous order. Exact ties: the deepest match, the
-    session's pod, the least busy, rendezvous order."""
+    """Among the pods priced within the slack of the cheapest, the deepest match; then
+    the session's pod; then, among pods holding that match alike, the cheapest (the
+    least busy of equals); for a new prefix, with ``balance_new``, the least busy
+    (better balanced with one replica, but replicas then disagree, so off by default);
+    then rendezvous order."""
 
     slack_ratio: float = 0.10
     slack_ms: float = 5.0
@@ -171,14 +171,7 @@ class NearBest:
 
     def __call__(self, c: Candidates, prices: list[float]) -> tuple[int, tuple[int, ...]]:
         get = c.depths.get
-        limit = min(prices)
-        if not any(c.depths.values()):  # the candidates' depths, those holding any
-            # Nothing held steers (a new prefix, a session's first request): the pods
-            # within the slack are ties, placed by rendezvous order so that replicas
-            # agree on where the prefix goes. Where a match steers, its saving is in
-            # the prices already: the cheapest wins, a deeper match gets no slack
-            # (one made short requests wait behind long prefills, issue 27).
-            limit = limit * (1 + self.slack_ratio) + self.slack_ms
+        limit = min(prices) * (1 + self.slack_ratio) + self.slack_ms
         near_slots = [slot for price, slot in zip(prices, c.slots, strict=True) if price <= limit]
         deepest = max([get(slot, 0) for slot in near_slots])
         near = 0
@@ -188,15 +181,23 @@ class NearBest:
         home = c.home
         if home >= 0 and (near >> home) & 1:
             near = 1 << home  # a session stays on its pod among equals
-        elif near & (near - 1) and (deepest or self.balance_new):
-            # Equal in price and in what they hold of it (a prefix all of them hold, its
-            # queues all drained): the least busy, or the first in rendezvous order would
-            # take every such request. A new prefix keeps rendezvous order, so that
-            # replicas agree where it goes, unless ``balance_new``.
-            load = c.fleet.load
-            slots = [slot for slot in c.slots if (near >> slot) & 1]
-            least = min(load[slot].inflight for slot in slots)
-            near = sum(1 << slot for slot in slots if load[slot].inflight == least)
+        elif deepest and near & (near - 1):
+            # Pods that hold as much of it (a prefix every pod holds, a replicated hot
+            # one): no affinity is at stake between them, so the cheapest, where it
+            # starts soonest (a short request warm only on a shared first block waited
+            # behind long prefills: issue 27); among equals, the least busy.
+            lowest = min(p for p, slot in zip(prices, c.slots, strict=True) if (near >> slot) & 1)
+            near = self._least_busy(
+                c,
+                [
+                    slot
+                    for p, slot in zip(prices, c.slots, strict=True)
+                    if p == lowest and (near >> slot) & 1
+                ],
+            )
+        elif not deepest and self.balance_new and near & (near - 1):
+            # A new prefix: the least busy first (replicas then disagree on where it goes).
+            near = self._least_busy(c, [slot for slot in c.slots if (near >> slot) & 1])
         chosen = (
             near.bit_length() - 1
             if not near & (near - 1)
@@ -206,6 +207,13 @@ class NearBest:
         cheapest = heapq.nsmallest(keep + 1, zip(prices, c.slots, strict=True))
         backups = tuple([slot for _, slot in cheapest if slot != chosen][:keep])
         return chosen, backups
+
+    @staticmethod
+    def _least_busy(c: Candidates, slots: list[int]) -> int:
+        """The bitmask of those of ``slots`` with the fewest requests in flight."""
+        load = c.fleet.load
+        least = min(load[slot].inflight for slot in slots)
+        return sum(1 << slot for slot in slots if load[slot].inflight == least)
 
 
 # ------------------------------------------------------------------ the pipeline
