@@ -445,6 +445,16 @@ class RouterBase(Section, frozen=True):
             ge=0,
         ),
     ] = 0.0
+    responses_wait_ms: Annotated[
+        float,
+        _doc(
+            "A turn naming a stored response not noted yet, while answers of its "
+            "tenant's are still passing the observe filter, waits at most this long for "
+            "the id (a client may send it the moment the last byte arrives); keep it well "
+            "under Envoy's ext_proc message_timeout. 0: never waits.",
+            ge=0,
+        ),
+    ] = 150.0
     ttft_model: Annotated[
         str, _doc("The pods' calibrated TTFT model, where a destination names none.")
     ] = DEFAULT_MODEL

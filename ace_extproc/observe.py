@@ -282,6 +282,8 @@ class Observer:
         with the pod that answered, if not already."""
         if obs.stored is not None and not obs.remembered:
             self._remember(obs, obs.stored.result())
+        if obs.store_tenant and not obs.remembered and self.homes is not None:
+            self.homes.settle(obs.store_tenant)  # no id to note: awaited no longer
         if not self.usage_capture:
             return
         obs.read_usage()

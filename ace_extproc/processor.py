@@ -56,6 +56,10 @@ class RequestContext:
     unrouted: str | None = None
     # The endpoints (ip:port) the data plane allows, where it set a subset (epp.py).
     subset: frozenset[str] | None = None
+    # A Responses turn naming an id not noted yet while its tenant's answers are
+    # awaited (routing/homes.py): the body's decision waits for it, once (``noted``).
+    awaiting: str | None = None
+    waited: bool = False
 
 
 def _bypass(mode: Mode, reason: str) -> Outcome:
@@ -215,8 +219,17 @@ class Processor:
             return ctx.outcome  # decided, and counted, by the headers
         start = perf_counter_ns()
         outcome = self._execute(ctx, body) if ctx.execute else self._route(ctx, body)
-        self._count(ctx, outcome, perf_counter_ns() - start)
+        if ctx.awaiting is None:  # else decided again once noted, and counted then
+            self._count(ctx, outcome, perf_counter_ns() - start)
         return outcome
+
+    async def noted(self, ctx: RequestContext) -> None:
+        """Wait, bounded, for the stored response ``ctx`` awaits to be noted; then
+        the body is decided again (``on_body``), without waiting twice."""
+        response_id, ctx.awaiting, ctx.waited = ctx.awaiting, None, True
+        if self.homes is not None and response_id is not None:
+            wait_s = self.settings.responses_wait_ms / 1000
+            await self.homes.noted(ctx.tenant, response_id, wait_s)
 
     def too_large(self, ctx: RequestContext) -> Outcome:
         """The decision for a streamed body found over ``max_body_bytes`` before its end
@@ -314,6 +327,9 @@ class Processor:
         prompt_tokens = max(1, int(len(parsed.prompt) / s.bytes_per_token))
         previous = ""  # what became of a previous_response_id (the trace says)
         if parsed.previous_response_id is not None:
+            if self._must_wait(ctx, parsed.previous_response_id):
+                ctx.awaiting = parsed.previous_response_id
+                return Outcome(mode, "await_previous_response")
             home = self._home(ctx, parsed.previous_response_id)
             previous = home.result
             if home.result == PINNED:
@@ -373,6 +389,8 @@ class Processor:
         rewrite_ns = 0
         if mode is Mode.PROD:
             outcome.pod = pick.pod
+            if outcome.store_tenant and self.homes is not None:
+                self.homes.expect(ctx.tenant)
             outcome.upstream_auth = self._upstream_auth.get(destination.id)
             outcome.endpoint = self._endpoint
             if pick.fallbacks and self._fallbacks:
@@ -391,6 +409,20 @@ class Processor:
             rewrite_ns,
         )
         return outcome
+
+    def _must_wait(self, ctx: RequestContext, response_id: str) -> bool:
+        """Whether a turn should wait for its previous response to be noted: unknown
+        yet, while answers of its tenant's are awaited. Production only (shadow mode
+        never delays a request) and once."""
+        homes = self.homes
+        return (
+            homes is not None
+            and ctx.mode is Mode.PROD
+            and not ctx.waited
+            and self.settings.responses_wait_ms > 0
+            and homes.awaits(ctx.tenant)
+            and homes.peek(ctx.tenant, response_id).result == UNKNOWN
+        )
 
     def _home(self, ctx: RequestContext, response_id: str) -> Home:
         """Where the stored response a turn continues is (routing/homes.py), the data
@@ -440,6 +472,8 @@ class Processor:
         if mode is not Mode.PROD:
             return self._seal(ctx, outcome, body, parsed, destination)
         outcome.pod = pod
+        if outcome.store_tenant and self.homes is not None:
+            self.homes.expect(ctx.tenant)
         outcome.upstream_auth = self._upstream_auth.get(pod.destination)
         outcome.endpoint = self._endpoint
         fields = self._body_fields(destination, ctx, hashes, parsed, body)

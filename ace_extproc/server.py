@@ -88,6 +88,9 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
             async for message in request_iterator:
                 for response in stream.on_message(message):
                     yield response
+                if stream.deferred is not None:  # a turn waiting for its previous response
+                    for response in await stream.resume():
+                        yield response
                 if stream.observed_all:
                     # Close it ourselves: Envoy would hold an observe stream open for
                     # its deferred_close_timeout (5 s) after the request ended.
@@ -111,9 +114,11 @@ class _Stream:
     """State of one request's stream."""
 
     __slots__ = (
+        "after_deferred",
         "buffered",
         "chunks",
         "ctx",
+        "deferred",
         "duplex",
         "ended",
         "has_body",
@@ -144,6 +149,9 @@ class _Stream:
         self.status = 0  # the response's status (native API)
         self.response_duplex = False  # response bodies come full-duplex: echo each chunk
         self.watch: Observation | None = None  # a routed request's response, if sent to us
+        # The body whose decision waits (Processor.noted), and what is answered after it.
+        self.deferred: bytes | None = None
+        self.after_deferred: list[ProcessingResponse] = []
 
     def on_message(self, msg: ProcessingRequest) -> Iterable[ProcessingResponse]:
         """One message of the stream: the answers it gets."""
@@ -220,7 +228,11 @@ class _Stream:
         self.ended = True
         out = self._decide(b"".join(self.chunks)) if self.duplex and not self.passing else []
         self.chunks = []
-        out.append(ProcessingResponse(request_trailers=TrailersResponse()))
+        trailers = ProcessingResponse(request_trailers=TrailersResponse())
+        if self.deferred is not None:  # after the decision, whenever it comes
+            self.after_deferred.append(trailers)
+        else:
+            out.append(trailers)
         return out
 
     def _pass(self, outcome: Outcome, body: bytes, ended: bool) -> list[ProcessingResponse]:
@@ -238,10 +250,28 @@ class _Stream:
         if ctx is None:  # a body before any headers: nothing to decide on
             return [mutate.BODY_CONTINUE]
         outcome = self.outcome = self.processor.on_body(ctx, body)
+        if ctx.awaiting is not None:  # Process awaits it, then calls resume
+            self.deferred = body
+            return []
         if self.duplex:
             self.chunks = []
             return self._pass(outcome, body, True)
         return [mutate.body_decided(outcome, ctx.client_upstream)]
+
+    async def resume(self) -> list[ProcessingResponse]:
+        """The deferred body decided, once its previous response is noted or the
+        wait is over (routing/homes.py)."""
+        body, self.deferred = self.deferred, None
+        after, self.after_deferred = self.after_deferred, []
+        assert body is not None and self.ctx is not None
+        await self.processor.noted(self.ctx)
+        try:
+            out = self._decide(body)
+        except Exception as exc:  # as on_message: a bug costs the decision only
+            log.exception("ext_proc: failed deciding a deferred body; passing it through")
+            self.chunks = [body]
+            out = self._failed(ProcessingRequest(), "request_body", exc)
+        return out + after
 
     def _on_response_headers(self, msg: ProcessingRequest) -> list[ProcessingResponse]:
         for h in msg.response_headers.headers.headers:

@@ -3,6 +3,7 @@ response's id from the answer as it passes (response_id.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -10,7 +11,14 @@ import pytest
 from ace_extproc.config import Pod, sim_fleet
 from ace_extproc.response_id import HEAD_BYTES, StoredId
 from ace_extproc.routing import FleetState
-from ace_extproc.routing.homes import LOST, PINNED, UNAVAILABLE, UNKNOWN, ResponseHomes
+from ace_extproc.routing.homes import (
+    AWAITED_FOR_S,
+    LOST,
+    PINNED,
+    UNAVAILABLE,
+    UNKNOWN,
+    ResponseHomes,
+)
 
 
 class Clock:
@@ -25,6 +33,42 @@ def homes(capacity: int = 100, ttl_s: float = 0.0) -> tuple[ResponseHomes, Fleet
     fleet = FleetState(sim_fleet([f"127.0.0.1:{8001 + i}" for i in range(3)]))
     clock = Clock()
     return ResponseHomes(fleet, capacity, ttl_s, clock), fleet, clock
+
+
+def test_answers_sent_to_be_stored_are_awaited_until_noted_or_ended() -> None:
+    h, fleet, clock = homes()
+    assert not h.awaits("acme")
+    h.expect("acme")
+    h.expect("acme")
+    assert h.awaits("acme") and not h.awaits("globex")
+    h.remember("acme", "resp_1", fleet.pods[0].key)  # one noted
+    assert h.awaits("acme")
+    h.settle("acme")  # one ended without an id (an error, a stream cut short)
+    assert not h.awaits("acme")
+    h.settle("acme")  # more settled than awaited (another replica's): harmless
+    h.expect("acme")
+    assert h.found == {PINNED: 0, UNKNOWN: 0, LOST: 0, UNAVAILABLE: 0}  # peeks uncounted
+    clock.now += AWAITED_FOR_S + 1  # never observed: not awaited forever
+    assert not h.awaits("acme")
+
+
+def test_a_turn_waits_for_its_previous_response_only_while_one_is_awaited() -> None:
+    h, fleet, _ = homes()  # its clock stands still: only being noted or settled ends a wait
+
+    async def main() -> None:
+        await asyncio.wait_for(h.noted("acme", "resp_1", 60), 1)  # nothing awaited
+        h.expect("acme")
+        waiting = asyncio.create_task(h.noted("acme", "resp_1", 60))
+        await asyncio.sleep(0.01)
+        h.remember("acme", "resp_0", fleet.pods[0].key)
+        h.expect("acme")  # another answer: still awaited, so still waiting
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        h.remember("acme", "resp_1", fleet.pods[1].key)
+        await asyncio.wait_for(waiting, 1)
+        assert h.peek("acme", "resp_1").slot == 1
+
+    asyncio.run(main())
 
 
 def test_a_stored_response_pins_its_tenant_s_turns_to_its_pod() -> None:

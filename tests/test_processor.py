@@ -1,3 +1,4 @@
+import asyncio
 import dataclasses
 import hashlib
 
@@ -340,7 +341,7 @@ def test_a_responses_request_is_routed_and_salted_like_a_chat():
 
 
 def test_a_continuation_goes_to_the_pod_that_stored_its_response():
-    p = make()
+    p = make(responses_wait_ms=0)  # the answers here are never observed: none awaited
     first = run(p, headers(RESPONSES), responses_body(input=LONG))
     home = next(slot for slot in range(4) if slot != first.slot)
     p.homes.remember("anon", "resp_1", p.fleet.pods[home].key)
@@ -403,3 +404,24 @@ def test_a_continuation_whose_pod_is_outside_the_gateway_s_subset_is_unavailable
     ctx = p.on_headers(headers(RESPONSES), False, frozenset({p.fleet.pods[1].endpoint}))
     out = p.on_body(ctx, responses_body(input="more", previous_response_id="resp_1"))
     assert (out.action, out.reject_status) == ("reject_response_unavailable", 503)
+
+
+@pytest.mark.parametrize("mode", [Mode.PROD, Mode.SHADOW])
+def test_a_turn_naming_an_id_not_noted_yet_is_decided_once_it_is(mode):
+    """Production: a stored answer sent is awaited; a turn naming an unknown id then
+    defers its decision (uncounted) and, once noted, is pinned. Shadow never delays."""
+    p = make(mode=mode)
+    first = run(p, headers(RESPONSES), responses_body(input=LONG))
+    assert p.homes.awaits("anon") is (mode is Mode.PROD)
+    ctx = p.on_headers(headers(RESPONSES), False)
+    continued = responses_body(input="more", previous_response_id="resp_1")
+    out = p.on_body(ctx, continued)
+    if mode is Mode.SHADOW:
+        assert ctx.awaiting is None and out.previous_response == "unknown"
+        return
+    assert ctx.awaiting == "resp_1" and out.action == "await_previous_response"
+    assert p.homes.found["unknown"] == 0
+    p.homes.remember("anon", "resp_1", p.fleet.pods[first.slot].key)
+    asyncio.run(p.noted(ctx))
+    out = p.on_body(ctx, continued)
+    assert (out.action, out.slot, ctx.awaiting) == ("previous_response", first.slot, None)

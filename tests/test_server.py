@@ -524,3 +524,75 @@ def test_mtls_admits_only_clients_the_ca_signed(port, tmp_path):
     admitted, no_cert, other_ca = with_server(config(target, ext_proc_tls=tls), scenario)
     assert admitted == health_pb2.HealthCheckResponse.SERVING
     assert no_cert == other_ca == grpc.StatusCode.UNAVAILABLE
+
+
+# ------------------------------------------------- a turn outrunning its previous answer
+
+
+def responses_msgs(**fields) -> list[pb.ProcessingRequest]:
+    body = msgspec.json.encode({"model": "m", "input": "a question " * 40, **fields})
+    return [headers_msg(path="/v1/responses"), body_msg(body)]
+
+
+def stored_answer(served_by: str, response_id: str) -> list[pb.ProcessingRequest]:
+    """What the observe filter gets of a stored answer: its headers, then its body."""
+    head = pb.ProcessingRequest(observability_mode=True)
+    status = head.response_headers.headers.headers.add()
+    status.key, status.raw_value = ":status", b"200"
+    ace = head.metadata_context.filter_metadata["ace"].fields
+    ace["served_by"].string_value, ace["store_tenant"].string_value = served_by, "anon"
+    body = pb.ProcessingRequest(observability_mode=True)
+    body.response_body.body = msgspec.json.encode({"id": response_id, "object": "response"})
+    body.response_body.end_of_stream = True
+    return [head, body]
+
+
+def decision(out: pb.ProcessingResponse) -> dict[str, str]:
+    trace = out.dynamic_metadata.fields["ace"].struct_value.fields["trace"].string_value
+    return dict(item.split("=", 1) for item in trace.split(","))
+
+
+def test_a_turn_sent_before_its_previous_answer_is_noted_waits_for_it(port):
+    """Envoy's observe filter reads an answer beside the client, so the next turn can
+    reach the router first: it waits, bounded, for the id (then pinned where it is
+    stored), where an answer of its tenant's is still awaited; and only then."""
+    target = f"127.0.0.1:{port}"
+
+    async def main():
+        first = await exchange(target, responses_msgs(), 2)
+        served_by = first[1].dynamic_metadata.fields["ace"].struct_value.fields["served_by"]
+        turn = responses_msgs(input="and then?", previous_response_id="resp_late", store=False)
+        waiting = asyncio.create_task(exchange(target, turn, 2))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # held while the first answer is awaited
+        async with grpc.aio.insecure_channel(target) as channel:  # open until answered
+            call = pb_grpc.ExternalProcessorStub(channel).Process(metadata=ENVOY)
+            for message in stored_answer(served_by.string_value, "resp_late"):
+                await call.write(message)
+            pinned = decision((await waiting)[1])
+        # Nothing awaited now (that turn was not stored): an id never seen is routed at once.
+        started = time.monotonic()
+        other = responses_msgs(input="x", previous_response_id="resp_never", store=False)
+        unknown = decision((await exchange(target, other, 2))[1])
+        return pinned, unknown, time.monotonic() - started
+
+    pinned, unknown, took = with_server(config(target, responses_wait_ms=5000), main)
+    assert (pinned["action"], pinned["previous_response"]) == ("previous_response", "pinned")
+    assert unknown["previous_response"] == "unknown" and took < 2
+
+
+def test_a_turn_waits_no_longer_than_responses_wait_ms(port):
+    """An awaited answer whose id never comes (another replica's turn, a lost stream):
+    the turn is routed by its prefix after the wait."""
+    target = f"127.0.0.1:{port}"
+
+    async def main():
+        await exchange(target, responses_msgs(), 2)
+        started = time.monotonic()
+        turn = responses_msgs(input="and then?", previous_response_id="resp_elsewhere")
+        out = await exchange(target, turn, 2)
+        return decision(out[1]), time.monotonic() - started
+
+    routed, took = with_server(config(target, responses_wait_ms=300), main)
+    assert routed["previous_response"] == "unknown" and routed["action"] != "previous_response"
+    assert took >= 0.3

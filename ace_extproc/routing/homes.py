@@ -20,13 +20,21 @@ engine answers 404 where it lands elsewhere.
 An entry holds the pod's key and when it was stored; a pod's (re)joining the fleet and
 its restarts (the monitor's) are kept per pod, so an entry older than the pod's
 current process is known lost without walking the entries.
+
+Envoy's observe filter reads an answer *beside* the client, not before it: a client
+that sends its next turn the moment the last byte arrives can outrun the note of the
+id. So each answer this replica sent to be stored is *awaited* (``expect``) until its
+observation notes the id or ends (``settle``), and a turn naming an id unknown here
+while its tenant has answers awaited waits for them, a bounded while (``noted``),
+rather than be routed by prefix to a pod that can only answer 404.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -58,6 +66,10 @@ class Home:
 
 
 _UNKNOWN = Home(UNKNOWN)
+# An awaited answer whose observation never comes (a response Envoy did not send the
+# observe filter, a lost stream) stops being awaited after this long, so a tenant's
+# unknown ids do not wait for it forever. Longer than any stream should take.
+AWAITED_FOR_S = 900.0
 
 
 class ResponseHomes:
@@ -82,6 +94,10 @@ class ResponseHomes:
         # tell (joined the fleet, or seen restarting); absent: since before any entry.
         self._since: dict[str, float] = {}
         self.remembered = 0  # stored ids noted here (this replica's answers and learned)
+        # Tenant -> when each of its answers still awaited (sent to be stored, not yet
+        # noted nor ended) was sent, oldest first; and what wakes the turns waiting.
+        self._awaited: dict[str, deque[float]] = {}
+        self._wake: asyncio.Event | None = None
         self.found = dict.fromkeys(RESULTS, 0)  # lookups by result, for the metrics
         fleet.on_change.append(self._changed)
 
@@ -93,7 +109,9 @@ class ResponseHomes:
         return _xxh3(f"{tenant}\x00{response_id}".encode())
 
     def remember(self, tenant: str, response_id: str, pod: str) -> None:
-        """``pod`` (its key) stored the response ``response_id`` of ``tenant``."""
+        """``pod`` (its key) stored the response ``response_id`` of ``tenant``: one of
+        its answers awaited here, if any, is settled (it may be another replica's: the
+        count is what matters, and a turn wrongly not waiting is routed as before)."""
         if not self.capacity or not response_id:
             return
         entries = self._entries
@@ -103,12 +121,64 @@ class ResponseHomes:
         self.remembered += 1
         if len(entries) > self.capacity:
             entries.popitem(last=False)  # the least recently used
+        self.settle(tenant)
+
+    def expect(self, tenant: str) -> None:
+        """An answer of ``tenant``'s was sent to be stored: its id is awaited."""
+        if self.capacity:
+            self._awaited.setdefault(tenant, deque()).append(self._clock())
+
+    def settle(self, tenant: str) -> None:
+        """One of ``tenant``'s awaited answers was noted, or ended without an id."""
+        awaited = self._awaited.get(tenant)
+        if awaited:
+            awaited.popleft()  # which one does not matter: only how many are left
+            if not awaited:
+                del self._awaited[tenant]
+        self._woken()
+
+    def awaits(self, tenant: str) -> bool:
+        """Whether any of ``tenant``'s answers is still awaited."""
+        awaited = self._awaited.get(tenant)
+        if not awaited:
+            return False
+        stale = self._clock() - AWAITED_FOR_S
+        while awaited and awaited[0] < stale:
+            awaited.popleft()
+        if not awaited:
+            del self._awaited[tenant]
+        return bool(awaited)
+
+    async def noted(self, tenant: str, response_id: str, within_s: float) -> None:
+        """Return once ``response_id`` is known here, or none of ``tenant``'s answers
+        is awaited any more, or after ``within_s``. Never counts a lookup."""
+        deadline = self._clock() + within_s
+        while self._find(tenant, response_id).result == UNKNOWN and self.awaits(tenant):
+            left = deadline - self._clock()
+            if left <= 0:
+                return
+            if self._wake is None:
+                self._wake = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                return
+
+    def _woken(self) -> None:
+        wake, self._wake = self._wake, None
+        if wake is not None:
+            wake.set()
 
     def find(self, tenant: str, response_id: str) -> Home:
-        """Where the turn continuing ``response_id`` must go, and whether it can."""
+        """Where the turn continuing ``response_id`` must go, and whether it can
+        (counted for the metrics)."""
         home = self._find(tenant, response_id)
         self.found[home.result] += 1
         return home
+
+    def peek(self, tenant: str, response_id: str) -> Home:
+        """``find``, uncounted."""
+        return self._find(tenant, response_id)
 
     def _find(self, tenant: str, response_id: str) -> Home:
         key = self._key(tenant, response_id)
