@@ -365,7 +365,7 @@ class Processor:
             self.placements.note(hashes.prefix_key, pick.slot)
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
         if mode is Mode.PROD:  # shadow's pick is not sent there: only scrapes say its load
-            self.load.sent(pick.slot, prompt_tokens - saved, saved)
+            self.load.sent(pick.slot, prompt_tokens - saved, saved, parsed.model)
         if self.sharing is not None:  # queued for the other replicas; no I/O here
             self.sharing.note(
                 pick.pod.key, hashes.blocks, ctx.tenant, ctx.session, prompt_tokens - saved
@@ -458,7 +458,7 @@ class Processor:
         pod = self.fleet.pods[home.slot]
         # The turn's own tokens are prefilled there; its stored history, cached or not,
         # is the engine's to count (the router never saw it): no estimate of reuse.
-        self.load.sent(home.slot, prompt_tokens)
+        self.load.sent(home.slot, prompt_tokens, 0, parsed.model)
         outcome = Outcome(
             mode,
             "previous_response",

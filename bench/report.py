@@ -30,6 +30,7 @@ from ace_extproc.prefix import hash_prompt, scope_seed
 from bench import workloads
 from bench.baselines import POLICIES, resolve
 from bench.fleetsim import SimSettings, simulate, summarize
+from bench.fleetsim.settings import for_workload
 from bench.workloads.base import Workload
 
 RESULTS = Path("bench/results")
@@ -89,6 +90,9 @@ def run_policy(
     warm = sum(1 for r in result.records if r.cached_tokens * 2 >= r.prompt_tokens)
     summary["warm_hit_ratio"] = warm / len(result.records) if result.records else 0.0
     summary["by_family"] = _by_family(result)
+    for key in ("lora_loads", "lora_evictions"):  # adapter workloads only
+        if key in result.extra:
+            summary[key] = result.extra[key]
     return summary
 
 
@@ -301,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = SimSettings()
     if args.num_gpu_blocks:
         settings = replace(settings, num_gpu_blocks=args.num_gpu_blocks)
+    settings = for_workload(settings, workload)  # e.g. --enable-lora for adapters
 
     report: dict[str, Any] = {
         "workload": workload.name,

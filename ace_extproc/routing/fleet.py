@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ace_extproc.config import Destination, Fleet, Pod
 from ace_extproc.routing import rendezvous
+from ace_extproc.routing.lora import Adapters
 
 log = logging.getLogger("ace_extproc.fleet")
 
@@ -50,6 +51,8 @@ class PodLoad:
     inflight: int = 0
     # Prefill sent and not yet done, in milliseconds of the pod's TTFT model (load.py)
     queued_prefill_ms: float = 0.0
+    # Its LoRA adapter slots (vllm:lora_requests_info, and the picks since: lora.py)
+    lora: Adapters = field(default_factory=Adapters)
 
 
 class FleetState:

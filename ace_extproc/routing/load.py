@@ -17,6 +17,10 @@ their model the pods run (``prefill_tokens_per_s``: a simulated fleet on a fast
 clock), before each pick (``drain``); each scrape corrects it (``observed``): an idle
 engine has none left. The other replicas' placements count too
 (``routing/replicas.py``).
+
+LoRA adapters are counted the same way (``lora.py``): a pick of adapter A marks A
+loaded and in use on the pod until the next scrape of ``vllm:lora_requests_info`` says
+what is.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Callable
 from ace_extproc.config import Settings, ttft_models
 from ace_extproc.latency import TTFTModel, get_model
 from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.metrics_text import LoraInfo
 
 # The queued-prefill estimate drains at most this often.
 DRAIN_EVERY_MS = 1.0
@@ -69,27 +74,42 @@ class LoadAccounting:
         """The TTFT model that prices the pod's prefill (its destination's)."""
         return self._models.get(self.fleet.pods[slot].destination, self._default)
 
-    def sent(self, slot: int, uncached: int, cached: int = 0) -> None:
+    def sent(self, slot: int, uncached: int, cached: int = 0, model: str | None = None) -> None:
         """A request went to ``slot`` with ``uncached`` prompt tokens past the ``cached``
-        ones the pod holds warm: its prefill joins the pod's queue."""
+        ones the pod holds warm: its prefill joins the pod's queue, and the adapter
+        ``model`` names, if it names one there, is loaded there now."""
         if self.active:
             load = self.fleet.load[slot]
             load.inflight += 1
             load.queued_prefill_ms += self.model_of(slot).prefill_work_ms(uncached, cached)
+            if model is not None and load.lora.max_lora:
+                load.lora.picked(model)
 
-    def observed(self, slot: int, running: int, waiting: int, kv_usage: float | None) -> None:
+    def observed(
+        self,
+        slot: int,
+        running: int,
+        waiting: int,
+        kv_usage: float | None,
+        lora: LoraInfo | None = None,
+        base_model: str | None = None,
+    ) -> None:
         """A scrape's figures for the pod: they replace the estimate's in-flight count
         (picks since are added on top). An idle engine has no prefill left: whatever the
         estimate still holds (a pod faster than its model, prompts more cached than
         believed) is dropped; a busy one keeps it, its running requests may still be
-        prefilling."""
+        prefilling. ``lora``: its adapter slots, where it runs LoRA; ``base_model``:
+        the model it serves without an adapter."""
         load = self.fleet.load[slot]
         load.running, load.waiting = running, waiting
         if kv_usage is not None:
             load.kv_usage = kv_usage
         load.inflight = running + waiting
+        if lora is not None:
+            load.lora.scraped(base_model, lora.max_lora, lora.in_use)
         if running == 0 and waiting == 0:
             load.queued_prefill_ms = 0.0
+            load.lora.idle()
 
     def drain(self, now: float | None = None) -> None:
         """Let the queued prefill drain for the time since it was last looked at;

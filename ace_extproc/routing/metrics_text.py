@@ -15,6 +15,15 @@ tokens in the KV cache pool", a gauge in sgl-project/sglang
 ``python/sglang/srt/metrics/collector.py``). SGLang emits scheduler metrics from
 attention-TP rank 0 only unless ``--enable-metrics-for-all-schedulers``, so a sum
 over label sets is a sum over DP ranks; with that flag it over-counts.
+
+LoRA (``vllm:lora_requests_info``, vLLM's ``vllm/v1/metrics/loggers.py``): a gauge
+whose labels are ``max_lora`` (``--max-loras``) and the comma-separated adapters of the
+running and of the waiting requests (``running_lora_adapters``,
+``waiting_lora_adapters``), set to the current time at every engine step. Each
+combination of labels is its own series and none is ever dropped, so the exposition
+holds every combination seen since the engine started: the newest, the largest value,
+is the engine's state (``LoraInfo``). The pod's base model is the ``model_name`` label
+of its other series (the first served model name).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ _VLLM = {
     # per finished request: what the engine really reused.
     b"vllm:prompt_tokens_cached_total": "cached_prompt_tokens",
     b"vllm:cache_config_info": "cache_config",
+    b"vllm:lora_requests_info": "lora_info",
 }
 _SGLANG = {
     b"sglang:num_running_reqs": "running",
@@ -78,6 +88,20 @@ _MEANS = frozenset({"kv_usage", "hit_rate"})
 
 
 @dataclass(frozen=True, slots=True)
+class LoraInfo:
+    """The newest sample of ``vllm:lora_requests_info``: the engine's adapter slots."""
+
+    max_lora: int  # adapter slots (--max-loras); 0 where the label is missing or bad
+    running: tuple[str, ...] = ()  # adapters of the running requests
+    waiting: tuple[str, ...] = ()  # adapters of the waiting requests
+
+    @property
+    def in_use(self) -> tuple[str, ...]:
+        """Running and waiting, each once, in order (the router's LRU follows it)."""
+        return tuple(dict.fromkeys(self.running + self.waiting))
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """One scrape, summed over label sets; a field is None when the text lacks it."""
 
@@ -95,6 +119,8 @@ class EngineStats:
     # SGLang: sglang:cached_tokens_total, the same series as cache_hits).
     cached_prompt_tokens: float | None = None
     start_time: float | None = None  # process_start_time_seconds, where exposed
+    model_name: str | None = None  # the served model (the model_name label), where given
+    lora: LoraInfo | None = None  # vllm:lora_requests_info: only with --enable-lora
     reason: str = ""  # why some of the text was not used ("" when all was)
 
     @property
@@ -121,6 +147,9 @@ def parse(text: bytes | str) -> EngineStats:
     capacity_tokens = 0.0
     block_size: int | None = None
     engine: str | None = None
+    model_name: str | None = None
+    lora_labels: bytes | None = None  # of the newest vllm:lora_requests_info sample
+    lora_stamp = -math.inf
     bad: list[str] = []
     for m in _SAMPLE.finditer(text):
         name, labels, raw = m.group(1), m.group(2), m.group(3)
@@ -135,6 +164,12 @@ def parse(text: bytes | str) -> EngineStats:
             continue
         if engine is None and field != "start_time":
             engine = "vllm" if name in _VLLM else "sglang"
+        if field == "lora_info":  # one series per label set: the newest is the state
+            if value >= lora_stamp:
+                lora_stamp, lora_labels = value, labels or b""
+            continue
+        if model_name is None and labels and field in ("running", "waiting"):
+            model_name = _label(labels, b"model_name")
         if field == "cache_config":  # an info series: the figures are its labels
             config = _cache_config(labels or b"")
             if config is None:
@@ -169,6 +204,9 @@ def parse(text: bytes | str) -> EngineStats:
     start = total("start_time")
     if start is not None and counts["start_time"] > 1:
         start = None  # several processes in one exposition: no single start
+    lora = None if lora_labels is None else _lora(lora_labels)
+    if lora is not None and not lora.max_lora:
+        bad.append("vllm:lora_requests_info: no max_lora")
     return EngineStats(
         engine=engine,
         running=None if running is None else max(0, round(running)),
@@ -182,6 +220,8 @@ def parse(text: bytes | str) -> EngineStats:
         cache_hits=hits,
         cached_prompt_tokens=cached,
         start_time=start,
+        model_name=model_name,
+        lora=lora,
         reason="; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""),
     )
 
@@ -194,6 +234,36 @@ def _cache_config(labels: bytes) -> tuple[int, int] | None:
     except (KeyError, ValueError):
         return None
     return (block_size, blocks) if block_size > 0 and blocks > 0 else None
+
+
+def _label(labels: bytes, name: bytes) -> str | None:
+    """The value of label ``name`` in ``labels`` (``{a="1",...}``), unescaped, or None."""
+    for key, raw in _LABEL.findall(labels):
+        if key == name:
+            return _unescape(raw)
+    return None
+
+
+def _unescape(raw: bytes) -> str:
+    text = raw.decode("utf-8", "replace")
+    if "\\" not in text:
+        return text
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), text)
+
+
+def _lora(labels: bytes) -> LoraInfo:
+    """The adapter slots one ``vllm:lora_requests_info`` sample describes; a label
+    missing or empty is no adapter (or, for ``max_lora``, 0)."""
+    found = {key: _unescape(raw) for key, raw in _LABEL.findall(labels)}
+    try:
+        max_lora = max(0, int(found.get(b"max_lora", "")))
+    except ValueError:
+        max_lora = 0
+
+    def names(key: bytes) -> tuple[str, ...]:
+        return tuple(n for n in (p.strip() for p in found.get(key, "").split(",")) if n)
+
+    return LoraInfo(max_lora, names(b"running_lora_adapters"), names(b"waiting_lora_adapters"))
 
 
 def restarted(before: EngineStats, after: EngineStats) -> str | None:

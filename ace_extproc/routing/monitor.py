@@ -6,7 +6,8 @@ Two loops on the server's event loop share one keep-alive ``aiohttp`` session:
   names, ``metrics_text``) corrects the load accounting (``load.py``: running,
   waiting, kv_usage, and ``inflight`` reset to running + waiting; each pick adds one,
   and its uncached prompt to the queued prefill, until the next scrape, and a scrape
-  finding the engine idle clears the queue). The
+  finding the engine idle clears the queue; with ``--enable-lora``, the adapters in
+  use, ``vllm:lora_requests_info``: ``lora.py``). The
   first scrape that carries the KV size (``vllm:cache_config_info`` block_size x
   num_gpu_blocks, or ``sglang:max_total_num_tokens``) bounds that pod's index.
   A counter going backwards (or a new process start time) is an engine restart:
@@ -294,7 +295,7 @@ class FleetMonitor:
         load = self.fleet.load[slot]
         running = stats.running if stats.running is not None else load.running
         waiting = stats.waiting if stats.waiting is not None else load.waiting
-        self.load.observed(slot, running, waiting, stats.kv_usage)
+        self.load.observed(slot, running, waiting, stats.kv_usage, stats.lora, stats.model_name)
         if st.last is not None:  # down or not: a restart while down empties it too
             why = metrics_text.restarted(st.last, stats)
             if why is not None:

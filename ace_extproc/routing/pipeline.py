@@ -8,7 +8,9 @@ milliseconds it adds to this request's time to first token on a pod, so their su
 a price (weights stay, to tune one against the others). The default scorers, from the
 calibrated TTFT model: this request's own prefill of the tokens the pod does not hold
 warm (``PrefillCost``), what its new blocks would evict from a full pod
-(``EvictionCost``), and the prefill already queued there (``QueueCost``). A warm pod
+(``EvictionCost``), the prefill already queued there (``QueueCost``), and loading
+the LoRA adapter the request names where the pod has not loaded it (``LoraCost``,
+``lora.py``: 0 for the base model). A warm pod
 wins while its queue costs less than the prefill it saves; when it saturates, the
 request spills to the cheapest other pod, which warms up too (the hot prefix is
 replicated).
@@ -33,6 +35,7 @@ from ace_extproc.latency import TTFTModel
 from ace_extproc.routing import rendezvous
 from ace_extproc.routing.fleet import RETIRED, FleetState
 from ace_extproc.routing.index import BlockIndex
+from ace_extproc.routing.lora import LoraCost
 from ace_extproc.routing.picker import Pick, RoutingRequest
 
 
@@ -227,7 +230,12 @@ class Weighted:
     weight: float = 1.0
 
 
-DEFAULT_SCORERS = (Weighted(PrefillCost()), Weighted(EvictionCost()), Weighted(QueueCost()))
+DEFAULT_SCORERS = (
+    Weighted(PrefillCost()),
+    Weighted(EvictionCost()),
+    Weighted(QueueCost()),
+    Weighted(LoraCost()),
+)
 
 
 class Pipeline:

@@ -7,7 +7,7 @@ takes a ``weight``. Unset, each part is the default cost pipeline's:
 
     pipeline:
       filters: [{name: not-saturated}]
-      scorers: [{name: prefill}, {name: eviction}, {name: queue}]
+      scorers: [{name: prefill}, {name: eviction}, {name: queue}, {name: lora}]
       picker: {name: near-best}
 
 A user's plug-in runs on the same path as the built-ins: there is no other.
@@ -21,6 +21,7 @@ from typing import Any
 
 from ace_extproc.config import ConfigError, Settings
 from ace_extproc.fleet_file import PluginSpec
+from ace_extproc.routing.lora import LoraCost
 from ace_extproc.routing.pipeline import (
     DEFAULT_SCORERS,
     EvictionCost,
@@ -36,6 +37,7 @@ SCORERS: dict[str, Callable[..., Any]] = {
     "prefill": PrefillCost,
     "eviction": EvictionCost,
     "queue": QueueCost,
+    "lora": LoraCost,  # args: load_ms, busy_ms
 }
 PICKERS: dict[str, Callable[..., Any]] = {"near-best": NearBest}
 

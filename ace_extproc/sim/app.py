@@ -24,6 +24,12 @@ lower-cased (repeats joined with ", "), the raw body as UTF-8 text.
 ``DELETE /debug/requests`` clears them.  Without ``--record`` both answer 404
 and bodies are never kept or logged.
 
+``--enable-lora --max-loras N --lora-modules NAME=PATH ...`` (vLLM's flags) serve
+LoRA adapters by those names (the path is not read): N adapter slots, each load
+``--lora-load-ms`` long (sim only; :mod:`.lora`), and ``vllm:lora_requests_info``.
+As in vLLM, an adapter must be registered (``--lora-modules``) to be served; vLLM's
+runtime loading API is not simulated.
+
 ``--kv-events-config`` (vLLM's flag and JSON) publishes KV cache events on ZMQ in
 vLLM's wire format (:mod:`.kv_events`); ``--kv-events-delay-ms`` holds each batch back.
 
@@ -48,9 +54,11 @@ from typing import Any
 from aiohttp import web
 
 from ..latency import DEFAULT_MODEL, MODELS, get_model
+from ..routing.lora import DEFAULT_LOAD_MS
 from .engine import CapacityError, Engine, Prompt
 from .kv_events import KVEventPublisher, KVEventsConfig
 from .kvcache import PrefixCache, text_tokens
+from .lora import AdapterSlots
 from .metrics import CONTENT_TYPE, Exposition
 from .protocol import (
     VERSION,
@@ -116,6 +124,15 @@ class SimConfig:
     responses_store: bool = False
     kv_events: KVEventsConfig | None = None  # vLLM's --kv-events-config; None = off
     kv_events_delay_ms: float = 0.0  # sim only: hold each event batch back this long
+    # LoRA, as vLLM's --enable-lora --max-loras N --lora-modules NAME=PATH ...
+    enable_lora: bool = False
+    max_loras: int = 1  # vLLM's default
+    lora_modules: tuple[str, ...] = ()  # the adapters' names
+    lora_load_ms: float = DEFAULT_LOAD_MS  # sim only: model time to load one
+
+    def __post_init__(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
 
 
 class SimPod:
@@ -130,6 +147,9 @@ class SimPod:
             if events is not None and events.enabled
             else None
         )
+        self.lora = (
+            AdapterSlots(config.max_loras, config.lora_load_ms) if config.enable_lora else None
+        )
         self.engine = Engine(
             get_model(config.ttft_model),
             self.cache,
@@ -138,13 +158,20 @@ class SimPod:
             time_scale=config.time_scale,
             tpot_ms=config.tpot_ms,
             events=self.events,
+            lora=self.lora,
         )
         self.records: collections.deque[dict[str, Any]] = collections.deque(
             maxlen=max(config.record, 1)
         )
         self.started = time.time()
-        self.names = (config.model, *config.aliases)
+        self.names = (config.model, *config.aliases, *config.lora_modules)
+        self.adapters = frozenset(config.lora_modules)
         self.responses = ResponseStore(config.responses_store)
+
+    def adapter(self, body: dict[str, Any]) -> str | None:
+        """The LoRA adapter a request names as its ``model`` (None: the base model)."""
+        model = body.get("model")
+        return model if isinstance(model, str) and model in self.adapters else None
 
 
 POD = web.AppKey("sim_pod", SimPod)
@@ -197,7 +224,8 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     params = parse_gen_params(body)
     # The engine keys UTF-8 text directly: the same tokens and cache hits as encode()
     # without hashing every token (a 220 KB prompt: ~0.4 ms instead of ~10 ms).
-    return await _generate(request, pod, "chat", [_render(body).encode()], params)
+    adapter = pod.adapter(body)
+    return await _generate(request, pod, "chat", [_render(body).encode()], params, adapter)
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -206,7 +234,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     check_model(body, pod.names)
     params = parse_gen_params(body)
     prompts: list[Prompt] = [p.encode() if isinstance(p, str) else p for p in parse_prompts(body)]
-    return await _generate(request, pod, "text", prompts, params)
+    return await _generate(request, pod, "text", prompts, params, pod.adapter(body))
 
 
 def _num_tokens(prompt: Prompt) -> int:
@@ -214,7 +242,12 @@ def _num_tokens(prompt: Prompt) -> int:
 
 
 async def _generate(
-    request: web.Request, pod: SimPod, kind: str, prompts: list[Prompt], params: GenParams
+    request: web.Request,
+    pod: SimPod,
+    kind: str,
+    prompts: list[Prompt],
+    params: GenParams,
+    adapter: str | None = None,
 ) -> web.StreamResponse:
     engine = pod.engine
     asked = params.max_tokens or pod.config.max_tokens_default
@@ -228,13 +261,13 @@ async def _generate(
             raise ApiError(str(exc)) from None
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
     created = now()
-    model = pod.config.model
+    model = adapter or pod.config.model  # vLLM answers with the adapter's name
     if params.stream:
-        return await _stream(request, pod, kind, prompts, params, limits, rid, created)
+        return await _stream(request, pod, kind, prompts, params, limits, rid, created, adapter)
 
     async def one(prompt: Prompt, limit: int) -> tuple[int, float]:
         async with engine.generate(
-            prompt, salt=params.cache_salt, max_tokens=limit, n=params.n
+            prompt, salt=params.cache_salt, max_tokens=limit, n=params.n, adapter=adapter
         ) as req:
             await engine.decode(req, limit - 1)
         return req.cached_tokens, req.ttft_s
@@ -287,9 +320,10 @@ async def _stream(
     limits: list[int],
     rid: str,
     created: int,
+    adapter: str | None = None,
 ) -> web.StreamResponse:
     engine = pod.engine
-    model = pod.config.model
+    model = adapter or pod.config.model
     n = params.n
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     # Headers go out at once, as from vLLM (Starlette's StreamingResponse).
@@ -314,7 +348,7 @@ async def _stream(
         base = index * n  # choice indexes of this prompt, as vLLM numbers a batch
         max_tokens = limits[index]
         async with engine.generate(
-            prompt, salt=params.cache_salt, max_tokens=max_tokens, n=n
+            prompt, salt=params.cache_salt, max_tokens=max_tokens, n=n, adapter=adapter
         ) as req:
             first = chunk(base, 0, max_tokens)
             if kind == "chat":
@@ -524,6 +558,21 @@ async def _models(request: web.Request) -> web.StreamResponse:
             "permission": [_permission(int(pod.started))],
         }
         for name in pod.names
+        if name not in pod.adapters
+    ]
+    # vLLM lists each adapter too, its parent the base model.
+    cards += [
+        {
+            "id": name,
+            "object": "model",
+            "created": int(pod.started),
+            "owned_by": "vllm",
+            "root": name,
+            "parent": pod.config.model,
+            "max_model_len": pod.config.max_model_len,
+            "permission": [_permission(int(pod.started))],
+        }
+        for name in pod.config.lora_modules
     ]
     return _json({"object": "list", "data": cards})
 
@@ -641,6 +690,12 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
         },
         "Information of the LLMEngine CacheConfig",
     )
+    if pod.lora is not None:
+        out.info_series(
+            "vllm:lora_requests_info",
+            pod.lora.info_series(),
+            "Running stats on lora requests.",
+        )
     # vLLM's /metrics carries the process's own metrics too; a router tells a restart by it.
     out.process_gauge(
         "process_start_time_seconds",
@@ -918,6 +973,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sim only: publish each KV event batch this long after its step "
         "(default: %(default)s)",
     )
+    add("--enable-lora", action="store_true", help="serve LoRA adapters, as vLLM's flag")
+    add(
+        "--max-loras",
+        type=_positive_int,
+        default=d.max_loras,
+        help="adapter slots on the GPU, as vLLM's flag (default: %(default)s)",
+    )
+    add(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters served by name, as vLLM's flag (the sim reads no PATH)",
+    )
+    add(
+        "--lora-load-ms",
+        type=_non_negative_float,
+        default=d.lora_load_ms,
+        metavar="MS",
+        help="sim only: model time to load an adapter into a slot (default: %(default)s)",
+    )
+
+
+def _lora_module(text: str) -> str:
+    """vLLM's ``NAME=PATH`` form; the sim keeps the name (it loads no weights)."""
+    name, eq, path = text.partition("=")
+    if not eq or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"--lora-modules: expected NAME=PATH, got {text!r}")
+    return name.strip()
 
 
 def _kv_events_config(text: str) -> KVEventsConfig:
@@ -945,6 +1030,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         responses_store=store_enabled(),
         kv_events=args.kv_events_config,
         kv_events_delay_ms=args.kv_events_delay_ms,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        lora_modules=tuple(args.lora_modules),
+        lora_load_ms=args.lora_load_ms,
     )
 
 

@@ -16,6 +16,11 @@ A request's life, and where it waits:
 3. **Decode**: one token every ``tpot_ms``, whatever the batch (decode does
    not slow prefill down here, nor the reverse).
 
+With LoRA (``lora``, :mod:`.lora`), a request naming an adapter is admitted only
+while the running requests name fewer than ``--max-loras`` other adapters (else it is
+skipped, and the requests behind it may go); one whose adapter is not in a slot loads
+it, and its prefill batch takes the load time longer.
+
 Every model duration is multiplied by ``time_scale`` before sleeping
 (0 sleeps not at all, but still yields so concurrent requests batch).  The TTFT
 histogram records *simulated* seconds (admission wait divided by
@@ -36,6 +41,7 @@ from typing import Any, Protocol
 
 from ..latency import TTFTModel
 from .kvcache import Allocation, CacheEvents, PrefixCache, prompt_keys
+from .lora import AdapterSlots
 from .metrics import Histogram
 from .tokenizer import BYTES_PER_TOKEN, encode_utf8
 
@@ -79,6 +85,8 @@ class EngineRequest:
     wait_s: float = 0.0  # simulated seconds spent waiting for admission
     prefill_enqueued_ms: float = 0.0  # prefill clock when it joined the prefill queue
     done: bool = False
+    adapter: str | None = None  # the LoRA adapter it names (None: the base model)
+    load_ms: float = 0.0  # loading its adapter at admission (model ms, its batch's)
 
     @property
     def uncached_tokens(self) -> int:
@@ -105,6 +113,7 @@ class Engine:
         time_scale: float = 1.0,
         tpot_ms: float = 20.0,
         events: EngineEvents | None = None,
+        lora: AdapterSlots | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
@@ -118,6 +127,7 @@ class Engine:
         self.tpot_ms = tpot_ms
         self.stats = EngineStats()
         self.events = events  # None: KV events off, and nothing is collected
+        self.lora = lora  # adapter slots (--enable-lora); None: the base model only
         cache.events = events
         self.running = 0
         self.waiting = 0
@@ -141,18 +151,28 @@ class Engine:
             )
 
     async def start(
-        self, prompt: Prompt, *, salt: str | None = None, max_tokens: int = 16, n: int = 1
+        self,
+        prompt: Prompt,
+        *,
+        salt: str | None = None,
+        max_tokens: int = 16,
+        n: int = 1,
+        adapter: str | None = None,
     ) -> EngineRequest:
         """Admit and prefill a request; returns at its first token.
 
         ``prompt`` is token ids or the UTF-8 prompt text (the fast path: the same
-        token count and cache behaviour without tokenizing).  The caller must pass
-        the result to :meth:`finish` (see :meth:`generate`).
+        token count and cache behaviour without tokenizing).  ``adapter``: the LoRA
+        adapter it names (LoRA on only). The caller must pass the result to
+        :meth:`finish` (see :meth:`generate`).
         """
-        num_tokens, keys = prompt_keys(prompt, self.cache.block_size, salt)
+        if adapter is not None and self.lora is None:
+            raise ValueError("a LoRA adapter on an engine without --enable-lora")
+        num_tokens, keys = prompt_keys(prompt, self.cache.block_size, salt, adapter)
         self.check(num_tokens, max_tokens, n)
         loop = asyncio.get_running_loop()
         req = EngineRequest(num_tokens, keys, salt, max_tokens, n, loop.time(), prompt)
+        req.adapter = adapter
         await self._admit(req)
         try:
             await self._prefill(req)
@@ -178,15 +198,23 @@ class Engine:
         if req.alloc is not None:
             self.cache.release(req.alloc)
             self.running -= 1
+            if req.adapter is not None and self.lora is not None:
+                self.lora.release(req.adapter)
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
             self._wake()
 
     @contextlib.asynccontextmanager
     async def generate(
-        self, prompt: Prompt, *, salt: str | None = None, max_tokens: int = 16, n: int = 1
+        self,
+        prompt: Prompt,
+        *,
+        salt: str | None = None,
+        max_tokens: int = 16,
+        n: int = 1,
+        adapter: str | None = None,
     ) -> AsyncIterator[EngineRequest]:
         """``start`` ... ``finish``: finished as "length", or "abort" on an exception."""
-        req = await self.start(prompt, salt=salt, max_tokens=max_tokens, n=n)
+        req = await self.start(prompt, salt=salt, max_tokens=max_tokens, n=n, adapter=adapter)
         try:
             yield req
         except BaseException:
@@ -198,9 +226,15 @@ class Engine:
     def _reserve(self, max_tokens: int, n: int) -> int:
         return max_tokens * n
 
-    def _try_admit(self, req: EngineRequest) -> bool:
+    def _try_admit(self, req: EngineRequest) -> bool | None:
+        """Admit ``req`` if it fits: True; False if it waits for a sequence slot or KV
+        blocks (and so does every request behind it); None if it waits for an adapter
+        slot (the requests behind it may go, as vLLM's scheduler skips it)."""
         if self.running >= self.max_num_seqs:
             return False
+        adapter, lora = req.adapter, self.lora
+        if adapter is not None and lora is not None and not lora.admissible(adapter):
+            return None
         alloc = self.cache.allocate_keys(
             req.keys, req.num_tokens, extra_tokens=self._reserve(req.max_tokens, req.n)
         )
@@ -209,6 +243,8 @@ class Engine:
         req.alloc = alloc
         req.cached_tokens = alloc.cached_tokens
         self.running += 1
+        if adapter is not None and lora is not None:
+            req.load_ms = lora.admit(adapter)
         return True
 
     async def _admit(self, req: EngineRequest) -> None:
@@ -218,6 +254,10 @@ class Engine:
         fut: asyncio.Future[None] = loop.create_future()
         self._admit_queue.append((req, fut))
         self.waiting += 1
+        adapter, lora = req.adapter, self.lora
+        if adapter is not None and lora is not None:
+            lora.queued(adapter)
+            self._wake()  # those ahead may wait for adapter slots only
         try:
             await fut
         except BaseException:
@@ -226,21 +266,30 @@ class Engine:
             raise
         finally:
             self.waiting -= 1
+            if adapter is not None and lora is not None:
+                lora.unqueued(adapter)
         if self.time_scale > 0:
             req.wait_s = (loop.time() - req.arrival) / self.time_scale
 
     def _wake(self) -> None:
-        """Admit waiting requests in order while they fit (head-of-line blocking)."""
+        """Admit waiting requests in order while they fit (head-of-line blocking), but
+        past those that wait for an adapter slot."""
         queue = self._admit_queue
+        skipped: list[tuple[EngineRequest, asyncio.Future[None]]] = []
         while queue:
             req, fut = queue[0]
             if fut.done():  # cancelled while waiting
                 queue.popleft()
                 continue
-            if not self._try_admit(req):
+            admitted = self._try_admit(req)
+            if admitted is None:
+                skipped.append(queue.popleft())
+                continue
+            if not admitted:
                 break
             queue.popleft()
             fut.set_result(None)
+        queue.extendleft(reversed(skipped))
 
     # -- prefill --------------------------------------------------------------------
     def _prefill_now_ms(self) -> float:
@@ -280,13 +329,14 @@ class Engine:
             batch.append(queue.popleft())
         return batch
 
-    def batch_ms(self, members: Sequence[tuple[int, int]]) -> float:
-        """Model time of one prefill batch of (uncached, cached) token counts."""
+    def batch_ms(self, members: Sequence[tuple[int, int]], load_ms: float = 0.0) -> float:
+        """Model time of one prefill batch of (uncached, cached) token counts, which
+        loads adapters for ``load_ms`` first (the whole batch waits, as in vLLM)."""
         work = sum(self._work.prefill_ms(n, c) for n, c in members)
         # The server's share: the fixed part once, each prompt's tokens (tokenized one
         # after another), cached or not.
         server = self.model.server_ms(sum(n + c for n, c in members))
-        return server + max(self.model.t_step_ms, work)
+        return server + load_ms + max(self.model.t_step_ms, work)
 
     async def _prefill_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -294,7 +344,10 @@ class Engine:
             # Let the requests that arrived in the same loop iteration join the first batch.
             await asyncio.sleep(0)
             while batch := self._next_batch():
-                ms = self.batch_ms([(r.uncached_tokens, r.cached_tokens) for r, _ in batch])
+                ms = self.batch_ms(
+                    [(r.uncached_tokens, r.cached_tokens) for r, _ in batch],
+                    sum(r.load_ms for r, _ in batch),
+                )
                 self._batch_started, self._batch_ms = loop.time(), ms
                 await self._sleep_ms(ms, yield_always=True)
                 self._prefill_clock_ms += ms

@@ -2,9 +2,10 @@
 
 * The pod has ``num_gpu_blocks`` KV blocks of ``block_size`` tokens.
 * Only full blocks of a prompt are cached.  A block is named by a chained hash:
-  ``H(parent hash, its token ids[, cache_salt])``; the salt enters block 0
-  only, and since every later hash chains from block 0, requests with
-  different salts never share a block.
+  ``H(parent hash, its token ids[, cache_salt][, LoRA adapter])``; the salt and the
+  adapter enter block 0 only, and since every later hash chains from block 0,
+  requests with different salts, or for different adapters, never share a block
+  (vLLM puts the adapter among a block's extra keys: an adapter's KV differs).
 * A running request holds references on its blocks.  Unreferenced cached blocks
   stay cached until their space is needed and are then evicted least recently
   freed first.  A request frees its blocks last-to-first, so a prompt's leaf
@@ -46,7 +47,17 @@ _ROOT = b"\x00" * 8  # parent of block 0, the stand-in for vLLM's NONE_HASH seed
 _TEXT_ROOT = _hash(b"sim text blocks")  # seed of block 0 of text keys (own key space)
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
+def _extra(salt: str | None, adapter: str | None) -> bytes:
+    """Block 0's extra keys: the cache salt, the LoRA adapter (none: the base model)."""
+    extra = b"\x00cache_salt\x00" + salt.encode("utf-8") if salt is not None else b""
+    if adapter is not None:
+        extra += b"\x00lora\x00" + adapter.encode("utf-8")
+    return extra
+
+
+def block_hashes(
+    tokens: Sequence[int], block_size: int, salt: str | None = None, adapter: str | None = None
+) -> list[int]:
     """Chained 64-bit hashes of the full blocks of ``tokens``.
 
     Token ids must fit in 32 bits (the API layer checks them against the vocabulary).
@@ -56,7 +67,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, salt: str | None = None
         return []
     data = array("I", tokens[: full * block_size]).tobytes()
     step = block_size * 4
-    extra = b"\x00cache_salt\x00" + salt.encode("utf-8") if salt is not None else b""
+    extra = _extra(salt, adapter)
     out: list[int] = []
     parent = _ROOT
     for i in range(full):
@@ -67,12 +78,14 @@ def block_hashes(tokens: Sequence[int], block_size: int, salt: str | None = None
     return out
 
 
-def text_block_keys(data: bytes, block_size: int, salt: str | None = None) -> list[int]:
+def text_block_keys(
+    data: bytes, block_size: int, salt: str | None = None, adapter: str | None = None
+) -> list[int]:
     """Chained 64-bit keys of the full token blocks of UTF-8 ``data``.
 
     Block ``i`` is ``data[i*B : (i+1)*B]`` with ``B = 4 * block_size`` bytes (the
     tokenizer's 4-byte chunks); ``key_i = xxh3(block_i, seed=key_{i-1})``, and block
-    0 also hashes the salt.  A trailing partial block has no key, and neither has a
+    0 also hashes the salt and the adapter.  A trailing partial block has no key, and neither has a
     block ending in a short (under 4 bytes) last token: no other prompt could match
     it (see the recompute-last-token rule), so nothing is lost.
     """
@@ -81,8 +94,8 @@ def text_block_keys(data: bytes, block_size: int, salt: str | None = None) -> li
     if full == 0:
         return []
     first = data[:step]
-    if salt is not None:
-        first += b"\x00cache_salt\x00" + salt.encode("utf-8")
+    if salt is not None or adapter is not None:
+        first += _extra(salt, adapter)
     key = _hash(first, _TEXT_ROOT)
     out = [key]
     append = out.append
@@ -98,12 +111,15 @@ def text_tokens(data: bytes) -> int:
 
 
 def prompt_keys(
-    prompt: Sequence[int] | bytes, block_size: int, salt: str | None = None
+    prompt: Sequence[int] | bytes,
+    block_size: int,
+    salt: str | None = None,
+    adapter: str | None = None,
 ) -> tuple[int, list[int]]:
     """``(tokens, block keys)`` of a prompt given as UTF-8 text or as token ids."""
     if isinstance(prompt, bytes):
-        return text_tokens(prompt), text_block_keys(prompt, block_size, salt)
-    return len(prompt), block_hashes(prompt, block_size, salt)
+        return text_tokens(prompt), text_block_keys(prompt, block_size, salt, adapter)
+    return len(prompt), block_hashes(prompt, block_size, salt, adapter)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -21,6 +21,18 @@ TTFT_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 
 
+def _gauge_num(value: float) -> str:
+    """A gauge's value as prometheus-client writes it: Python's shortest digits, but
+    from 1e7 on in exponent form, as Go prints floats ("1.7333995905843e+09")."""
+    text = repr(float(value))
+    if not value >= 1e7 or "e" in text or "inf" in text:
+        return text
+    whole, _, frac = text.partition(".")
+    digits = (whole + frac).rstrip("0")
+    mantissa = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
+    return f"{mantissa}e+{len(whole) - 1:02d}"
+
+
 class Histogram:
     """A cumulative-bucket histogram (counts per upper bound, plus +Inf)."""
 
@@ -87,6 +99,16 @@ class Exposition:
     def info(self, name: str, info: Mapping[str, str], help_text: str) -> None:
         self._head(name, "gauge", help_text)
         self._lines.append(f"{name}{labels(info)} 1.0")
+
+    def info_series(
+        self, name: str, samples: list[tuple[dict[str, str], float]], help_text: str
+    ) -> None:
+        """A gauge of several label sets and no base labels (``vllm:lora_requests_info``:
+        labels in the order given, as prometheus-client writes a gauge's labelnames)."""
+        self._head(name, "gauge", help_text)
+        for pairs, value in samples:
+            text = ",".join(f'{k}="{_escape(v)}"' for k, v in pairs.items())
+            self._lines.append(f"{name}{{{text}}} {_gauge_num(value)}")
 
     def histogram(self, name: str, hist: Histogram, help_text: str) -> None:
         self._head(name, "histogram", help_text)

@@ -27,6 +27,7 @@ from ace_extproc.config import ConfigError, Settings, parse_settings
 from ace_extproc.routing import BlockIndex, FleetState, Policy, PrefixAffinityPicker, policies
 from bench.baselines.bounds import SIMULATION_SETTINGS, bound_pooled, bound_unbounded
 from bench.baselines.dynamo_cost import DynamoCostPicker
+from bench.baselines.gie_lora import GIELoraPicker
 from bench.baselines.gie_scorers import GIEScorerPicker
 from bench.baselines.least_loaded import LeastLoadedPicker
 from bench.baselines.random_pick import RandomPicker
@@ -45,6 +46,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "sglang_cache_aware": SGLangCacheAwarePicker,
     "vllm_cache_aware": VLLMCacheAwarePicker,
     "gie_scorers": GIEScorerPicker,
+    "gie_lora": GIELoraPicker,  # its LoRA-affinity filter, then its scorers
     "dynamo_cost": DynamoCostPicker,
     # Ours as the server runs it by default (router.policy: cost), and the first
     # version (router.policy: affinity) to measure what load-aware pricing changes.

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from ace_extproc.latency import TTFTModel
 from ace_extproc.sim.kvcache import Allocation, PrefixCache
+from ace_extproc.sim.lora import AdapterSlots
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +43,7 @@ class Job:
     # come from, and the salt of block 0.
     prompt: bytes | list[int] = b""
     salt: str | None = None
+    adapter: str | None = None  # the LoRA adapter it names (None: the base model)
 
     @property
     def uncached(self) -> int:
@@ -81,8 +83,10 @@ class SimPod:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         tpot_ms: float | None,
+        lora: AdapterSlots | None = None,
     ) -> None:
         self.slot = slot
+        self.lora = lora  # adapter slots (--enable-lora); None: base model only
         self.cache = cache
         self.model = model
         self.listener = listener
@@ -119,6 +123,11 @@ class SimPod:
         request arriving at this same instant has entered, so they share the step."""
         job.enter_s = now
         self.waiting.append(job)
+        if job.adapter is not None and self.lora is not None:
+            self.lora.queued(job.adapter)
+            # Requests skipped for their adapter do not block it: it may go at once.
+            if self.plan is not None and len(self.waiting) > 1:
+                return self.poke(now)
         if self.plan is None or len(self.waiting) > 1:
             return None  # idle (woken later), or the queue is blocked and it waits too
         return self.poke(now)
@@ -185,17 +194,31 @@ class SimPod:
             work += self._work(chunk, job.cached + job.prefilled)
             budget -= chunk
         waiting = self.waiting
+        lora = self.lora
+        skipped: list[Job] = []
         while waiting and budget > 0 and self.running < self.max_num_seqs:
             job = waiting[0]
+            adapter = job.adapter
+            if adapter is not None and lora is not None and not lora.admissible(adapter):
+                # vLLM skips a request whose adapter would exceed --max-loras in the
+                # batch; the ones behind it may go.
+                skipped.append(waiting.popleft())
+                continue
             if not self._admit(job):
                 break  # FIFO: the head waits for blocks, and so does everyone behind it
             waiting.popleft()
+            if adapter is not None and lora is not None:
+                lora.unqueued(adapter)
+                # Loading an adapter into a slot holds up the whole step, as in vLLM.
+                work += lora.admit(adapter)
             self.prefilling.append(job)
             job.first_step_s = now
             chunk = self._chunk(job.uncached, budget)
             chunks.append((job, chunk))
             work += self._work(chunk, job.cached)
             budget -= chunk
+        if skipped:
+            waiting.extendleft(reversed(skipped))
         if not chunks and not n_decode:
             return None
         m = self.model
@@ -217,6 +240,10 @@ class SimPod:
         """Hand back the requests not yet admitted (the pod is leaving)."""
         jobs = list(self.waiting)
         self.waiting.clear()
+        if self.lora is not None:
+            for job in jobs:
+                if job.adapter is not None:
+                    self.lora.unqueued(job.adapter)
         return jobs
 
     # -- internals ------------------------------------------------------------------
@@ -259,6 +286,8 @@ class SimPod:
     def _finish(self, job: Job, now: float) -> None:
         assert job.alloc is not None and job.cache is not None
         job.cache.release(job.alloc)
+        if job.adapter is not None and self.lora is not None:
+            self.lora.release(job.adapter)
         job.alloc = None
         job.keys = []
         job.prompt = b""

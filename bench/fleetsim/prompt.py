@@ -3,7 +3,9 @@
 The body is the one the pod receives (with the router's ``cache_salt``, if any).
 A chat renders through the sim's chat template; a completion's prompt string is
 used as is.  Tokens are 4-byte chunks of the UTF-8 prompt, so the block keys come
-straight from the bytes (``kvcache.text_block_keys``) without tokenizing.
+straight from the bytes (``kvcache.text_block_keys``) without tokenizing.  With
+LoRA on (``lora_base``), a ``model`` other than the base model names an adapter,
+which keys its blocks apart (vLLM's block hashes include the adapter).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class PromptError(ValueError):
 
 
 class _Body(msgspec.Struct):
+    model: str | None = None
     messages: list[Any] | None = None
     tools: list[Any] | None = None
     prompt: Any = None
@@ -41,14 +44,21 @@ class EnginePrompt:
     # 4-byte chunks), or the ids a prompt was sent as.
     prompt: bytes | list[int] = b""
     salt: str | None = None  # the cache_salt the engine hashed into block 0
+    adapter: str | None = None  # the LoRA adapter it names (None: the base model)
 
 
-def engine_prompt(path: str, body: bytes, block_size: int) -> EnginePrompt:
+def engine_prompt(
+    path: str, body: bytes, block_size: int, lora_base: str | None = None
+) -> EnginePrompt:
+    """``lora_base``: the base model of an engine run with ``--enable-lora`` (None: LoRA
+    off, every ``model`` is the base model's name)."""
     try:
         parsed = _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise PromptError(f"bad body: {exc}") from None
     salt = parsed.cache_salt
+    model = parsed.model
+    adapter = model if lora_base is not None and model and model != lora_base else None
     if path == CHAT_PATH:
         if not parsed.messages:
             raise PromptError("no messages")
@@ -59,16 +69,19 @@ def engine_prompt(path: str, body: bytes, block_size: int) -> EnginePrompt:
         except TemplateError as exc:
             raise PromptError(str(exc)) from None
         data = text.encode()
-        return EnginePrompt(text_tokens(data), text_block_keys(data, block_size, salt), data, salt)
+        keys = text_block_keys(data, block_size, salt, adapter)
+        return EnginePrompt(text_tokens(data), keys, data, salt, adapter)
     prompt = parsed.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         data = prompt.encode()
-        return EnginePrompt(text_tokens(data), text_block_keys(data, block_size, salt), data, salt)
+        keys = text_block_keys(data, block_size, salt, adapter)
+        return EnginePrompt(text_tokens(data), keys, data, salt, adapter)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         try:
-            return EnginePrompt(len(prompt), block_hashes(prompt, block_size, salt), prompt, salt)
+            keys = block_hashes(prompt, block_size, salt, adapter)
+            return EnginePrompt(len(prompt), keys, prompt, salt, adapter)
         except OverflowError:
             raise PromptError("token ids out of range") from None
     # vLLM would run a list of prompts as separate requests; a workload sends one.

@@ -16,15 +16,17 @@ from ace_extproc.config import Config, Fleet, Mode, Settings, TenantConfig, defa
 from ace_extproc.fleet_file import Precise
 from ace_extproc.latency import get_model
 from ace_extproc.routing.kv_wire import Cleared, Event, Removed, Stored
+from ace_extproc.routing.metrics_text import LoraInfo
 from ace_extproc.routing.policies import PolicyFactory
 from ace_extproc.routing.precise import PreciseIndex
 from ace_extproc.routing.replicas import Learner, Placement
 from ace_extproc.sim.kvcache import PrefixCache
+from ace_extproc.sim.lora import AdapterSlots
 from ace_extproc.sim.tokenizer import BYTES_PER_TOKEN, encode_utf8
 from bench.fleetsim.metrics import RequestRecord, RunResult
 from bench.fleetsim.pod import Job, SimPod
 from bench.fleetsim.prompt import EnginePrompt, PromptError, engine_prompt
-from bench.fleetsim.settings import SimSettings
+from bench.fleetsim.settings import SimSettings, for_workload
 from bench.workloads.base import FleetEvent, Request, Workload
 
 # Event kinds, in the order they run when simultaneous: steps end (freeing blocks)
@@ -63,6 +65,7 @@ def simulate(
             f"{workload.name} adds and removes pod slots up to {max(slots)}: "
             f"it needs at least {max(slots) + 1} pods, not {pods}"
         )
+    settings = for_workload(settings, workload)
     begin = time.perf_counter()
     sim = _Run(workload, picker, pods, settings, Mode.parse(mode), salt_secret, replicas)
     if share_delay_s is not None and replicas > 1:
@@ -89,7 +92,7 @@ def simulate(
         rejected=sim.rejected,
         rerouted=sim.rerouted,
         replicas=replicas,
-        extra={"scrapes": sim.scrapes, **sim.precise_stats()},
+        extra={"scrapes": sim.scrapes, **sim.precise_stats(), **sim.lora_stats()},
     )
 
 
@@ -174,6 +177,7 @@ class _Run:
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 max_num_seqs=settings.max_num_seqs,
                 tpot_ms=settings.tpot_ms,
+                lora=self._new_slots(),
             )
             for slot in range(n_pods)
         ]
@@ -249,6 +253,16 @@ class _Run:
         salt = job.salt if blocks.start == 0 else None
         self._publish(job.slot, Stored(hashes, parent, ids, size, "GPU", None, salt, len(hashes)))
 
+    def lora_stats(self) -> dict[str, Any]:
+        """Adapter loads and evictions over the pods (LoRA off: {})."""
+        slots = [pod.lora for pod in self.pods if pod.lora is not None]
+        if not slots:
+            return {}
+        return {
+            "lora_loads": sum(s.loads for s in slots),
+            "lora_evictions": sum(s.evictions for s in slots),
+        }
+
     def precise_stats(self) -> dict[str, Any]:
         """What the first replica's precise index made of the events (none: {})."""
         if not self.precise:
@@ -268,6 +282,13 @@ class _Run:
             "blocks_removed": sum(v.removed for v in pods),
             "blocks_orphaned": sum(v.orphans for v in pods),
         }
+
+    def _new_slots(self) -> AdapterSlots | None:
+        """A pod's adapter slots (--enable-lora --max-loras), on the simulated clock."""
+        s = self.settings
+        if not s.max_loras:
+            return None
+        return AdapterSlots(s.max_loras, s.lora_load_ms, clock=lambda: self.now)
 
     def _new_cache(self, pods: int) -> PrefixCache:
         s = self.settings
@@ -327,10 +348,18 @@ class _Run:
         estimate (an idle pod has no prefill left)."""
         self.scrapes += 1
         views = self.procs[:1] if self.load_shared else self.procs
+        base = self.settings.base_model
         for pod in self.pods:
             kv = min(1.0, pod.cache.used_blocks / self.usage_blocks)
+            lora = pod.lora
+            # vllm:lora_requests_info's newest sample: the adapters in use, the slots.
+            info = (
+                None
+                if lora is None
+                else LoraInfo(lora.max_loras, tuple(lora.running), tuple(lora.waiting))
+            )
             for proc in views:
-                proc.load.observed(pod.slot, pod.running, len(pod.waiting), kv)
+                proc.load.observed(pod.slot, pod.running, len(pod.waiting), kv, info, base)
 
     # -- replicas sharing placements ----------------------------------------------------
     def share(self, delay_s: float) -> None:
@@ -393,7 +422,10 @@ class _Run:
         if job is None:
             # The engine parses the body it receives: the router's rewrite, if any.
             try:
-                prompt = engine_prompt(r.path, outcome.body or r.body, self.settings.block_size)
+                lora_base = self.settings.base_model if self.settings.max_loras else None
+                prompt = engine_prompt(
+                    r.path, outcome.body or r.body, self.settings.block_size, lora_base
+                )
             except PromptError:
                 self._reject()
                 return
@@ -480,6 +512,8 @@ class _Run:
             pod.cache.events = None  # what the old one drops is no longer the pod's
             pod.cache = self._new_cache(1)  # draining requests release into their own
         pod.present = True
+        if pod.lora is not None and not pod.running:
+            pod.lora = self._new_slots()  # a new process: no adapter loaded
         self.joined_at[slot] = self.now
         for proc in self.procs:
             proc.index.add_pod(slot)
@@ -553,6 +587,7 @@ def _job(index: int, r: Request, prompt: EnginePrompt, replica: int) -> Job:
         keys=prompt.keys,
         output_tokens=max(1, r.output_tokens),
         replica=replica,
+        adapter=prompt.adapter,
     )
 
 

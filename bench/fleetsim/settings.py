@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ace_extproc import latency
+from ace_extproc.routing.lora import DEFAULT_LOAD_MS
+from bench.workloads.base import Workload
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,15 @@ class SimSettings:
     # The router's ``router.precise.speculate``: a pick counts as held on the pod
     # until its events confirm it (False: only what the events said).
     speculate: bool = True
+    # LoRA, as vLLM's --enable-lora --max-loras N: adapter slots per pod (0: LoRA off, a
+    # request's model is the base model whatever it says). A request naming another
+    # model than ``base_model`` names an adapter (any name: the adapters are taken as
+    # registered on every pod, as with --lora-modules listing them all).
+    max_loras: int = 0
+    base_model: str = "sim-llama"
+    # Model time to load an adapter into a slot (ace_extproc.sim.lora): the router's
+    # estimate (routing/lora.py's DEFAULT_LOAD_MS) unless set otherwise.
+    lora_load_ms: float = DEFAULT_LOAD_MS
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_gpu_blocks < 1:
@@ -51,4 +62,15 @@ class SimSettings:
             raise ValueError("event_delay_s must be >= 0")
         if self.kv_events and self.pooled_cache:
             raise ValueError("kv_events: a pooled cache is no pod's own (no events to publish)")
+        if self.max_loras < 0 or not self.lora_load_ms >= 0:
+            raise ValueError("max_loras and lora_load_ms must not be negative")
         latency.get_model(self.ttft_model)  # raises on an unknown name
+
+
+def for_workload(settings: SimSettings, workload: Workload) -> SimSettings:
+    """The settings with the engine flags the workload is meant for: a workload of LoRA
+    adapters runs on pods with --enable-lora --max-loras (its ``max_loras``) unless
+    the settings set their own."""
+    if workload.max_loras and not settings.max_loras:
+        return replace(settings, max_loras=workload.max_loras)
+    return settings

@@ -13,6 +13,7 @@ name            what                                                   default s
 ``churn``       the suite's families while a pod leaves and one joins   1,200 requests
 ``burst32k``    bursts of 24 parallel ~30K-token documents              480 requests
 ``conv-burst``  conversations, one shared block, whole-second bursts    3,000 requests
+``lora-mix``    64 LoRA adapters, Zipf popularity (:mod:`.lora`)        3,000 requests
 ==============  =====================================================  ================
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import azure, convburst, mooncake, stress, suite
+from . import azure, convburst, lora, mooncake, stress, suite
 from .base import FleetEvent, Request, TraceError, Workload
 
 __all__ = [
@@ -38,7 +39,7 @@ __all__ = [
 # The built-in workloads; any Mooncake-format file is also a workload: "trace:PATH".
 NAMES = (
     "seed800", "mooncake", "azure-code", "azure-conv", "hot-prefix", "churn", "burst32k",
-    "conv-burst",
+    "conv-burst", "lora-mix",
 )  # fmt: skip
 TRACE_PREFIX = "trace:"
 
@@ -99,6 +100,7 @@ def get(
         "churn": stress.churn,
         "burst32k": stress.burst32k,
         "conv-burst": convburst.build,
+        "lora-mix": lora.build,
     }
     if name not in makers:
         known = ", ".join((*NAMES, TRACE_PREFIX + "PATH"))

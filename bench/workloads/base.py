@@ -38,6 +38,9 @@ class Workload:
     events: list[FleetEvent] = field(default_factory=list)
     # Pods that exist in the fleet but take no traffic until an "add" event.
     initially_absent: tuple[int, ...] = ()
+    # LoRA adapters: the engine's --max-loras the workload is meant for (its requests
+    # name adapters as their model); 0: the base model only.
+    max_loras: int = 0
 
 
 class TraceError(ValueError):

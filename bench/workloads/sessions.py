@@ -50,10 +50,14 @@ class Session:
 
 
 def chat_body(
-    messages: list[dict[str, Any]], max_tokens: int, tools: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]],
+    max_tokens: int,
+    tools: list[dict[str, Any]] | None = None,
+    model: str = MODEL,
 ) -> bytes:
-    """An OpenAI chat body, encoded now (the caller keeps growing ``messages``)."""
-    body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": max_tokens}
+    """An OpenAI chat body, encoded now (the caller keeps growing ``messages``);
+    ``model``: the base model, or a LoRA adapter's name."""
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens}
     if tools:
         body["tools"] = tools
     return _encode(body)

@@ -1,0 +1,121 @@
+"""LoRA adapter slots of a simulated engine, as vLLM runs them with ``--enable-lora``.
+
+One implementation for both simulated engines: the HTTP pod (``engine.py``) and the
+fleet simulation's pods (``bench/fleetsim/pod.py``).
+
+What vLLM does, and what is kept here:
+
+- ``--max-loras N``: N adapter slots on the GPU. vLLM's scheduler admits a request
+  only while the running batch names at most N distinct adapters; a request whose
+  adapter would be one too many is *skipped* (it stays waiting, the requests behind
+  it may go: ``admissible``).
+- An adapter not in a slot is loaded when a request needing it is admitted, in the
+  model runner before the step runs, so that whole step takes the load time longer
+  (``admit`` returns it; the engine adds it to the step). It takes the slot of the
+  least recently used adapter that no running request uses (vLLM's LRU adapter cache).
+- ``vllm:lora_requests_info``: a gauge whose labels name the adapters of the running
+  and of the waiting requests, comma-separated, and ``max_lora``; its value is the time
+  the engine last saw that combination, one series per combination (``info_series``).
+
+Not modelled: the CPU-side cache of ``--max-cpu-loras`` (every load here costs the
+same, as from disk), and adapter ranks or sizes (one load time for all).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+# The series of vllm:lora_requests_info kept: vLLM keeps one per label combination ever
+# seen (prometheus-client never drops them); the sim keeps the newest few.
+MAX_SERIES = 64
+
+
+class AdapterSlots:
+    """The adapter slots of one engine: what is loaded, what its requests use."""
+
+    def __init__(
+        self, max_loras: int, load_ms: float, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        """``max_loras``: slots (vLLM's ``--max-loras``); ``load_ms``: model time to load
+        an adapter into one; ``clock``: wall seconds, the metric's sample values."""
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {max_loras}")
+        if not load_ms >= 0:
+            raise ValueError(f"load_ms must not be negative, got {load_ms}")
+        self.max_loras = max_loras
+        self.load_ms = load_ms
+        self.clock = clock
+        self.loaded: OrderedDict[str, None] = OrderedDict()  # in slots, LRU first
+        self.running: dict[str, int] = {}  # admitted requests per adapter
+        self.waiting: dict[str, int] = {}  # queued requests per adapter
+        self.loads = 0  # adapters loaded into a slot
+        self.evictions = 0  # adapters dropped from a slot for another
+        self._series: OrderedDict[tuple[str, str], float] = OrderedDict()
+
+    # -- the scheduler ----------------------------------------------------------------
+    def queued(self, adapter: str) -> None:
+        """A request for ``adapter`` joined the waiting queue."""
+        self.waiting[adapter] = self.waiting.get(adapter, 0) + 1
+
+    def unqueued(self, adapter: str) -> None:
+        """It left the waiting queue (admitted, or gone)."""
+        _drop(self.waiting, adapter)
+
+    def admissible(self, adapter: str) -> bool:
+        """Whether a request for ``adapter`` may join the running batch now: its adapter
+        is already running, or the batch names fewer than ``max_loras`` adapters."""
+        return adapter in self.running or len(self.running) < self.max_loras
+
+    def admit(self, adapter: str) -> float:
+        """Admit a request for ``adapter`` (``admissible`` must hold): the milliseconds
+        of loading it costs its step, 0 when its adapter is in a slot already."""
+        self.running[adapter] = self.running.get(adapter, 0) + 1
+        loaded = self.loaded
+        if adapter in loaded:
+            loaded.move_to_end(adapter)
+            return 0.0
+        if len(loaded) >= self.max_loras:
+            # admissible() left a slot whose adapter no running request uses.
+            victim = next(name for name in loaded if name not in self.running)
+            del loaded[victim]
+            self.evictions += 1
+        loaded[adapter] = None
+        self.loads += 1
+        return self.load_ms
+
+    def release(self, adapter: str) -> None:
+        """A running request for ``adapter`` finished; the adapter stays in its slot."""
+        _drop(self.running, adapter)
+
+    # -- the metric -------------------------------------------------------------------
+    def info_series(self) -> list[tuple[dict[str, str], float]]:
+        """``vllm:lora_requests_info``'s samples, oldest first: the current state is
+        stamped now (vLLM stamps it at every engine step), earlier ones keep theirs."""
+        key = (",".join(self.running), ",".join(self.waiting))
+        series = self._series
+        series.pop(key, None)
+        series[key] = self.clock()
+        while len(series) > MAX_SERIES:
+            series.popitem(last=False)
+        max_lora = str(self.max_loras)
+        return [
+            (
+                {
+                    "max_lora": max_lora,
+                    "waiting_lora_adapters": waiting,
+                    "running_lora_adapters": running,
+                },
+                stamp,
+            )
+            for (running, waiting), stamp in series.items()
+        ]
+
+
+def _drop(counts: dict[str, int], adapter: str) -> None:
+    left = counts.get(adapter, 0) - 1
+    if left > 0:
+        counts[adapter] = left
+    else:
+        counts.pop(adapter, None)

@@ -1,0 +1,187 @@
+"""LoRA adapters in the router: the engine's metric, each pod's adapter slots as the
+router sees them, and what serving an adapter costs (routing/lora.py)."""
+
+from ace_extproc.config import Settings, sim_fleet
+from ace_extproc.prefix import hash_prompt, scope_seed
+from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, metrics_text, policies
+from ace_extproc.routing.load import LoadAccounting
+from ace_extproc.routing.lora import DEFAULT_BUSY_MS, DEFAULT_LOAD_MS, Adapters, LoraCost
+from ace_extproc.routing.metrics_text import LoraInfo
+from ace_extproc.routing.monitor import FleetMonitor
+from ace_extproc.routing.pipeline import DEFAULT_SCORERS
+
+BASE = "meta-llama/Llama-3.1-8B-Instruct"
+PROMPT = bytes(range(256)) * 64  # 16 KB: 32 blocks, ~4K tokens
+
+# vLLM's exposition, as prometheus-client writes it: the gauge's labels in the order
+# vLLM declares them (max_lora, waiting, running), no engine or model_name label, the
+# value a Unix time in Go's float form. Every combination seen stays a series.
+VLLM_TEXT = f"""\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="{BASE}"}} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="{BASE}"}} 1.0
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{{max_lora="4",waiting_lora_adapters="",running_lora_adapters="sql-lora"}} 1.7333995e+09
+vllm:lora_requests_info{{max_lora="4",waiting_lora_adapters="legal",running_lora_adapters="sql-lora,chat"}} 1.7333996905843e+09
+vllm:lora_requests_info{{max_lora="4",waiting_lora_adapters="",running_lora_adapters=""}} 1.7333990905843e+09
+"""
+
+
+def test_the_newest_lora_sample_is_the_engines_state() -> None:
+    stats = metrics_text.parse(VLLM_TEXT)
+    assert stats.reason == ""
+    assert stats.model_name == BASE
+    assert stats.lora == LoraInfo(4, ("sql-lora", "chat"), ("legal",))
+    assert stats.lora.in_use == ("sql-lora", "chat", "legal")
+    assert stats.running == 3 and stats.waiting == 1
+
+
+def test_lora_samples_with_missing_or_empty_labels_are_read_safely() -> None:
+    idle = metrics_text.parse(
+        'vllm:lora_requests_info{max_lora="2",waiting_lora_adapters="",'
+        'running_lora_adapters=""} 1.7e+09\n'
+    )
+    assert idle.lora == LoraInfo(2) and idle.engine == "vllm"
+    # No adapter labels at all, a stray comma, spaces: no adapter named "".
+    bare = metrics_text.parse(
+        'vllm:lora_requests_info{max_lora="8",running_lora_adapters=" a,,b "} 5.0\n'
+    )
+    assert bare.lora == LoraInfo(8, ("a", "b"), ())
+    # No max_lora: adapters still read, slots unknown (0: costs nothing), and said.
+    unknown = metrics_text.parse('vllm:lora_requests_info{running_lora_adapters="a"} 5.0\n')
+    assert unknown.lora == LoraInfo(0, ("a",), ())
+    assert "max_lora" in unknown.reason
+    bad = metrics_text.parse('vllm:lora_requests_info{max_lora="x"} nan\n')
+    assert bad.lora is None and "nan" in bad.reason
+    assert metrics_text.parse(VLLM_TEXT.split("# HELP vllm:lora")[0]).lora is None
+
+
+def cost(view: Adapters, model: str) -> float:
+    return view.cost_ms(model, DEFAULT_LOAD_MS, DEFAULT_BUSY_MS)
+
+
+def test_an_adapter_costs_nothing_loaded_a_load_with_a_slot_free_more_when_all_are_busy() -> None:
+    view = Adapters()
+    view.picked("a")  # nothing scraped yet: no LoRA known, nothing recorded
+    assert cost(view, "a") == 0.0 and not view.loaded
+    view.scraped(BASE, 2, ["a"])
+    assert cost(view, BASE) == 0.0  # the base model is no adapter
+    assert cost(view, "a") == 0.0  # loaded
+    assert cost(view, "b") == DEFAULT_LOAD_MS  # a free slot
+    view.picked("b")  # between scrapes, the router's own pick counts
+    assert cost(view, "b") == 0.0
+    # Both slots' adapters in use: a third waits for one of them to finish.
+    assert cost(view, "c") == DEFAULT_LOAD_MS + DEFAULT_BUSY_MS
+    # The next scrape: "a" has no request left. It stays loaded, but its slot may go.
+    view.scraped(BASE, 2, ["b"])
+    assert cost(view, "a") == 0.0 and cost(view, "c") == DEFAULT_LOAD_MS
+    view.picked("c")  # "c" took the slot of "a", the least recently used idle one
+    assert list(view.loaded) == ["b", "c"]
+    assert cost(view, "a") == DEFAULT_LOAD_MS + DEFAULT_BUSY_MS  # "b" and "c" in use
+    view.idle()  # an idle engine: nothing in use, both still loaded
+    assert cost(view, "d") == DEFAULT_LOAD_MS and cost(view, "c") == 0.0
+
+
+def fleet_and_load(pods: int = 4) -> tuple[FleetState, LoadAccounting]:
+    fleet = FleetState(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(pods)]))
+    return fleet, LoadAccounting(fleet, Settings(), clock=lambda: 0.0)
+
+
+def test_a_scrape_feeds_each_pods_adapters_and_picks_count_until_the_next() -> None:
+    fleet, load = fleet_and_load()
+    monitor = FleetMonitor(fleet, BlockIndex(1000), Settings(), load)
+    monitor.apply(0, metrics_text.parse(VLLM_TEXT))
+    view = fleet.load[0].lora
+    assert (view.base, view.max_lora, view.reported) == (BASE, 4, {"sql-lora", "chat", "legal"})
+    load.sent(0, 100, 0, "math")
+    assert "math" in view.loaded and "math" in view.in_use
+    assert view.reported == {"sql-lora", "chat", "legal"}  # what the engine said
+    load.sent(1, 100, 0, "math")  # a pod that showed no LoRA: nothing to count
+    assert not fleet.load[1].lora.loaded
+    # An idle engine's gauge keeps its last sample: the idle counts say nothing runs.
+    load.observed(0, 0, 0, 0.0, LoraInfo(4, ("chat",)), BASE)
+    assert not view.in_use and "chat" in view.loaded
+
+
+def test_the_scorer_is_zero_for_the_base_model_and_without_lora() -> None:
+    fleet, load = fleet_and_load()
+    load.observed(0, 1, 0, 0.1, LoraInfo(1, ("a",)), BASE)
+    load.observed(1, 1, 0, 0.1, LoraInfo(1, ()), BASE)
+    picker = policies.cost_policy(Settings())(fleet, BlockIndex(10_000))
+    assert any(isinstance(w.scorer, LoraCost) for w in DEFAULT_SCORERS)
+
+    def prices(model: str) -> list[float]:
+        from ace_extproc.routing.pipeline import Candidates
+
+        r = RoutingRequest(hash_prompt(PROMPT, None, 512, 1), PROMPT, 4096, "t", model)
+        c = Candidates(r, (0, 1, 2, 3), {}, fleet, picker.index, picker.model, 32.0, 1, -1)
+        return LoraCost()(c)
+
+    assert prices(BASE) == [0.0, 0.0, 0.0, 0.0]
+    # Pods 2 and 3 run no LoRA: they cost nothing (they would refuse an adapter: the
+    # fleet's configuration, not the price, keeps adapters off them).
+    assert prices("a") == [0.0, DEFAULT_LOAD_MS, 0.0, 0.0]
+    assert prices("b") == [DEFAULT_LOAD_MS + DEFAULT_BUSY_MS, DEFAULT_LOAD_MS, 0.0, 0.0]
+
+
+def lora_fleet(pods: int, max_lora: int) -> tuple[FleetState, LoadAccounting, object]:
+    fleet, load = fleet_and_load(pods)
+    for slot in range(pods):
+        load.observed(slot, 0, 0, 0.0, LoraInfo(max_lora), BASE)
+    picker = policies.cost_policy(Settings())(fleet, BlockIndex(10_000))
+    return fleet, load, picker
+
+
+def pick(fleet: FleetState, load: LoadAccounting, picker: object, model: str, data: bytes):
+    h = hash_prompt(data, None, 512, scope_seed("t", model))
+    chosen = picker.pick(RoutingRequest(h, data, len(data) // 4, "t", model), fleet.available)  # type: ignore[attr-defined]
+    assert chosen is not None
+    load.sent(chosen.slot, chosen.matched_blocks and 1 or len(data) // 4, 0, model)
+    return chosen
+
+
+def test_two_adapters_prefixes_never_match() -> None:
+    """Prefix keys are seeded by tenant and model: one adapter's blocks are not
+    another's, as in vLLM (its block hashes include the adapter)."""
+    assert scope_seed("t", "a") != scope_seed("t", "b") != scope_seed("t", BASE)
+    a = hash_prompt(PROMPT, None, 512, scope_seed("t", "a")).blocks
+    b = hash_prompt(PROMPT, None, 512, scope_seed("t", "b")).blocks
+    assert len(a) == len(b) == 32 and not set(a) & set(b)
+    fleet, load, picker = lora_fleet(4, 4)
+    first = pick(fleet, load, picker, "a", PROMPT)
+    assert first.action == "miss"
+    again = pick(fleet, load, picker, "a", PROMPT)
+    assert again.action == "hit" and again.slot == first.slot
+    other = pick(fleet, load, picker, "b", PROMPT)  # the same text, another adapter
+    assert other.action == "miss" and other.matched_blocks == 0
+
+
+def test_a_new_adapter_goes_where_it_is_loaded_and_not_where_all_slots_are_busy() -> None:
+    fleet, load, picker = lora_fleet(2, 1)
+    first = pick(fleet, load, picker, "a", b"x" * 2048)
+    other = 1 - first.slot
+    # A new prompt for "a": its pod has it loaded, the other would load it first.
+    assert pick(fleet, load, picker, "a", b"y" * 2048).slot == first.slot
+    # "b" goes to the other pod: the first's only slot is in use by "a".
+    assert pick(fleet, load, picker, "b", b"z" * 2048).slot == other
+    # A queue on the pod of "a" shorter than the load keeps "a" there ...
+    fleet.load[first.slot].queued_prefill_ms = DEFAULT_LOAD_MS / 2
+    assert pick(fleet, load, picker, "a", b"w" * 2048).slot == first.slot
+
+
+def test_a_hot_adapter_spreads_like_a_hot_prefix() -> None:
+    """One adapter asked for again and again: its pod's queue grows with each pick
+    until waiting there costs more than loading it elsewhere; then it spills, and the
+    next pod holds it loaded too."""
+    fleet, load, picker = lora_fleet(4, 2)
+    slots = [pick(fleet, load, picker, "hot", bytes([i]) * 4096).slot for i in range(40)]
+    first = slots[0]
+    spill = next(i for i, s in enumerate(slots) if s != first)
+    assert spill > 1  # it stayed on its pod while the queue cost less than a load
+    assert fleet.load[first].queued_prefill_ms > 0
+    assert len(set(slots)) == 4  # in the end every pod took a share
+    assert all("hot" in fleet.load[s].lora.loaded for s in range(4))
