@@ -16,6 +16,7 @@ PROMPT = bytes(range(256)) * 64  # 16 KB: 32 blocks, ~4K tokens
 # vLLM's exposition, as prometheus-client writes it: the gauge's labels in the order
 # vLLM declares them (max_lora, waiting, running), no engine or model_name label, the
 # value a Unix time in Go's float form. Every combination seen stays a series.
+# fmt: off
 VLLM_TEXT = f"""\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -28,7 +29,8 @@ vllm:num_requests_waiting{{engine="0",model_name="{BASE}"}} 1.0
 vllm:lora_requests_info{{max_lora="4",waiting_lora_adapters="",running_lora_adapters="sql-lora"}} 1.7333995e+09
 vllm:lora_requests_info{{max_lora="4",waiting_lora_adapters="legal",running_lora_adapters="sql-lora,chat"}} 1.7333996905843e+09
 vllm:lora_requests_info{{max_lora="4",waiting_lora_adapters="",running_lora_adapters=""}} 1.7333990905843e+09
-"""
+"""  # noqa: E501
+# fmt: on
 
 
 def test_the_newest_lora_sample_is_the_engines_state() -> None:
@@ -138,9 +140,10 @@ def lora_fleet(pods: int, max_lora: int) -> tuple[FleetState, LoadAccounting, ob
 
 def pick(fleet: FleetState, load: LoadAccounting, picker: object, model: str, data: bytes):
     h = hash_prompt(data, None, 512, scope_seed("t", model))
-    chosen = picker.pick(RoutingRequest(h, data, len(data) // 4, "t", model), fleet.available)  # type: ignore[attr-defined]
+    request = RoutingRequest(h, data, len(data) // 4, "t", model)
+    chosen = picker.pick(request, fleet.available)  # type: ignore[attr-defined]
     assert chosen is not None
-    load.sent(chosen.slot, chosen.matched_blocks and 1 or len(data) // 4, 0, model)
+    load.sent(chosen.slot, 1 if chosen.matched_blocks else len(data) // 4, 0, model)
     return chosen
 
 

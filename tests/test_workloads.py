@@ -398,7 +398,7 @@ def test_burst32k_shape() -> None:
 def test_registry() -> None:
     assert workloads.NAMES == (
         "seed800", "mooncake", "azure-code", "azure-conv", "hot-prefix", "churn", "burst32k",
-        "conv-burst",
+        "conv-burst", "lora-mix",
     )  # fmt: skip
     assert len(workloads.get("burst32k", limit=10).requests) == 10
     with pytest.raises(ValueError, match="unknown workload"):
@@ -434,3 +434,20 @@ def test_conv_burst_has_the_held_back_trace_s_shape() -> None:
         seen.add(head)
     assert len(prompts) // 3 < later < len(prompts) * 5 // 6
     assert workloads.get("conv-burst", seed=1).requests != w.requests
+
+
+def test_lora_mix_names_adapters_by_popularity_each_with_its_own_prefix() -> None:
+    w = workloads.get("lora-mix", limit=600)
+    assert w.max_loras == 4 and len(w.requests) == 600
+    bodies = [msgspec.json.decode(r.body) for r in w.requests]
+    counts = Counter(b["model"] for b in bodies)
+    assert all(name.startswith("adapter-") for name in counts)
+    ranked = [n for _, n in sorted(((c, n) for n, c in counts.items()), reverse=True)]
+    # Zipf: a few hot adapters and a long tail.
+    assert counts[ranked[0]] > 5 * counts[ranked[len(ranked) // 2]] and len(counts) > 30
+    # An adapter's sessions share its system prompt; two adapters share none.
+    system = {}
+    for b in bodies:
+        system.setdefault(b["model"], set()).add(b["messages"][0]["content"])
+    assert all(len(s) == 1 for s in system.values())
+    assert len({next(iter(s)) for s in system.values()}) == len(system)

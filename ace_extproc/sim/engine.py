@@ -257,7 +257,8 @@ class Engine:
         adapter, lora = req.adapter, self.lora
         if adapter is not None and lora is not None:
             lora.queued(adapter)
-            self._wake()  # those ahead may wait for adapter slots only
+        if lora is not None:
+            self._wake()  # those ahead may wait for adapter slots only: it may go now
         try:
             await fut
         except BaseException:
