@@ -12,11 +12,14 @@ cores; 1 GiB of KV cache holds 2,097,152 tokens of the tiny model.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +37,115 @@ DEFAULT_KV_BLOCKS = 65_536  # what 1 GiB holds of the tiny model (2 layers, 512 
 MAX_NUM_SEQS = 64
 MAX_MODEL_LEN = 65_536  # the tiny model's positions
 TTFT_MODEL = "vllm-cpu-tiny"  # ace_extproc/latency.py: calibrated on these pods here
+
+
+LORA_RANK = 8
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraModule:
+    name: str  # what a request names as its "model"
+    path: str  # the adapter's directory (adapter_config.json, adapter_model.safetensors)
+
+
+def make_adapters(
+    out: Path,
+    count: int,
+    *,
+    model: Path | None = None,
+    rank: int = LORA_RANK,
+    seed: int = 0,
+    prefix: str = "lora-",
+    targets: Sequence[str] = LORA_TARGETS,
+) -> tuple[LoraModule, ...]:
+    """Write ``count`` LoRA adapters for the model at ``model`` (the tiny one by default)
+    in ``out/{prefix}{i}``, PEFT's layout, with random weights: no hub and no ``peft``.
+
+    Each is ``adapter_config.json`` and ``adapter_model.safetensors`` (float32 ``lora_A``
+    and ``lora_B`` of rank ``rank`` for each layer's ``targets``: attention's q/k/v/o_proj
+    and the MLP's gate/up/down_proj), drawn from ``seed`` and
+    the adapter's index, so the same arguments write byte-identical files. Non-zero
+    ``lora_B`` (PEFT starts it at zero) makes each adapter's answers its own. Written with
+    the standard library only, so the project's own venv (without torch) can make them."""
+    model = model or engines_dir() / "tiny"
+    config = json.loads((model / "config.json").read_text())
+    hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+    head_dim = int(config.get("head_dim") or hidden // int(config["num_attention_heads"]))
+    kv_heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    heads = int(config["num_attention_heads"])
+    inter = int(config.get("intermediate_size") or 4 * hidden)
+    dims = {  # (in, out) of each projection a LoRA may target
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv_heads * head_dim),
+        "v_proj": (hidden, kv_heads * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    modules = []
+    for i in range(count):
+        rng = random.Random(f"{seed}/{i}")
+        tensors: dict[str, tuple[list[int], array.array[float]]] = {}
+        for layer in range(layers):
+            for target in targets:
+                block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                base = f"base_model.model.model.layers.{layer}.{block}.{target}"
+                fan_in, fan_out = dims[target]
+                for part, shape in (("lora_A", [rank, fan_in]), ("lora_B", [fan_out, rank])):
+                    values = array.array(
+                        "f", (rng.gauss(0, 0.05) for _ in range(shape[0] * shape[1]))
+                    )
+                    tensors[f"{base}.{part}.weight"] = (shape, values)
+        adapter = out / f"{prefix}{i}"
+        adapter.mkdir(parents=True, exist_ok=True)
+        adapter_config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": str(model),
+            "r": rank,
+            "lora_alpha": 2 * rank,
+            "lora_dropout": 0.0,
+            "target_modules": list(targets),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "inference_mode": True,
+        }
+        (adapter / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+        _write_safetensors(adapter / "adapter_model.safetensors", tensors)
+        modules.append(LoraModule(name=f"{prefix}{i}", path=str(adapter)))
+    return tuple(modules)
+
+
+def _write_safetensors(
+    path: Path, tensors: dict[str, tuple[list[int], array.array[float]]]
+) -> None:
+    """The safetensors format: an 8-byte little-endian header length, a JSON header
+    naming each tensor's dtype, shape and byte range, then the raw little-endian data."""
+    header: dict[str, object] = {}
+    offset = 0
+    blobs = []
+    for name in sorted(tensors):
+        shape, values = tensors[name]
+        if sys.byteorder != "little":
+            values = array.array("f", values)
+            values.byteswap()
+        blob = values.tobytes()
+        header[name] = {
+            "dtype": "F32",
+            "shape": shape,
+            "data_offsets": [offset, offset + len(blob)],
+        }
+        offset += len(blob)
+        blobs.append(blob)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with path.open("wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for blob in blobs:
+            f.write(blob)
 
 
 class EnginesMissing(RuntimeError):
@@ -59,6 +171,14 @@ class VllmOptions:
     # benchmark runs, each from a cold cache.
     dev_mode: bool = False
     max_num_seqs: int = MAX_NUM_SEQS
+    # LoRA adapters served beside the base model (make_adapters writes them): LoRA-aware
+    # routing is tested on real pods, where an adapter not among the ``max_loras`` in
+    # the batch waits for a slot and one outside the ``max_cpu_loras`` held in memory is
+    # loaded from disk first. Each is requested by its name as the request's "model".
+    lora_modules: tuple[LoraModule, ...] = ()
+    max_loras: int = 1  # adapters in one batch (vLLM's --max-loras)
+    max_lora_rank: int = LORA_RANK  # --max-lora-rank: at least every adapter's rank
+    max_cpu_loras: int | None = None  # adapters kept loaded (vLLM's default: max_loras)
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
@@ -99,6 +219,12 @@ class VllmOptions:
         ]  # fmt: skip
         if self.kv_blocks is not None:
             argv += ["--num-gpu-blocks-override", str(self.kv_blocks)]
+        if self.lora_modules:
+            argv += ["--enable-lora", "--max-loras", str(self.max_loras)]
+            argv += ["--max-lora-rank", str(self.max_lora_rank)]
+            if self.max_cpu_loras is not None:
+                argv += ["--max-cpu-loras", str(self.max_cpu_loras)]
+            argv += ["--lora-modules", *(f"{m.name}={m.path}" for m in self.lora_modules)]
         if self.kv_events and kv_events_port is not None:
             # "*" makes the publisher bind (a concrete host would make it connect).
             events = {
