@@ -53,9 +53,7 @@ def test_slots_admit_up_to_max_loras_adapters_and_evict_the_least_recent_unused(
 
 def test_the_engine_loads_an_adapter_once_and_skips_requests_past_its_slots() -> None:
     async def main() -> None:
-        engine = Engine(
-            MODEL, PrefixCache(16, 1024), time_scale=0.0, lora=AdapterSlots(1, LOAD_MS)
-        )
+        engine = Engine(MODEL, PrefixCache(16, 1024), time_scale=0.0, lora=AdapterSlots(1, LOAD_MS))
         first = await engine.start([1] * 100, adapter="a", max_tokens=4)
         assert first.ttft_s == pytest.approx((MODEL.ttft_ms(100) + LOAD_MS) / 1000)
         again = await engine.start([2] * 100, adapter="a", max_tokens=4)
