@@ -546,14 +546,26 @@ async def run_all(
         return await _each(requests, routers, options, progress, None)
     # Every server publishes KV events (a port each): ace_precise follows them, the
     # other routers ignore them.
-    vllm = VllmOptions.find(kv_blocks=options.kv_blocks, dev_mode=True, kv_events=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-live-vllm-"))
+    lora = _adapters(workload, workdir)
+    vllm = VllmOptions.find(kv_blocks=options.kv_blocks, dev_mode=True, kv_events=True, **lora)
     progress(f"starting {options.pods} vLLM servers (logs in {workdir})")
     ports = free_ports(2 * options.pods)
     async with Pods(
         vllm, ports[: options.pods], workdir, kv_events_ports=ports[options.pods :]
     ) as real:
         return await _each(requests, routers, options, progress, real)
+
+
+def _adapters(workload: Workload, workdir: Path) -> dict[str, Any]:
+    """A LoRA workload's engine options: every adapter its requests name, made locally
+    with random weights (``vllm_pods.make_adapters``), and its ``--max-loras``."""
+    if not workload.max_loras:
+        return {}
+    names = sorted({msgspec.json.decode(r.body).get("model", "") for r in workload.requests})
+    made = vllm_pods.make_adapters(workdir / "adapters", len(names))
+    modules = tuple(vllm_pods.LoraModule(n, m.path) for n, m in zip(names, made, strict=True))
+    return {"lora_modules": modules, "max_loras": workload.max_loras}
 
 
 async def _each(

@@ -83,6 +83,7 @@ def test_registry_names_and_special_settings():
         "sglang_cache_aware",
         "vllm_cache_aware",
         "gie_scorers",
+        "gie_lora",
         "dynamo_cost",
         "ace",
         "ace_affinity",

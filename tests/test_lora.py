@@ -1,6 +1,8 @@
 """LoRA adapters in the router: the engine's metric, each pod's adapter slots as the
 router sees them, and what serving an adapter costs (routing/lora.py)."""
 
+from collections import Counter
+
 from ace_extproc.config import Settings, sim_fleet
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, metrics_text, policies
@@ -188,3 +190,25 @@ def test_a_hot_adapter_spreads_like_a_hot_prefix() -> None:
     assert fleet.load[first].queued_prefill_ms > 0
     assert len(set(slots)) == 4  # in the end every pod took a share
     assert all("hot" in fleet.load[s].lora.loaded for s in range(4))
+
+
+def test_gie_s_lora_filter_keeps_pods_running_the_adapter_else_pods_with_a_free_slot() -> None:
+    from bench.baselines.gie_lora import GIELoraPicker
+
+    fleet, load = fleet_and_load(3)
+    load.observed(0, 2, 0, 0.0, LoraInfo(2, ("a", "b")), BASE)  # a running, no slot free
+    load.observed(1, 1, 0, 0.0, LoraInfo(2, ("c",)), BASE)  # one slot free
+    load.observed(2, 2, 0, 0.0, LoraInfo(2, ("c", "d")), BASE)  # full
+    gie = GIELoraPicker(fleet, BlockIndex(1000))
+    every = 0b111
+
+    def request(model: str) -> RoutingRequest:
+        return RoutingRequest(hash_prompt(PROMPT, None, 512, scope_seed("t", model)), PROMPT,
+                              4096, "t", model)  # fmt: skip
+
+    # "a": pod 0 runs it (affinity) almost always; the free slot of pod 1 otherwise.
+    kept = Counter(gie.lora_filter(request("a"), every) for _ in range(2000))
+    assert kept[0b001] > 1900 and set(kept) <= {0b001, 0b010}
+    assert gie.lora_filter(request("e"), every) == 0b010  # nobody runs it: a free slot
+    assert gie.lora_filter(request("e"), 0b101) == 0  # none: no filter, all stay
+    assert gie.pick(request("e"), 0b101) is not None
