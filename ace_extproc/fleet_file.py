@@ -336,7 +336,7 @@ class PluginSpec(Section, frozen=True):
         Text,
         _doc(
             "A built-in's name (filters: not-saturated; scorers: prefill, eviction, "
-            "queue; picker: near-best) or a module:Class import path to your own."
+            "queue, lora; picker: near-best) or a module:Class import path to your own."
         ),
     ]
     args: Annotated[dict[str, Any], _doc("The keyword arguments it is made with.")] = field(
@@ -352,7 +352,7 @@ class Pipeline(Section, frozen=True):
 
     filters: Annotated[tuple[PluginSpec, ...] | None, _doc("Default: [not-saturated].")] = None
     scorers: Annotated[
-        tuple[PluginSpec, ...] | None, _doc("Default: [prefill, eviction, queue].")
+        tuple[PluginSpec, ...] | None, _doc("Default: [prefill, eviction, queue, lora].")
     ] = None
     picker: Annotated[PluginSpec | None, _doc("Default: near-best.")] = None
 
