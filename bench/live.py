@@ -74,7 +74,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -543,6 +543,11 @@ async def run_all(
 ) -> list[RouterRun]:
     requests = prepare(workload, options.stream)
     if options.engine != "vllm":
+        if workload.max_loras and "--enable-lora" not in options.sim_args:
+            # The simulated pods serve the workload's adapters as the real ones do.
+            flags = ("--enable-lora", "--max-loras", str(workload.max_loras), "--lora-modules")
+            sim_args = (*options.sim_args, *flags, *(f"{n}=-" for n in _adapter_names(workload)))
+            options = replace(options, sim_args=sim_args)
         return await _each(requests, routers, options, progress, None)
     # Every server publishes KV events (a port each): ace_precise follows them, the
     # other routers ignore them.
@@ -557,12 +562,17 @@ async def run_all(
         return await _each(requests, routers, options, progress, real)
 
 
+def _adapter_names(workload: Workload) -> list[str]:
+    """The adapters a LoRA workload's requests name (as their ``model``)."""
+    return sorted({msgspec.json.decode(r.body).get("model", "") for r in workload.requests})
+
+
 def _adapters(workload: Workload, workdir: Path) -> dict[str, Any]:
     """A LoRA workload's engine options: every adapter its requests name, made locally
     with random weights (``vllm_pods.make_adapters``), and its ``--max-loras``."""
     if not workload.max_loras:
         return {}
-    names = sorted({msgspec.json.decode(r.body).get("model", "") for r in workload.requests})
+    names = _adapter_names(workload)
     made = vllm_pods.make_adapters(workdir / "adapters", len(names))
     modules = tuple(vllm_pods.LoraModule(n, m.path) for n, m in zip(names, made, strict=True))
     return {"lora_modules": modules, "max_loras": workload.max_loras}
