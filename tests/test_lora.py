@@ -15,9 +15,10 @@ from ace_extproc.routing.pipeline import DEFAULT_SCORERS
 BASE = "meta-llama/Llama-3.1-8B-Instruct"
 PROMPT = bytes(range(256)) * 64  # 16 KB: 32 blocks, ~4K tokens
 
-# vLLM's exposition, as prometheus-client writes it: the gauge's labels in the order
-# vLLM declares them (max_lora, waiting, running), no engine or model_name label, the
-# value a Unix time in Go's float form. Every combination seen stays a series.
+# vLLM's exposition, as prometheus-client writes it: the gauge's labels as the CPU build
+# (0.32) wrote them (max_lora, running, waiting; docs/engines.md), no engine or model_name
+# label, the value a Unix time. Every combination seen stays a series. (vLLM 0.32 repeats
+# the running adapters as waiting; the parse takes the labels as named either way.)
 # fmt: off
 VLLM_TEXT = f"""\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -28,9 +29,9 @@ vllm:num_requests_running{{engine="0",model_name="{BASE}"}} 3.0
 vllm:num_requests_waiting{{engine="0",model_name="{BASE}"}} 1.0
 # HELP vllm:lora_requests_info Running stats on lora requests.
 # TYPE vllm:lora_requests_info gauge
-vllm:lora_requests_info{{max_lora="4",waiting_lora_adapters="",running_lora_adapters="sql-lora"}} 1.7333995e+09
-vllm:lora_requests_info{{max_lora="4",waiting_lora_adapters="legal",running_lora_adapters="sql-lora,chat"}} 1.7333996905843e+09
-vllm:lora_requests_info{{max_lora="4",waiting_lora_adapters="",running_lora_adapters=""}} 1.7333990905843e+09
+vllm:lora_requests_info{{max_lora="4",running_lora_adapters="sql-lora",waiting_lora_adapters=""}} 1.7333995e+09
+vllm:lora_requests_info{{max_lora="4",running_lora_adapters="sql-lora,chat",waiting_lora_adapters="legal"}} 1.7333996905843e+09
+vllm:lora_requests_info{{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""}} 1.7333990905843e+09
 """  # noqa: E501
 # fmt: on
 

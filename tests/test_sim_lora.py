@@ -122,7 +122,8 @@ def test_the_http_pod_serves_registered_adapters_and_exports_vllms_lora_metric()
             async with s.get("/metrics") as resp:
                 text = await resp.text()
         line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
-        assert line.startswith('vllm:lora_requests_info{max_lora="2",waiting_lora_adapters=""')
+        # Labels in the order the real vLLM 0.32 writes them (docs/engines.md).
+        assert line.startswith('vllm:lora_requests_info{max_lora="2",running_lora_adapters=""')
         assert line.rsplit(" ", 1)[1].endswith("e+09")  # a Unix time, as Go prints it
         stats = metrics_text.parse(text)
         assert stats.reason == "" and stats.model_name == "sim-llama"

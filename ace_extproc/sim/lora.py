@@ -104,8 +104,8 @@ class AdapterSlots:
             (
                 {
                     "max_lora": max_lora,
-                    "waiting_lora_adapters": waiting,
                     "running_lora_adapters": running,
+                    "waiting_lora_adapters": waiting,
                 },
                 stamp,
             )
