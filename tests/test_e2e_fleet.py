@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
 import json
 import random
 import signal
@@ -284,13 +283,11 @@ def test_pod_killed_under_load_requests_go_on_and_it_gets_nothing_new() -> None:
     # warm there too, so either pod is a hit), but a victim's move off the dead pod; and
     # spills stay rare.
     def moves(key: str) -> list[tuple[Sent, set[str | None]]]:
-        """Each change of pod within a conversation, with the pods that served it before."""
+        """Each change of pod within a conversation, with the pods that served it before
+        (its first turn's, before the load, among them)."""
         turns = sorted((s for s in sent if s.key == key and s.status == 200), key=lambda s: s.start)
-        return [
-            (b, {t.served_by for t in turns[:i]})
-            for i, (a, b) in enumerate(itertools.pairwise(turns), start=1)
-            if a.served_by != b.served_by
-        ]
+        served = [home[key], *(t.served_by for t in turns)]
+        return [(t, set(served[: i + 1])) for i, t in enumerate(turns) if t.served_by != served[i]]
 
     for key in home:
         unforced = [m for m in moves(key) if not (key in victims and m[0].start < settled)]
