@@ -481,7 +481,8 @@ class RouterBase(Section, frozen=True):
         bool,
         _doc(
             "cost: a session's first request goes by its session id (x-session-id, "
-            "x-user-id), not to a pod holding a prefix other sessions share."
+            "x-user-id), not to a pod holding a prefix other sessions share (a LoRA "
+            "adapter's sessions excepted: they go where its prefix is warm)."
         ),
     ] = True
     affinity_slack: Annotated[

@@ -193,6 +193,28 @@ def test_a_hot_adapter_spreads_like_a_hot_prefix() -> None:
     assert all("hot" in fleet.load[s].lora.loaded for s in range(4))
 
 
+def test_an_adapters_sessions_go_where_its_system_prompt_is_warm() -> None:
+    """Sessions opening with the same system prompt: the base model's are placed by
+    session (the session rule); an adapter's follow its prompt to the pod holding it and
+    its slot, rather than taking a slot for it on every pod."""
+    system = PROMPT[: 14 * 512]  # 14 of the 16 blocks of each first request
+
+    def first_turns(model: str) -> Counter[int]:
+        fleet, _, picker = lora_fleet(4, 4)
+        where: Counter[int] = Counter()
+        for i in range(16):
+            data = system + bytes([i]) * 1024
+            h = hash_prompt(data, None, 512, scope_seed("t", model))
+            r = RoutingRequest(h, data, len(data) // 4, "t", model, f"s{i}")
+            chosen = picker.pick(r, fleet.available)  # type: ignore[attr-defined]
+            assert chosen is not None
+            where[chosen.slot] += 1
+        return where
+
+    assert len(first_turns(BASE)) == 4  # spread by session
+    assert list(first_turns("a").values()) == [16]  # all where the prompt is warm
+
+
 def test_gie_s_lora_filter_keeps_pods_running_the_adapter_else_pods_with_a_free_slot() -> None:
     from bench.baselines.gie_lora import GIELoraPicker
 

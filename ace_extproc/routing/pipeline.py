@@ -21,7 +21,8 @@ among pods that hold the match alike, the cheapest, then the prefix's rendezvous
 so replicas still agree on where new prefixes go and a conversation does not flap
 between two nearly equal pods. A session's first request
 is placed by its session: a warm match is then some other session's prefix, and
-following it would pile sessions onto one pod.
+following it would pile sessions onto one pod (but a LoRA adapter's sessions follow it:
+they share the adapter's slot too).
 """
 
 from __future__ import annotations
@@ -276,7 +277,11 @@ class Pipeline:
         # instead of piling onto one whose cache cannot hold all their histories, and a
         # replica that joins a session late sends it where the session's key put it.
         # Later, the session's own history on the pod it went to steers however short
-        # (min_match is for prefixes other sessions share).
+        # (min_match is for prefixes other sessions share). Not for a session of a LoRA
+        # adapter: spreading an adapter's sessions takes a slot for it on every pod they
+        # reach (a load there, another adapter evicted), a cost this rule does not weigh;
+        # they share the adapter as they share its system prompt, so they go where that
+        # is warm (as GIE's LoRA affinity sends them) and spill by price.
         self.place_sessions = place_sessions
         # (tenant, session) this replica routed -> the pod it last sent it to; bounded,
         # the first seen forgotten first. Scoped by tenant: session ids are the clients'.
@@ -312,6 +317,11 @@ class Pipeline:
         if len(sessions) > self._sessions_remembered:
             del sessions[next(iter(sessions))]
 
+    def _names_adapter(self, request: RoutingRequest, candidates: int) -> bool:
+        """Whether the request's model is a LoRA adapter on the candidates' pods (all of
+        one destination: any one of them says)."""
+        return self.fleet.load[candidates.bit_length() - 1].lora.is_adapter(request.model)
+
     def pick(self, request: RoutingRequest, candidates: int) -> Pick | None:
         """The pod for the request among ``candidates``, recorded as holding its blocks;
         the pick says what steered and the next cheapest pods, for Envoy's retries."""
@@ -322,7 +332,7 @@ class Pipeline:
         session = None if sid is None else (request.tenant, sid)
         home = -1 if session is None else self._sessions.get(session, -1)
         steer, route_key = True, request.hashes.route_key
-        if sid is not None and home < 0:
+        if sid is not None and home < 0 and not self._names_adapter(request, candidates):
             # A session this replica never routed: placed by its own key, no match steers.
             steer, route_key = False, rendezvous.key_of(sid)
         model = self.model
