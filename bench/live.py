@@ -602,14 +602,10 @@ async def _each(
 def predict(workload: Workload, routers: Sequence[str], options: LiveOptions) -> dict[str, Any]:
     """The fleet simulation's figures for each router on the real engines' shape."""
     from bench.baselines import POLICIES
-    from bench.fleetsim import SimSettings, simulate
+    from bench.fleetsim import simulate
+    from bench.fleetsim.settings import cpu_vllm
 
-    settings = SimSettings(
-        block_size=vllm_pods.BLOCK_SIZE,
-        num_gpu_blocks=options.kv_blocks or vllm_pods.DEFAULT_KV_BLOCKS,
-        ttft_model=vllm_pods.TTFT_MODEL,
-        max_num_seqs=vllm_pods.MAX_NUM_SEQS,
-    )
+    settings = cpu_vllm(options.kv_blocks)
     out: dict[str, Any] = {}
     for name in routers:
         policy = SIMULATED_AS.get(name)

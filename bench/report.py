@@ -30,7 +30,7 @@ from ace_extproc.prefix import hash_prompt, scope_seed
 from bench import workloads
 from bench.baselines import POLICIES, resolve
 from bench.fleetsim import SimSettings, simulate, summarize
-from bench.fleetsim.settings import for_workload
+from bench.fleetsim.settings import cpu_vllm, for_workload
 from bench.workloads.base import Workload
 
 RESULTS = Path("bench/results")
@@ -262,6 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, help="arrival rate override (requests/s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-gpu-blocks", type=int, help="KV blocks per pod (16 tokens each)")
+    ap.add_argument(
+        "--engines",
+        choices=("sim", "cpu-vllm"),
+        default="sim",
+        help="the pods simulated: the default fleet's, or the real-engine tier's CPU vLLM "
+        "(its blocks, KV, TTFT model: the shape of bench.live --engine vllm)",
+    )
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument(
         "--replicas",
@@ -302,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if slots and max(slots) >= args.pods:
         print(f"error: {name} needs --pods {max(slots) + 1} or more", file=sys.stderr)
         return 2
-    settings = SimSettings()
+    settings = SimSettings() if args.engines == "sim" else cpu_vllm()
     if args.num_gpu_blocks:
         settings = replace(settings, num_gpu_blocks=args.num_gpu_blocks)
     settings = for_workload(settings, workload)  # e.g. --enable-lora for adapters
@@ -352,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # Non-default fleets get their own files, beside the default run's.
     shape = "" if args.pods == 8 and not args.num_gpu_blocks else f"-{args.pods}pods"
+    shape += "-cpu-vllm" if args.engines == "cpu-vllm" else ""
     shape += f"-{args.num_gpu_blocks}blocks" if args.num_gpu_blocks else ""
     stem = out / f"report-{_slug(workload.name)}{shape}"
     path = stem.with_suffix(".json")

@@ -9,6 +9,7 @@ import pytest
 from ace_extproc.config import Config, Settings, sim_fleet
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, PrefixAffinityPicker, RoutingRequest
+from ace_extproc.routing.lora import DEFAULT_LOAD_MS, LoraCost
 from ace_extproc.routing.pipeline import Pipeline
 from bench.baselines import POLICIES, SIMULATION_SETTINGS
 from bench.baselines._text_tree import TextTree, common_prefix
@@ -90,6 +91,7 @@ def test_registry_names_and_special_settings():
         "ace_balanced",
         "ace_any_match",
         "ace_by_prefix",
+        "ace_no_slot_wait",
         "bound_pooled",
         "bound_unbounded",
     }
@@ -98,6 +100,11 @@ def test_registry_names_and_special_settings():
         POLICIES["ace"](FleetState(sim_fleet(["127.0.0.1:1"])), BlockIndex(8)), Pipeline
     )
     assert POLICIES["bound_unbounded"] is PrefixAffinityPicker
+    # ace_no_slot_wait: ours, its lora scorer pricing a load but no wait for a busy slot.
+    no_wait = POLICIES["ace_no_slot_wait"](FleetState(sim_fleet(["127.0.0.1:1"])), BlockIndex(8))
+    assert isinstance(no_wait, Pipeline)
+    lora = [w.scorer for w in no_wait.scorers if isinstance(w.scorer, LoraCost)]
+    assert lora == [LoraCost(load_ms=DEFAULT_LOAD_MS, busy_ms=0.0)]
     assert POLICIES["bound_pooled"] is LeastLoadedPicker
     assert set(SIMULATION_SETTINGS) == {"bound_pooled", "bound_unbounded"}
 

@@ -112,6 +112,18 @@ def test_a_scrape_feeds_each_pods_adapters_and_picks_count_until_the_next() -> N
     assert not view.in_use and "chat" in view.loaded
 
 
+def test_a_scrapes_adapters_are_believed_loaded_in_the_engines_order() -> None:
+    """The least recently used of a scrape's adapters is the first the engine listed,
+    whatever the order Python's per-process hash seed gives a set of them (the fleet
+    simulation's figures moved between runs of one command when it did)."""
+    view = Adapters()
+    view.scraped(BASE, 3, ("c", "a", "b"))
+    assert list(view.loaded) == ["c", "a", "b"]
+    view.idle()
+    view.picked("d")  # a fourth adapter evicts the least recently used idle one
+    assert list(view.loaded) == ["a", "b", "d"]
+
+
 def test_the_scorer_is_zero_for_the_base_model_and_without_lora() -> None:
     fleet, load = fleet_and_load()
     load.observed(0, 1, 0, 0.1, LoraInfo(1, ("a",)), BASE)

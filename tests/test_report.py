@@ -36,6 +36,29 @@ def test_report_json_shape_and_plots(tmp_path: Path, capsys) -> None:
     assert "Total prompts:" in out and "Saved prefill tokens:" in out and "TTFT speedup" in out
 
 
+def test_report_simulates_the_real_engine_tiers_pods(tmp_path: Path) -> None:
+    """``--engines cpu-vllm``: the pods of ``bench.live --engine vllm`` (their blocks, KV,
+    calibrated TTFT model), written beside the default fleet's report, not over it."""
+    from ace_extproc import vllm_pods
+
+    args = ["--workload", "lora-mix", "--limit", "40", "--pods", "2", "--no-progress"]
+    assert (
+        report.main([*args, "--engines", "cpu-vllm", "--policies", "ace", "--out", str(tmp_path)])
+        == 0
+    )
+    data = json.loads((tmp_path / "report-lora-mix-2pods-cpu-vllm.json").read_text())
+    settings = data["settings"]
+    assert settings["block_size"] == vllm_pods.BLOCK_SIZE
+    assert settings["num_gpu_blocks"] == vllm_pods.DEFAULT_KV_BLOCKS
+    assert settings["ttft_model"] == vllm_pods.TTFT_MODEL
+    assert settings["max_loras"] == 4  # the workload's --max-loras still applies
+    assert report.main([*args, "--policies", "ace", "--out", str(tmp_path)]) == 0
+    default = json.loads((tmp_path / "report-lora-mix-2pods.json").read_text())
+    assert default["settings"]["block_size"] == 16
+    # Another engine, other timings: the prediction is the CPU pods' own.
+    assert data["policies"]["ace"]["ttft_p50_ms"] != default["policies"]["ace"]["ttft_p50_ms"]
+
+
 def test_report_rejects_unknown_policy_and_bad_trace(tmp_path: Path) -> None:
     assert report.main(["--suite", "seed800", "--policies", "nope", "--out", str(tmp_path)]) == 2
     bad = tmp_path / "t.jsonl"

@@ -66,9 +66,10 @@ class Adapters:
         """A scrape's word: the adapters in use now replace those believed in use (the
         picks since the last scrape are in it, or finished)."""
         self.base, self.max_lora = base, max(0, max_lora)
-        self.reported = frozenset(in_use)
-        self.in_use = set(self.reported)
-        for name in self.in_use:
+        names = tuple(in_use)  # touched in the engine's order, not a set's (hash-seeded)
+        self.reported = frozenset(names)
+        self.in_use = set(names)
+        for name in names:
             self._touch(name)
         self._trim()
 

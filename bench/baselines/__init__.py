@@ -54,6 +54,24 @@ POLICIES: dict[str, PolicyFactory] = {
     "ace_balanced": policies.cost_balanced_policy(Settings()),
     "ace_any_match": policies.cost_policy(Settings(), min_match=0.0, place_sessions=False),
     "ace_by_prefix": policies.cost_policy(Settings(), place_sessions=False),
+    # Ours with the lora scorer pricing a load but not the wait for a busy slot: what
+    # that wait's price trades (cache share against the tail) on a many-adapter fleet.
+    "ace_no_slot_wait": policies.cost_policy(
+        parse_settings(
+            {
+                "salt_secret": "bench",
+                "pipeline": {
+                    "scorers": [
+                        {"name": "prefill"},
+                        {"name": "eviction"},
+                        {"name": "queue"},
+                        {"name": "lora", "args": {"busy_ms": 0}},
+                    ]
+                },
+            },
+            env={},
+        )
+    ),
     "ace_affinity": PrefixAffinityPicker,
     "bound_pooled": bound_pooled,
     "bound_unbounded": bound_unbounded,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ace_extproc import latency
+from ace_extproc import latency, vllm_pods
 from ace_extproc.routing.lora import DEFAULT_LOAD_MS
 from bench.workloads.base import Workload
 
@@ -74,3 +74,15 @@ def for_workload(settings: SimSettings, workload: Workload) -> SimSettings:
     if workload.max_loras and not settings.max_loras:
         return replace(settings, max_loras=workload.max_loras)
     return settings
+
+
+def cpu_vllm(num_gpu_blocks: int | None = None) -> SimSettings:
+    """The real-engine tier's pods (``vllm_pods``: the CPU build and the tiny model): their
+    block size, KV blocks, calibrated TTFT model and batch limit, the shape
+    ``bench.live --engine vllm`` runs, for the simulation to predict it."""
+    return SimSettings(
+        block_size=vllm_pods.BLOCK_SIZE,
+        num_gpu_blocks=num_gpu_blocks or vllm_pods.DEFAULT_KV_BLOCKS,
+        ttft_model=vllm_pods.TTFT_MODEL,
+        max_num_seqs=vllm_pods.MAX_NUM_SEQS,
+    )
