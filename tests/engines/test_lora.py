@@ -96,9 +96,12 @@ def cached(answer: dict[str, Any]) -> int:
 
 
 def lora_info(text: str) -> list[tuple[dict[str, str], float]]:
-    """``vllm:lora_requests_info``'s samples, newest (the current state) first."""
+    """``vllm:lora_requests_info``'s samples, newest (the current state) first; none
+    before the first LoRA request is scheduled (the family is declared, sampleless)."""
+    assert "# TYPE vllm:lora_requests_info gauge" in text, "no vllm:lora_requests_info"
     family = exposition(text).get("vllm:lora_requests_info")
-    assert family is not None, "no vllm:lora_requests_info in /metrics"
+    if family is None:  # declared without a sample: the parse keeps no family
+        return []
     assert family.type == "gauge"
     return sorted(family.samples, key=lambda s: s[1], reverse=True)
 
