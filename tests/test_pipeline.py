@@ -312,6 +312,34 @@ def test_a_sessions_own_history_steers_however_short() -> None:
     assert stranger is not None and stranger.action == "miss"
 
 
+def test_a_session_stays_on_its_pod_when_only_its_events_show_it_shallower() -> None:
+    """Precise routing: the session's pod's events say part of its history was evicted,
+    another pod holds one block more (a prefix other sessions share): priced alike, the
+    turn stays home. Where the session's pod is known only by the router's record (no
+    events), the deeper pod wins among equals as before."""
+    turn1 = PROMPT[: 16 * 512]
+    turn2 = turn1 + bytes(range(256))[::-1] * 16  # 32 blocks
+
+    def second_turn(home_known: bool) -> tuple[int, int]:
+        fleet, _, picker = setup(8)
+        first = picker.pick(session_request(turn1, "s"), fleet.available)
+        assert first is not None
+        home, other = first.slot, (first.slot + 1) % 8
+        r = session_request(turn2, "s")
+        if home_known:  # events: 11 blocks left at home, 12 on the other pod
+            r.known, r.known_depths = (1 << home) | (1 << other), {home: 11, other: 12}
+        else:  # the record says 16 at home; the other pod's events, 17
+            r.known, r.known_depths = 1 << other, {other: 17}
+        pick = picker.pick(r, fleet.available)
+        assert pick is not None
+        return home, pick.slot
+
+    home, chosen = second_turn(home_known=True)
+    assert chosen == home
+    home, chosen = second_turn(home_known=False)
+    assert chosen != home
+
+
 def test_sessions_are_remembered_per_tenant() -> None:
     """Session ids are the clients': another tenant's "s1" is a session this replica
     has never routed, placed by its key as a first request is."""

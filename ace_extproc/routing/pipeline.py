@@ -163,7 +163,8 @@ class QueueCost:
 @dataclass(frozen=True, slots=True)
 class NearBest:
     """Among the pods priced within the slack of the cheapest, the deepest match; then
-    the session's pod; then, among pods holding that match alike, the cheapest (the
+    the session's pod (before depth where its depth is its events' word: evictions);
+    then, among pods holding that match alike, the cheapest (the
     least busy of equals); for a new prefix, with ``balance_new``, the least busy
     (better balanced with one replica, but replicas then disagree, so off by default);
     then rendezvous order."""
@@ -183,7 +184,7 @@ class NearBest:
             if get(slot, 0) == deepest:
                 near |= 1 << slot
         home = c.home
-        if home >= 0 and (near >> home) & 1:
+        if home >= 0 and ((near >> home) & 1 or self._evicted_home(c, home, near_slots)):
             near = 1 << home  # a session stays on its pod among equals
         elif deepest and near & (near - 1):
             # Pods that hold as much of it (a prefix every pod holds, a replicated hot
@@ -211,6 +212,15 @@ class NearBest:
         cheapest = heapq.nsmallest(keep + 1, zip(prices, c.slots, strict=True))
         backups = tuple([slot for _, slot in cheapest if slot != chosen][:keep])
         return chosen, backups
+
+    @staticmethod
+    def _evicted_home(c: Candidates, home: int, near_slots: list[int]) -> bool:
+        """Whether the session's pod, priced near the cheapest, holds less of the prompt
+        than another only by its own events' word: what the engine evicted there (its
+        history's tail first) the turn prefills again on any pod, and the pod that looks
+        deeper often holds only a prefix other sessions share (the approximate index,
+        blind to evictions, keeps such a session home as well)."""
+        return bool((c.request.known >> home) & 1) and home in near_slots
 
     @staticmethod
     def _least_busy(c: Candidates, slots: list[int]) -> int:
