@@ -264,3 +264,45 @@ def test_one_fleet_routes_event_pods_by_their_events_and_the_rest_approximately(
             break
     else:
         raise AssertionError("no new prompt was placed on pod 1")
+
+
+def test_an_adapters_request_finds_its_adapters_blocks_and_no_others() -> None:
+    """An engine keys an adapter's blocks by it and its events name it: the request's
+    precise keys are seeded by the adapter it names, so it finds that adapter's blocks,
+    not the base model's or another adapter's of the same text."""
+    from dataclasses import replace
+
+    import msgspec
+
+    from ace_extproc.app import build
+    from ace_extproc.config import Config, Fleet, Settings, sim_fleet
+    from ace_extproc.sim.tokens import SimTokens
+
+    base = sim_fleet(["127.0.0.1:1", "127.0.0.1:2"])
+    fleet = Fleet((replace(base.destinations[0], tokenizer="sim"),))
+    app = build(Config(fleet, Settings(salt_secret=b"k", probe_interval_s=0)))
+    precise = app.processor.precise
+    assert precise is not None
+    for slot in (0, 1):  # both run LoRA (their scrapes said so) and publish events
+        app.fleet.load[slot].lora.scraped("sim-llama", 4, ())
+        precise.index.set_live(slot, True)
+    salt = app.processor.tenants.salt("anon")
+    messages = [{"role": "system", "content": "manual " * 300}, {"role": "user", "content": "?"}]
+    ids = SimTokens().token_ids("/v1/chat/completions", msgspec.json.encode({"messages": messages}))
+    assert ids is not None
+    n = len(ids) // 16
+    # The same text's blocks, under adapter "sql" on pod 0 and the base model on pod 1.
+    for slot, lora in ((0, "sql"), (1, None)):
+        hashes = list(range(100 * slot + 1, 100 * slot + n + 1))
+        precise.index.apply(slot, [Stored(hashes, None, ids[: n * 16], 16, "GPU", lora, salt, n)])
+    head = {":path": "/v1/chat/completions", ":method": "POST", "content-type": "application/json"}
+
+    def send(model: str) -> tuple[str, str]:
+        body = msgspec.json.encode({"model": model, "messages": messages})
+        outcome = app.processor.on_body(app.processor.on_headers(head, False), body)
+        assert outcome.pod is not None
+        return outcome.pod.id, outcome.action
+
+    assert send("sql") == ("pod-0", "hit")
+    assert send("sim-llama") == ("pod-1", "hit")
+    assert send("chat")[1] == "miss"  # another adapter: nobody holds its blocks

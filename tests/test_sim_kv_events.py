@@ -150,6 +150,30 @@ def test_a_longer_prompt_stores_only_its_new_blocks_with_their_parent() -> None:
     run(main)
 
 
+def test_an_adapters_blocks_name_it_as_vllms_do() -> None:
+    """vLLM keys every block of an adapter's request by the adapter, and its event says
+    so: ``lora_id`` (the adapter's registration order, from 1), ``lora_name``, and the
+    name first among each block's extra keys, block 0's salt after it."""
+
+    async def main() -> None:
+        lora = {"enable_lora": True, "max_loras": 2, "lora_modules": ("sql", "chat")}
+        async with pod(**lora) as (_, s, sub):
+            body = {"model": "chat", "messages": MESSAGES, "cache_salt": "t", "max_tokens": 1}
+            await post(s, "/v1/chat/completions", body)
+            (_, _, (_, [event], _)) = await sub.recv()
+            await post(s, "/v1/chat/completions", {**body, "model": "sim-llama"})
+            (_, _, (_, [base], _)) = await sub.recv()
+        n = len(event["block_hashes"])
+        assert (event["lora_id"], event["lora_name"]) == (2, "chat")
+        assert event["extra_keys"] == [["chat", "t"]] + [["chat"]] * (n - 1)
+        # The base model's blocks of the same prompt: other keys, no adapter named.
+        assert (base["lora_id"], base["lora_name"]) == (None, None)
+        assert base["extra_keys"] == [["t"]] + [None] * (n - 1)
+        assert not set(base["block_hashes"]) & set(event["block_hashes"])
+
+    run(main)
+
+
 def test_one_prefill_batch_is_one_event_batch() -> None:
     async def main() -> None:
         async with pod() as (_, s, sub):

@@ -3,7 +3,8 @@ each candidate whose events are trusted really holds.
 
 The processor asks ``view`` before the pick: the destination's tokenizer turns the
 body into the engine's token ids (``tokens.py``), cut into the block size the pods'
-events use and keyed from the salt the engine will see. The precise index answers
+events use and keyed from the salt the engine will see and the LoRA adapter the request
+names (an engine keys an adapter's blocks by it: its events name it). The precise index answers
 for the live pods; the approximate index still answers for the rest (pods that
 publish no events, or whose stream is not trusted now), in the same fleet. After the
 pick, ``picked`` records the blocks on the chosen pod speculatively.
@@ -70,6 +71,7 @@ class PreciseRouting:
         path: str,
         body: bytes,
         salt: str | None,
+        model: str,
         candidates: int,
         router_blocks: int,
     ) -> PreciseView | None:
@@ -85,7 +87,7 @@ class PreciseRouting:
             self.unkeyed += 1
             return None
         self.views += 1
-        keys = block_keys(ids, block_size, chain_seed(salt))
+        keys = block_keys(ids, block_size, chain_seed(salt, self._adapter(model, live)))
         tokens = len(ids)
         depths: dict[int, float] = {}
         if keys:
@@ -99,6 +101,12 @@ class PreciseRouting:
     def picked(self, slot: int, view: PreciseView) -> None:
         if self.speculate and slot in self.index.pods:
             self.index.speculate(slot, view.keys)
+
+    def _adapter(self, model: str, live: int) -> str | None:
+        """``model`` where it names a LoRA adapter on the live candidates (one
+        destination: any one says), else None: the base model's blocks are unkeyed."""
+        lora = self.fleet.load[live.bit_length() - 1].lora
+        return model if lora.is_adapter(model) else None
 
     def _block_size(self, live: int) -> int:
         """The block size the live candidates' events use (one destination: one)."""

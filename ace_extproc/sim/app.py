@@ -150,6 +150,9 @@ class SimPod:
         self.lora = (
             AdapterSlots(config.max_loras, config.lora_load_ms) if config.enable_lora else None
         )
+        if self.lora is not None:  # registered in order at start, as vLLM's server does
+            for name in config.lora_modules:
+                self.lora.adapter_id(name)
         self.engine = Engine(
             get_model(config.ttft_model),
             self.cache,

@@ -64,6 +64,7 @@ class EngineEvents(CacheEvents, Protocol):
         token_ids: list[int],
         block_size: int,
         extra_keys: list[tuple[Any, ...] | None],
+        lora: tuple[int, str] | None = None,
     ) -> None: ...
 
     def flush(self) -> None: ...
@@ -386,12 +387,15 @@ class Engine:
             tokens = encode_utf8(prompt[start * BYTES_PER_TOKEN : end * BYTES_PER_TOKEN])
         else:
             tokens = list(prompt[start:end])
-        # One entry per block; the salt is block 0's only extra key.
-        extra: list[tuple[Any, ...] | None] = [None] * len(blocks)
-        if blocks.start == 0 and req.salt:
-            extra[0] = (req.salt,)
+        # One entry per block, as vLLM's: the adapter's name on every block (its block
+        # hashes key each one by it), then block 0's salt.
+        adapter, slots = req.adapter, self.lora
+        lora = None if adapter is None or slots is None else (slots.adapter_id(adapter), adapter)
+        first: tuple[Any, ...] = (req.salt,) if blocks.start == 0 and req.salt else ()
+        each: tuple[Any, ...] = () if lora is None else (lora[1],)
+        extra = [(*each, *first) or None] + [each or None] * (len(blocks) - 1)
         parent = req.keys[blocks.start - 1] if blocks.start else None
-        events.stored(req.keys[blocks.start : blocks.stop], parent, tokens, size, extra)
+        events.stored(req.keys[blocks.start : blocks.stop], parent, tokens, size, extra, lora)
 
     async def _sleep_ms(self, ms: float, *, yield_always: bool) -> None:
         delay = ms * self.time_scale / 1000

@@ -267,18 +267,19 @@ class KVEventPublisher:
         token_ids: list[int],
         block_size: int,
         extra_keys: list[tuple[Any, ...] | None],
+        lora: tuple[int, str] | None = None,
     ) -> None:
         # group_idx and the spec kind are what vLLM 0.32 stamps on a full-attention
-        # model's events (one KV cache group).
+        # model's events (one KV cache group); ``lora``: the adapter's (id, name).
         self._events.append(
             BlockStored(
                 block_hashes=hashes,
                 parent_block_hash=parent,
                 token_ids=token_ids,
                 block_size=block_size,
-                lora_id=None,
+                lora_id=None if lora is None else lora[0],
                 medium=MEDIUM_GPU,
-                lora_name=None,
+                lora_name=None if lora is None else lora[1],
                 extra_keys=extra_keys or None,
                 group_idx=0,
                 kv_cache_spec_kind="full_attention",

@@ -13,6 +13,9 @@ What vLLM does, and what is kept here:
   model runner before the step runs, so that whole step takes the load time longer
   (``admit`` returns it; the engine adds it to the step). It takes the slot of the
   least recently used adapter that no running request uses (vLLM's LRU adapter cache).
+- Each adapter has an id, counted from 1 in the order the server registered it
+  (``--lora-modules`` first): vLLM's ``lora_int_id``, which its KV events carry as
+  ``lora_id`` beside ``lora_name`` (``adapter_id``).
 - ``vllm:lora_requests_info``: a gauge whose labels name the adapters of the running
   and of the waiting requests, comma-separated, and ``max_lora``; its value is the time
   the engine last saw that combination, one series per combination (``info_series``).
@@ -53,6 +56,16 @@ class AdapterSlots:
         self.loads = 0  # adapters loaded into a slot
         self.evictions = 0  # adapters dropped from a slot for another
         self._series: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._ids: dict[str, int] = {}
+
+    def adapter_id(self, adapter: str) -> int:
+        """vLLM's ``lora_int_id`` of ``adapter``: 1, 2, ... in the order adapters were
+        registered (the server registers its ``--lora-modules`` at start, in order)."""
+        ids = self._ids
+        found = ids.get(adapter)
+        if found is None:
+            found = ids[adapter] = len(ids) + 1
+        return found
 
     # -- the scheduler ----------------------------------------------------------------
     def queued(self, adapter: str) -> None:

@@ -238,7 +238,8 @@ class _Run:
     def committed(self, job: Job, blocks: range) -> None:
         """BlockStored of the blocks the step cached, as vLLM builds it (see
         ``sim.engine._report_stored``): the engine's keys, the parent's, the blocks'
-        token ids under the sim tokenizer (only these blocks are encoded), block 0's salt."""
+        token ids under the sim tokenizer (only these blocks are encoded), block 0's salt,
+        the adapter's name."""
         if not self.precise or job.cache is not self.pods[job.slot].cache:
             return  # events off, or a request draining into a cache the pod left behind
         size = self.settings.block_size
@@ -251,7 +252,8 @@ class _Run:
         parent = job.keys[blocks.start - 1] if blocks.start else None
         hashes: list[int | bytes] = list(job.keys[blocks.start : blocks.stop])
         salt = job.salt if blocks.start == 0 else None
-        self._publish(job.slot, Stored(hashes, parent, ids, size, "GPU", None, salt, len(hashes)))
+        stored = Stored(hashes, parent, ids, size, "GPU", job.adapter, salt, len(hashes))
+        self._publish(job.slot, stored)
 
     def lora_stats(self) -> dict[str, Any]:
         """Adapter loads and evictions over the pods (LoRA off: {})."""

@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ import aiohttp
 import pytest
 import yaml
 
+from ace_extproc.routing.kv_events import PRECISE, Endpoints, PodStream
+from ace_extproc.routing.precise import PreciseIndex
 from ace_extproc.stack import Stack, StackOptions, envoy_binary
 from ace_extproc.vllm_pods import EnginesMissing, Pods, VllmOptions, fleet_doc
 from tests.conftest import free_ports
@@ -205,3 +208,17 @@ def document(topic: str, repeats: int = 120) -> str:
     """A long system prompt of its own from its first characters (a prefix per topic)."""
     line = f"[{topic}] Section {{i}}: the {topic} handbook says to check the ledger twice.\n"
     return "".join(line.format(i=i) for i in range(repeats))
+
+
+async def following(pods: Pods, index: PreciseIndex) -> PodStream:
+    """A stream of the first server's KV events into ``index``, once they are trusted
+    and the subscription has reached the publisher; the caller stops it."""
+    endpoints = Endpoints(f"tcp://{pods.host}:{pods.kv_events_ports[0]}", topic="kv")
+    stream = PodStream(0, "vllm/pod-0", index, endpoints, None, rebuild_s=60)
+    stream.start()
+    deadline = time.monotonic() + 10
+    while stream.refresh() != PRECISE:
+        assert time.monotonic() < deadline, "the server's events never connected"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)  # the subscription reaches the publisher
+    return stream

@@ -25,10 +25,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from ace_extproc.vllm_pods import EnginesMissing, Pods, VllmOptions, make_adapters
+from ace_extproc.routing.precise import PreciseIndex
+from ace_extproc.tokens import ModelTokens, block_keys, chain_seed
+from ace_extproc.vllm_pods import BLOCK_SIZE, EnginesMissing, Pods, VllmOptions, make_adapters
 from bench.parity import exposition
 from tests.conftest import free_port
-from tests.engines.conftest import metric
+from tests.engines.conftest import following, metric
 
 ADAPTERS = 8
 MAX_LORAS = 2
@@ -118,9 +120,9 @@ def pod() -> Iterator[Pod]:
         pytest.skip(f"no real vLLM: {exc}")
     workdir = Path(tempfile.mkdtemp(prefix="ace-engines-lora-"))
     modules = make_adapters(workdir / "adapters", ADAPTERS)
-    options = replace(options, lora_modules=modules, max_loras=MAX_LORAS)
+    options = replace(options, lora_modules=modules, max_loras=MAX_LORAS, kv_events=True)
     loop = asyncio.new_event_loop()
-    pods = Pods(options, [free_port()], workdir)
+    pods = Pods(options, [free_port()], workdir, kv_events_ports=[free_port()])
     try:
         loop.run_until_complete(pods.__aenter__())
         yield Pod(loop, pods)
@@ -219,3 +221,35 @@ def test_the_prefix_cache_is_per_adapter(pod: Pod) -> None:
     assert cached(pod.chat("tiny", doc)) == 0  # nor with the base model
     assert cached(pod.chat("lora-6", doc)) == full
     assert cached(pod.chat("lora-5", doc)) == full  # the first adapter's blocks remain
+
+
+def test_the_events_key_an_adapters_blocks_as_the_router_does(pod: Pod) -> None:
+    """What the engine stored for an adapter's request, keyed from its events (they name
+    the adapter), is what the router keys from the body seeded by the adapter's name, and
+    nothing the base model's or another adapter's keys find (precise routing)."""
+    pods = pod.pods
+    pod.run(pods.reset_prefix_caches())
+    index = PreciseIndex()
+    doc = "".join(f"[precise adapter] Clause {i}: read it twice.\n" for i in range(60))
+    body = {"model": "lora-7", "messages": [{"role": "user", "content": doc}], "max_tokens": 1}
+    ids = ModelTokens(pods.options.model).token_ids(
+        "/v1/chat/completions", json.dumps(body).encode()
+    )
+    assert ids is not None
+
+    async def go() -> dict[str | None, int]:
+        stream = await following(pods, index)
+        answer = await chat(pods.urls[0], "lora-7", doc)
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+        await asyncio.sleep(0.3)  # its events arrive
+        depths = {
+            name: index.match(block_keys(ids, BLOCK_SIZE, chain_seed(None, name)), 1).get(
+                0, (0, 0)
+            )[0]
+            for name in ("lora-7", "lora-6", None)
+        }
+        await stream.stop()
+        return depths
+
+    depths = pod.run(go())
+    assert depths == {"lora-7": len(ids) // BLOCK_SIZE, "lora-6": 0, None: 0}, depths

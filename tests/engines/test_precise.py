@@ -9,12 +9,20 @@ import time
 from typing import Any
 
 from ace_extproc.config import TenantConfig
-from ace_extproc.routing.kv_events import PRECISE, Endpoints, PodStream
 from ace_extproc.routing.precise import PreciseIndex
 from ace_extproc.tenants import Tenants
 from ace_extproc.tokens import ModelTokens, block_keys, chain_seed
 from ace_extproc.vllm_pods import BLOCK_SIZE, Pods
-from tests.engines.conftest import SALT_SECRET, cached, document, front, post, trace, usage
+from tests.engines.conftest import (
+    SALT_SECRET,
+    cached,
+    document,
+    following,
+    front,
+    post,
+    trace,
+    usage,
+)
 
 CHAT = "/v1/chat/completions"
 TOOLS = [
@@ -66,20 +74,13 @@ def test_the_routers_token_ids_are_the_engines(pods: Pods, loop: asyncio.Abstrac
     the model's own template and tokenizer, and as many as the prompt's full blocks."""
     tokens = ModelTokens(pods.options.model)
     index = PreciseIndex()
-    endpoints = Endpoints(f"tcp://{pods.host}:{pods.kv_events_ports[0]}", topic="kv")
-    stream = PodStream(0, "vllm/pod-0", index, endpoints, None, rebuild_s=60)
 
     cases = bodies(f"exact-{time.time_ns()}")
     # Off the event loop: there a long new document is tokenized aside (not keyed).
     expected = {name: tokens.token_ids(CHAT, json.dumps(body).encode()) for name, body in cases}
 
     async def go() -> list[tuple[str, int, int, int]]:
-        stream.start()
-        deadline = time.monotonic() + 10
-        while stream.refresh() != PRECISE:
-            assert time.monotonic() < deadline, "the server's events never connected"
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.2)  # the subscription reaches the publisher
+        stream = await following(pods, index)
         out = []
         for name, body in cases:
             status, _, answer = await post(pods.urls[0], CHAT, body)

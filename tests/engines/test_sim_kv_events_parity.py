@@ -1,12 +1,12 @@
 """The sim's KV event payloads are byte for byte what vLLM's own classes encode.
 
-A sim pod publishes a few batches (a salted chat prompt, a prompt of ids and its
-extension, an eviction, a reset); for each, vLLM (the ``make engines`` venv, in a
-subprocess) builds the events its block pool would from the same inputs (hashes,
-parent, token ids, block size, salt), with ``to_event_extra_keys`` and the spec kind
-its KV cache manager stamps on a full-attention model, wraps them in ``KVEventBatch``
-with the same ``ts`` and encodes them with ``msgspec.msgpack.Encoder()`` as
-``ZmqEventPublisher`` does. Only needs the engine venv, no vLLM server.
+A sim pod publishes a few batches (a salted chat prompt, an adapter's, a prompt of ids
+and its extension, an eviction, a reset); for each, vLLM (the ``make engines`` venv, in
+a subprocess) builds the events its block pool would from the same inputs (hashes,
+parent, token ids, block size, salt, adapter), with ``to_event_extra_keys`` and the spec
+kind its KV cache manager stamps on a full-attention model, wraps them in
+``KVEventBatch`` with the same ``ts`` and encodes them with ``msgspec.msgpack.Encoder()``
+as ``ZmqEventPublisher`` does. Only needs the engine venv, no vLLM server.
 """
 
 from __future__ import annotations
@@ -43,15 +43,18 @@ spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch
 kind, window = get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)
 
 def stored(e):
-    # As BlockPool.cache_full_blocks: per block, ("cache_salt", salt) on block 0 only.
+    # As BlockPool.cache_full_blocks with generate_block_hash_extra_keys: per block, the
+    # adapter's ("lora", name, path), then ("cache_salt", salt) on block 0 only.
+    lora = [("lora", e["lora_name"], "/adapters/" + e["lora_name"])] if e["lora_name"] else []
     keys = [
-        (("cache_salt", e["salt"]),) if i == 0 and e["first"] and e["salt"] else None
+        tuple(lora + ([("cache_salt", e["salt"])] if i == 0 and e["first"] and e["salt"] else []))
+        or None
         for i in range(len(e["hashes"]))
     ]
     event = BlockStored(
         block_hashes=e["hashes"], parent_block_hash=e["parent"], token_ids=e["tokens"],
-        block_size=e["block_size"], lora_id=None, medium="GPU", lora_name=None,
-        extra_keys=to_event_extra_keys(keys), group_idx=0,
+        block_size=e["block_size"], lora_id=e["lora_id"], medium="GPU",
+        lora_name=e["lora_name"], extra_keys=to_event_extra_keys(keys), group_idx=0,
     )
     event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = kind, window
     return event
@@ -81,6 +84,8 @@ def inputs(event: dict[str, Any]) -> dict[str, Any]:
     if kind == "AllBlocksCleared":
         return {"kind": "cleared"}
     extra = event["extra_keys"]
+    first = extra[0] if extra and extra[0] else []
+    named = event["lora_name"] is not None  # the adapter's name comes first, then the salt
     return {
         "kind": "stored",
         "hashes": event["block_hashes"],
@@ -88,13 +93,16 @@ def inputs(event: dict[str, Any]) -> dict[str, Any]:
         "tokens": event["token_ids"],
         "block_size": event["block_size"],
         "first": event["parent_block_hash"] is None,
-        "salt": extra[0][0] if extra and extra[0] else None,
+        "salt": first[-1] if len(first) > named else None,
+        "lora_id": event["lora_id"],
+        "lora_name": event["lora_name"],
     }
 
 
 async def sim_payloads() -> list[bytes]:
     events = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*")
-    config = SimConfig(time_scale=0.0, num_gpu_blocks=8, kv_events=events)
+    lora = {"enable_lora": True, "max_loras": 2, "lora_modules": ("sql", "chat")}
+    config = SimConfig(time_scale=0.0, num_gpu_blocks=8, kv_events=events, **lora)
     ctx = zmq.asyncio.Context()
     try:
         sub = ctx.socket(zmq.SUB)
@@ -106,6 +114,8 @@ async def sim_payloads() -> list[bytes]:
             async with aiohttp.ClientSession(server.url) as s:
                 short = [{"role": "user", "content": MESSAGES[1]["content"] * 2}]
                 await post(s, "/v1/chat/completions", {"messages": short, "cache_salt": "t-1"})
+                adapter = {"model": "chat", "messages": short, "cache_salt": "t-1"}
+                await post(s, "/v1/chat/completions", adapter)
                 await post(s, "/v1/completions", {"prompt": ids(1, 2 * BLOCK + 3)})
                 await post(s, "/v1/completions", {"prompt": ids(1, 3 * BLOCK + 3)})
                 await post(s, "/v1/completions", {"prompt": ids(2, 3 * BLOCK), "max_tokens": 60})
@@ -144,4 +154,5 @@ def test_sim_payloads_are_vllms_bytes() -> None:
     # Every kind of event, and a salted block 0, are covered.
     assert {"BlockStored", "BlockRemoved", "AllBlocksCleared"} <= set(kinds)
     assert any(inputs(e).get("salt") for _, events, _ in batches for e in events)
+    assert any(inputs(e).get("lora_name") for _, events, _ in batches for e in events)
     assert vllm_payloads(python, batches) == ours
