@@ -43,6 +43,7 @@ from ace_extproc import native
 _MSG = b"\x1e"
 _FIELD = b"\x1f"
 _GROUP = b"\x1d"
+_ASSISTANT = _MSG + b"assistant" + _FIELD
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -181,6 +182,12 @@ class ParsedRequest:
     # is asked to store this one (store defaults to true there; never elsewhere).
     previous_response_id: str | None = None
     stored: bool = False
+
+
+def continues(prompt: bytes) -> bool:
+    """Whether a canonical prompt carries earlier turns of its conversation (an
+    assistant message): a later request of its session, wherever the first went."""
+    return _ASSISTANT in prompt
 
 
 # The C parsers by path, where the ``prompt`` piece is native (native/__init__.py).

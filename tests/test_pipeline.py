@@ -340,6 +340,37 @@ def test_a_session_stays_on_its_pod_when_only_its_events_show_it_shallower() -> 
     assert chosen != home
 
 
+def test_a_replica_joining_a_session_late_follows_its_history_by_the_events() -> None:
+    """Precise routing, replicas sharing nothing: replica B never routed the session, and
+    the turn carries its history (an assistant message). The pods' events say which pod
+    holds that history (another replica put it there, off the session's own pod): B
+    sends the turn there. A first request (no earlier turn) is still placed by its
+    session, not by a deep match, which can only be somebody else's."""
+    tools = PROMPT[: 14 * 512]
+    answer = b"\x1eassistant\x1f"  # the canonical prompt's assistant message
+    moved = 0
+    for i in range(16):
+        fleet, _, replica_b = setup(8)
+        first_turn = tools + bytes([i]) * 1024
+        by_session = replica_b.pick(session_request(first_turn, f"s{i}"), fleet.available)
+        assert by_session is not None
+        fleet, _, replica_b = setup(8)  # a fresh replica: the session is new to it again
+        history = (by_session.slot + 1 + i % 7) % 8  # where another replica put it
+        turn = first_turn + answer + b"an answer" * 300
+        depths = {slot: 14.0 for slot in range(8)} | {history: 20.0}  # the tools everywhere
+        r = session_request(turn, f"s{i}")
+        r.known, r.known_depths = fleet.available, depths
+        pick = replica_b.pick(r, fleet.available)
+        assert pick is not None and pick.slot == history and pick.action == "hit"
+        # The same events for a first request of another session: placed by its session.
+        fresh = session_request(tools + bytes([i]) * 1024 + b"x" * 3000, f"new{i}")
+        fresh.known, fresh.known_depths = fleet.available, depths
+        pick = replica_b.pick(fresh, fleet.available)
+        assert pick is not None and pick.action == "miss"
+        moved += pick.slot != history
+    assert moved >= 8
+
+
 def test_sessions_are_remembered_per_tenant() -> None:
     """Session ids are the clients': another tenant's "s1" is a session this replica
     has never routed, placed by its key as a first request is."""

@@ -22,7 +22,8 @@ so replicas still agree on where new prefixes go and a conversation does not fla
 between two nearly equal pods. A session's first request
 is placed by its session: a warm match is then some other session's prefix, and
 following it would pile sessions onto one pod (but a LoRA adapter's sessions follow it:
-they share the adapter's slot too).
+they share the adapter's slot too). A session another replica began, whose history the
+request carries, goes where the pods' KV events say that history is.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ace_extproc.latency import TTFTModel
+from ace_extproc.request import continues
 from ace_extproc.routing import rendezvous
 from ace_extproc.routing.fleet import RETIRED, FleetState
 from ace_extproc.routing.index import BlockIndex
@@ -342,9 +344,14 @@ class Pipeline:
         session = None if sid is None else (request.tenant, sid)
         home = -1 if session is None else self._sessions.get(session, -1)
         steer, route_key = True, request.hashes.route_key
+        elsewhere = False  # a session another replica began: its history is on some pod
         if sid is not None and home < 0 and not self._names_adapter(request, candidates):
-            # A session this replica never routed: placed by its own key, no match steers.
+            # A session this replica never routed: placed by its own key, no match steers
+            # (this replica's record holds other sessions' prefixes, not its history)...
             steer, route_key = False, rendezvous.key_of(sid)
+            # ... unless it carries earlier turns and pods' events say what they hold:
+            # their word on its history is the other replica's placement, with no Redis.
+            elsewhere = bool(request.known) and continues(request.prompt)
         model = self.model
         if self._models:  # the candidates' destination, by any one of them
             pod = fleet.pods[candidates.bit_length() - 1]
@@ -359,7 +366,10 @@ class Pipeline:
             held = {slot: d for slot, d in held.items() if not (known >> slot) & 1}
             held.update(request.known_depths or {})
         depths = held  # what may steer
-        if not steer:
+        if elsewhere:  # the events' deep matches only (a shared prefix is shallow)
+            known, shallow = request.known, self.min_match * n
+            depths = {s: d for s, d in held.items() if (known >> s) & 1 and d >= shallow}
+        elif not steer:
             depths = {}
         elif self.min_match and depths:
             # A session's own history, on the pod it went to, counts however short.
