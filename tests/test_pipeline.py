@@ -340,6 +340,25 @@ def test_a_session_stays_on_its_pod_when_only_its_events_show_it_shallower() -> 
     assert chosen != home
 
 
+def test_a_session_moved_by_another_replica_follows_its_history_there() -> None:
+    """Precise routing, replicas sharing nothing: this replica sent turn 1 (16 blocks) to
+    its pod; another replica then sent turn 2 elsewhere. At turn 3 the events show that
+    pod holding more than this replica ever sent home, which only the session's own later
+    turns can be: the turn goes there, not back to a home that looks evicted (as where
+    the deeper pod holds no more than was sent home: the test above)."""
+    turn1 = PROMPT[: 16 * 512]
+    turn3 = turn1 + bytes(range(256))[::-1] * 32  # 48 blocks
+    fleet, _, picker = setup(8)
+    first = picker.pick(session_request(turn1, "s"), fleet.available)
+    assert first is not None
+    home, moved = first.slot, (first.slot + 3) % 8
+    r = session_request(turn3, "s")
+    # Home holds its 16 blocks; turns 1 and 2 (17 blocks: priced near) on the other pod.
+    r.known, r.known_depths = (1 << home) | (1 << moved), {home: 16, moved: 17}
+    pick = picker.pick(r, fleet.available)
+    assert pick is not None and pick.slot == moved and pick.action == "hit"
+
+
 def test_a_replica_joining_a_session_late_follows_its_history_by_the_events() -> None:
     """Precise routing, replicas sharing nothing: replica B never routed the session, and
     the turn carries its history (an assistant message). The pods' events say which pod

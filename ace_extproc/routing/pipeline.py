@@ -57,6 +57,8 @@ class Candidates:
     tokens_per_block: float
     route_key: int  # places a new prefix (rendezvous)
     home: int  # the pod the request's session last went to; -1: none
+    # Blocks of the session's request last sent home (the depth home got from it).
+    home_blocks: float = float("inf")
 
 
 class Filter(Protocol):
@@ -221,8 +223,13 @@ class NearBest:
         than another only by its own events' word: what the engine evicted there (its
         history's tail first) the turn prefills again on any pod, and the pod that looks
         deeper often holds only a prefix other sessions share (the approximate index,
-        blind to evictions, keeps such a session home as well)."""
-        return bool((c.request.known >> home) & 1) and home in near_slots
+        blind to evictions, keeps such a session home as well). Not where a near pod
+        holds more than the session's last request sent home: only the session's own
+        later turns, sent there by another replica, can be that deep."""
+        if not ((c.request.known >> home) & 1 and home in near_slots):
+            return False
+        get, sent = c.depths.get, c.home_blocks
+        return all(get(slot, 0) <= sent for slot in near_slots)
 
     @staticmethod
     def _least_busy(c: Candidates, slots: list[int]) -> int:
@@ -295,9 +302,10 @@ class Pipeline:
         # they share the adapter as they share its system prompt, so they go where that
         # is warm (as GIE's LoRA affinity sends them) and spill by price.
         self.place_sessions = place_sessions
-        # (tenant, session) this replica routed -> the pod it last sent it to; bounded,
-        # the first seen forgotten first. Scoped by tenant: session ids are the clients'.
-        self._sessions: dict[tuple[str, str], int] = {}
+        # (tenant, session) this replica routed -> the pod it last sent it to and that
+        # request's blocks; bounded, the first seen forgotten first. Scoped by tenant:
+        # session ids are the clients'.
+        self._sessions: dict[tuple[str, str], tuple[int, int]] = {}
         self._sessions_remembered = sessions_remembered
         self._slot_lists: dict[int, tuple[int, ...]] = {}
         # Destinations whose pods run another TTFT model (a request's candidates are
@@ -309,7 +317,7 @@ class Pipeline:
 
     def _fleet_changed(self, slot: int, change: str) -> None:
         if change == RETIRED:  # its sessions' home is gone; the slot's next pod is not it
-            self._sessions = {s: home for s, home in self._sessions.items() if home != slot}
+            self._sessions = {s: at for s, at in self._sessions.items() if at[0] != slot}
 
     def _slots(self, mask: int) -> tuple[int, ...]:
         """The slots of a bitmask, cached: candidate sets repeat request after request."""
@@ -322,10 +330,11 @@ class Pipeline:
             )
         return slots
 
-    def remember(self, session: tuple[str, str], slot: int) -> None:
-        """``(tenant, session id)`` went to ``slot`` (here, or by another replica)."""
+    def remember(self, session: tuple[str, str], slot: int, blocks: int) -> None:
+        """``(tenant, session id)`` went to ``slot`` with a request of ``blocks`` blocks
+        (here, or by another replica)."""
         sessions = self._sessions
-        sessions[session] = slot
+        sessions[session] = (slot, blocks)
         if len(sessions) > self._sessions_remembered:
             del sessions[next(iter(sessions))]
 
@@ -342,7 +351,7 @@ class Pipeline:
         fleet, index = self.fleet, self.index
         sid = request.session if self.place_sessions else None
         session = None if sid is None else (request.tenant, sid)
-        home = -1 if session is None else self._sessions.get(session, -1)
+        home, home_blocks = (-1, 0) if session is None else self._sessions.get(session, (-1, 0))
         steer, route_key = True, request.hashes.route_key
         elsewhere = False  # a session another replica began: its history is on some pod
         if sid is not None and home < 0 and not self._names_adapter(request, candidates):
@@ -390,12 +399,13 @@ class Pipeline:
             self.tokens_per_block,
             route_key,
             home,
+            home_blocks,
         )
         prices = self._price(c)
         chosen, backups = self.picker(c, prices)
         index.record(chosen, blocks)
         if session is not None:
-            self.remember(session, chosen)
+            self.remember(session, chosen, n)
         # The action names what steered: a shallow match placed as new is a miss. The
         # depth reported is what the chosen pod really holds (the saved-prefill estimate).
         best = max(depths.values(), default=0)

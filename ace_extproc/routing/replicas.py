@@ -180,7 +180,7 @@ class Learner:
         self,
         fleet: FleetState,
         index: BlockIndex,
-        remember: Callable[[tuple[str, str], int], None] | None,
+        remember: Callable[[tuple[str, str], int, int], None] | None,
         load: LoadAccounting | None = None,
         homes: ResponseHomes | None = None,
     ) -> None:
@@ -215,7 +215,7 @@ class Learner:
                 continue
             index.record(slot, p.blocks)
             if remember is not None and p.session is not None:
-                remember((p.tenant, p.session), slot)
+                remember((p.tenant, p.session), slot, len(p.blocks))
             self.applied += 1
             if self.load is not None:
                 # Priced as if nothing were cached: a placement carries its uncached
