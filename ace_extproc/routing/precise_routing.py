@@ -3,11 +3,11 @@ each candidate whose events are trusted really holds.
 
 The processor asks ``view`` before the pick: the destination's tokenizer turns the
 body into the engine's token ids (``tokens.py``), cut into the block size the pods'
-events use and keyed from the salt the engine will see and the LoRA adapter the request
-names (an engine keys an adapter's blocks by it: its events name it). The precise index answers
-for the live pods; the approximate index still answers for the rest (pods that
-publish no events, or whose stream is not trusted now), in the same fleet. After the
-pick, ``picked`` records the blocks on the chosen pod speculatively.
+events use and keyed from the salt the engine will see and the LoRA adapter the
+request names (an engine keys an adapter's blocks by it, and its events name it). The
+precise index answers for the live pods; the approximate index still answers for the
+rest (pods that publish no events, or whose stream is not trusted now), in the same
+fleet. After the pick, ``picked`` records the blocks on the chosen pod speculatively.
 
 Depths go to the picker in the approximate index's units (its blocks of the
 canonical prompt), as the share of the prompt the pod holds, so both kinds of pod
@@ -104,7 +104,7 @@ class PreciseRouting:
 
     def _adapter(self, model: str, live: int) -> str | None:
         """``model`` where it names a LoRA adapter on the live candidates (one
-        destination: any one says), else None: the base model's blocks are unkeyed."""
+        destination: any one says), else None: the base model's keys name no adapter."""
         lora = self.fleet.load[live.bit_length() - 1].lora
         return model if lora.is_adapter(model) else None
 
