@@ -217,6 +217,25 @@ def test_conversations_sharing_only_a_short_system_prompt_spread_over_the_pods()
     assert again.slot == first.slot and again.action == "hit"
 
 
+def test_conversations_sharing_a_system_prompt_spread_by_their_events_depths_too() -> None:
+    """Precise routing: the pods' events give the shared system prompt's depth from
+    the engine's tokens, a hair under its 2 blocks (1.99). The conversations are still
+    placed by their own first block, so they spread as with the router's record; keyed
+    by the system prompt's last block (the depth truncated), every one followed it."""
+    from collections import Counter
+
+    system = PROMPT[:1024]
+    fleet, _, picker = setup(4, min_match=0.25)
+    slots: Counter[int] = Counter()
+    for i in range(40):
+        r = request(system + bytes([i % 256, i // 256]) * 3584)
+        r.known, r.known_depths = fleet.available, dict.fromkeys(range(4), 1.99)
+        pick = picker.pick(r, fleet.available)
+        assert pick is not None and pick.action == "miss"
+        slots[pick.slot] += 1
+    assert len(slots) == 4 and max(slots.values()) <= 20
+
+
 def test_replicas_place_a_new_conversation_the_same_way_on_every_turn() -> None:
     """A conversation sharing only a short system prompt is placed by its first block
     past that prefix, which every turn carries: a replica that never saw turn 1 puts

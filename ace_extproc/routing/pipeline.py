@@ -387,8 +387,11 @@ class Pipeline:
             if not depths:
                 # Its own key, not the shared prefix's: its first block past the shared
                 # prefix, the same for every turn of a conversation, so a replica that has
-                # not seen the earlier turns still places it where they went.
-                route_key = blocks[min(int(max(held.values())), n - 1)]
+                # not seen the earlier turns still places it where they went. Rounded:
+                # events' depths come from the engine's tokens, so a shared prefix of 4
+                # of the router's blocks can read 3.99, whose last block every request
+                # shares (by it, all new conversations followed one rendezvous order).
+                route_key = blocks[min(round(max(held.values())), n - 1)]
         c = Candidates(
             request,
             self._slots(candidates),

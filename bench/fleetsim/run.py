@@ -36,6 +36,9 @@ from bench.workloads.base import FleetEvent, Request, Workload
 # replicas is learned (a request arriving at that same instant has not seen it).
 _STEP_END, _KV_EVENTS, _FLEET, _ARRIVAL, _ENTER, _WAKE, _SHARED = 0, 1, 2, 3, 4, 5, 6
 _UNBOUNDED_BLOCKS = 1 << 60
+# A diagnostic's view of each pick: the request's index, the pod chosen, and the prompt
+# tokens each pod holds cached for it at that moment (-1: not in the fleet).
+Watch = Callable[[int, int, list[int]], None]
 
 
 def simulate(
@@ -50,13 +53,15 @@ def simulate(
     replicas: int = 1,
     share_delay_s: float | None = None,
     common_load: bool = False,
+    watch: Watch | None = None,
 ) -> RunResult:
     """Run ``workload`` over ``pods`` simulated pods routed by ``picker``.
 
     ``share_delay_s``: replicas share their placements (``router.share_url``), each
     reaching the others this long after it was made; None: they share nothing.
     ``common_load``: replicas that share no placements still see one load view
-    (as sharing ones do here), so that only what they know of placements differs."""
+    (as sharing ones do here), so that only what they know of placements differs.
+    ``watch``: called at each pick (a diagnostic, ``bench.placements``)."""
     if pods < 1 or replicas < 1:
         raise ValueError("pods and replicas must be at least 1")
     slots = [e.slot for e in workload.events] + list(workload.initially_absent)
@@ -68,6 +73,7 @@ def simulate(
     settings = for_workload(settings, workload)
     begin = time.perf_counter()
     sim = _Run(workload, picker, pods, settings, Mode.parse(mode), salt_secret, replicas)
+    sim.watch = watch
     if share_delay_s is not None and replicas > 1:
         sim.share(share_delay_s)
     elif common_load:
@@ -201,6 +207,7 @@ class _Run:
         self.actions: dict[int, tuple[str, int, int]] = {}
         self.bypassed = self.rejected = self.rerouted = 0
         self.fallback_rr = 0
+        self.watch: Watch | None = None
         self.tick: Callable[[], None] = lambda: None
 
     # -- KV events (precise routing) -------------------------------------------------
@@ -440,6 +447,11 @@ class _Run:
             if self.precise:  # the events' token ids come from the prompt
                 job.prompt, job.salt = prompt.prompt, prompt.salt
         job.slot = slot
+        if self.watch is not None:
+            held = [
+                p.cache.match_keys(job.keys, job.tokens) if p.present else -1 for p in self.pods
+            ]
+            self.watch(job.index, slot, held)
         # The API server's share (t0, and p a prompt token) before the engine's queue.
         self.push(self.now + self.model.server_ms(job.tokens) / 1000, _ENTER, (slot, job))
 
