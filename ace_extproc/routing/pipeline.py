@@ -387,10 +387,10 @@ class Pipeline:
             if not depths:
                 # Its own key, not the shared prefix's: its first block past the shared
                 # prefix, the same for every turn of a conversation, so a replica that has
-                # not seen the earlier turns still places it where they went. Rounded:
-                # events' depths come from the engine's tokens, so a shared prefix of 4
-                # of the router's blocks can read 3.99, whose last block every request
-                # shares (by it, all new conversations followed one rendezvous order).
+                # not seen the earlier turns still places it where they went. Rounded: an
+                # events' depth is a share of the engine's tokens put in the router's
+                # blocks, so a shared prefix of 4 blocks can read 3.99; truncated, the key
+                # was that prefix's last block, one for every request.
                 route_key = blocks[min(round(max(held.values())), n - 1)]
         c = Candidates(
             request,
