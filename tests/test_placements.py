@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from bench.placements import diagnose, main, report
 from bench.workloads.base import Request, Workload
 
@@ -54,7 +56,7 @@ def test_new_documents_spread_over_the_pods_with_events_as_without() -> None:
     assert "approximate" in text and "per pod" in text
 
 
-def test_unknown_variants_and_workloads_are_refused(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_variants_and_workloads_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--workload", "seed800", "--variants", "precise@7ms"]) == 2
     assert "unknown variant" in capsys.readouterr().err
     assert main(["--workload", "no-such-workload"]) == 2
