@@ -467,7 +467,13 @@ class RouterBase(Section, frozen=True):
             ge=0,
         ),
     ] = 0.0
-    policy: Annotated[str, _doc("The picking policy: cost, cost-balanced or affinity.")] = "cost"
+    policy: Annotated[
+        str,
+        _doc(
+            "The picking policy: cost, cost-balanced, affinity, or module:Class for one of "
+            "your own (made as Class(fleet, index), a routing.picker.Policy)."
+        ),
+    ] = "cost"
     min_match: Annotated[
         float,
         _doc(

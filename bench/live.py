@@ -27,6 +27,9 @@ Routers, each started in front of cold pods:
   sglang    the SGLang Model Gateway, ``--policy cache_aware`` (``--peer-policy``)
   vllm      the vLLM Router, ``--policy cache_aware``
   smg       the Shepherd Model Gateway (the SGLang router's successor), ``cache_aware``
+  gie_lora  GIE's LoRA-affinity filter before its default scorers (bench/baselines), run
+            as ace-extproc's policy (``router.policy: module:Class``): GIE's endpoint
+            picker is Go and does not run here, its algorithm does
 A peer that is not installed is skipped, with the reason in the table and the JSON.
 
 Replay. At most ``--concurrency`` requests are in flight, taken in arrival order (closed
@@ -93,7 +96,9 @@ from bench.ceiling import ceiling
 from bench.overhead import free_ports, metric_sums, percentile
 from bench.workloads.base import Workload
 
-ROUTERS = ("ace", "ace_precise", "envoy_rr", *peers.PEERS)
+# Another router's algorithm from bench/baselines, run as ace-extproc's policy.
+POLICY_ROUTERS = {"gie_lora": "bench.baselines.gie_lora:GIELoraPicker"}
+ROUTERS = ("ace", "ace_precise", "envoy_rr", *peers.PEERS, *POLICY_ROUTERS)
 # Also accepted: ace_xN (N ace-extproc servers behind one Envoy, each learning only from
 # what it routes), ace_xN_shared (the same sharing placements through a redis-server),
 # and ace_precise_xN (N servers, each following the pods' KV events).
@@ -109,6 +114,8 @@ class AceVariant:
 
 def ace_variant(name: str) -> AceVariant | None:
     """How an ace router name runs ace-extproc, else None (a peer)."""
+    if name in POLICY_ROUTERS:
+        return AceVariant()
     m = _ACE.fullmatch(name)
     if m is None:
         return None
@@ -131,6 +138,7 @@ SIMULATED_AS = {
     "sglang": "sglang_cache_aware",
     "vllm": "vllm_cache_aware",
     "smg": "sglang_cache_aware",
+    "gie_lora": "gie_lora",
 }
 SERVED_BY_HEADER = "x-ace-served-by"
 SALT_SECRET = "bench-live"  # ace-extproc's cache_salt secret: fixed, so runs are alike
@@ -471,14 +479,16 @@ async def _start(
     return [stack.url, *(p.base_url for p in stack.config.fleet.pods)]
 
 
-def _real_fleet(pods: Pods, options: LiveOptions, precise: bool = False) -> str:
+def _real_fleet(
+    pods: Pods, options: LiveOptions, precise: bool = False, router: dict[str, object] | None = None
+) -> str:
     """A fleet.yaml naming the real servers, for ace-extproc and plain Envoy; with
-    ``precise``, their tokenizer and KV event publishers too."""
+    ``precise``, their tokenizer and KV event publishers too; ``router``: its settings."""
     path = Path(tempfile.mkdtemp(prefix="bench-live-")) / "fleet.yaml"
     events = [f"tcp://{pods.host}:{port}" for port in pods.kv_events_ports] if precise else []
     doc = vllm_pods.fleet_doc(
         pods.urls,
-        dict(options.router),
+        dict(options.router) if router is None else router,
         tokenizer=pods.options.model if precise else "",
         kv_events=events,
     )
@@ -508,11 +518,13 @@ async def run_router(
         router=dict(options.router),
         env={"ACE_SALT_SECRET": SALT_SECRET},
     )
+    if name in POLICY_ROUTERS:
+        stack_options.router["policy"] = POLICY_ROUTERS[name]
     variant = ace_variant(name)
     if real is not None:
         await real.reset_prefix_caches()
         precise = variant is not None and variant.precise
-        stack_options.fleet_path = _real_fleet(real, options, precise)
+        stack_options.fleet_path = _real_fleet(real, options, precise, stack_options.router)
     if variant is not None:
         stack_options.ext_proc_replicas, stack_options.share = variant.servers, variant.shared
         stack_options.precise = variant.precise and real is None

@@ -108,3 +108,37 @@ def test_a_bad_pipeline_is_refused_at_start_naming_where(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         make_app(config_mod.load(fleet_file(tmp_path, pipeline)))
+
+
+def policy_file(tmp_path: Path, policy: str) -> Path:
+    path = fleet_file(tmp_path, None)
+    doc = yaml.safe_load(path.read_text())
+    doc["router"]["policy"] = policy
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_a_policy_of_ones_own_routes_by_import_path(tmp_path: Path) -> None:
+    """``router.policy: module:Class``: the whole policy is the user's (here GIE's
+    LoRA-affinity filter and scorers, from the benchmark's baselines), made per router as
+    ``Class(fleet, index)`` and called where the built-in one is."""
+    from bench.baselines.gie_lora import GIELoraPicker
+
+    path = policy_file(tmp_path, "bench.baselines.gie_lora:GIELoraPicker")
+    assert isinstance(make_app(config_mod.load(path)).picker, GIELoraPicker)
+    went = route(path)
+    assert len(went) == 24 and set(went) <= {"pod-0", "pod-1", "pod-2"}
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ("nope", r"router.policy: unknown policy 'nope'; known: cost.*or module:Class"),
+        ("nowhere.mod:Policy", r"router.policy: cannot import"),
+        ("tests.plugin_examples:Nope", r"router.policy: cannot import"),
+        ("ace_extproc.routing.policies:POLICIES", r"is not a class or function"),
+    ],
+)
+def test_a_bad_policy_is_refused_at_start(tmp_path: Path, policy: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make_app(config_mod.load(policy_file(tmp_path, policy)))

@@ -7,10 +7,14 @@
   near-best pods rather than its rendezvous pod (for a single replica).
 - ``affinity``: the first version, longest warm prefix else rendezvous, no load
   awareness (kept as a reference point for the benchmark).
+- ``module:Class``: a policy of one's own (or a published router's algorithm, as in
+  ``bench/baselines``), made as ``Class(fleet, index)`` for each router: a ``Policy``
+  on the same path as the built-ins.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 from ace_extproc.config import ConfigError, Settings, ttft_models
@@ -74,7 +78,19 @@ POLICIES: dict[str, Callable[[Settings], PolicyFactory]] = {
 
 def build(settings: Settings) -> PolicyFactory:
     policy = POLICIES.get(settings.policy)
-    if policy is None:
+    if policy is not None:
+        return policy(settings)
+    module, sep, attribute = settings.policy.partition(":")
+    if not (sep and module and attribute):
         known = ", ".join(POLICIES)
-        raise ConfigError(f"router.policy: unknown policy {settings.policy!r}; known: {known}")
-    return policy(settings)
+        raise ConfigError(
+            f"router.policy: unknown policy {settings.policy!r}; known: {known}; or module:Class"
+        )
+    try:
+        found = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"router.policy: cannot import {settings.policy!r}: {exc}") from None
+    if not callable(found):
+        raise ConfigError(f"router.policy: {settings.policy!r} is not a class or function")
+    factory: PolicyFactory = found
+    return factory
