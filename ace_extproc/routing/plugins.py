@@ -58,15 +58,23 @@ def make(spec: PluginSpec, known: Mapping[str, Callable[..., Any]], where: str) 
 
 
 def _imported(name: str, known: Mapping[str, Callable[..., Any]], where: str) -> Any:
-    module, sep, attribute = name.partition(":")
-    if not sep or not module or not attribute:
+    found = import_path(name, where)
+    if found is None:
         names = ", ".join(known)
         raise ConfigError(f"{where}: unknown plug-in {name!r}; built in: {names}; or module:Class")
+    return found
+
+
+def import_path(name: str, where: str) -> Any:
+    """What a ``module:attribute`` name names; None where ``name`` is not of that form,
+    a ConfigError naming ``where`` where it cannot be imported."""
+    module, sep, attribute = name.partition(":")
+    if not sep or not module or not attribute:
+        return None
     try:
-        found = getattr(importlib.import_module(module), attribute)
+        return getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"{where}: cannot import {name!r}: {exc}") from None
-    return found
 
 
 def filters(settings: Settings) -> tuple[Any, ...]:

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 from ace_extproc.config import ConfigError, Settings, ttft_models
@@ -80,16 +79,12 @@ def build(settings: Settings) -> PolicyFactory:
     policy = POLICIES.get(settings.policy)
     if policy is not None:
         return policy(settings)
-    module, sep, attribute = settings.policy.partition(":")
-    if not (sep and module and attribute):
+    found = plugins.import_path(settings.policy, "router.policy")
+    if found is None:
         known = ", ".join(POLICIES)
         raise ConfigError(
             f"router.policy: unknown policy {settings.policy!r}; known: {known}; or module:Class"
         )
-    try:
-        found = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"router.policy: cannot import {settings.policy!r}: {exc}") from None
     if not callable(found):
         raise ConfigError(f"router.policy: {settings.policy!r} is not a class or function")
     factory: PolicyFactory = found
