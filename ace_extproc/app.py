@@ -110,6 +110,7 @@ def build(config: Config, picker: PolicyFactory | None = None) -> App:
         config.fleet.destinations,
         offloaded_cost=s.precise.offloaded_cost,
         speculate=s.precise.speculate,
+        guess=index,
     )
     kv_events = None
     if precise.tokenizers:

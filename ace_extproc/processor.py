@@ -351,7 +351,7 @@ class Processor:
             # Keyed from the salt the engine will see (none: shadow, no tenants).
             salt = self.tenants.salt(ctx.tenant) if mode is Mode.PROD or self._isolated else None
             precise = self.precise.view(
-                destination.id, ctx.path, body, salt, parsed.model, candidates, len(hashes.blocks)
+                destination.id, ctx.path, body, salt, parsed.model, candidates, hashes.blocks
             )
             if precise is not None:
                 routing.known, routing.known_depths = precise.live, precise.depths

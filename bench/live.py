@@ -350,6 +350,29 @@ async def scrape(pod_urls: Sequence[str]) -> list[dict[str, float]]:
     return out
 
 
+GUESS_SERIES = {
+    'ace_precise_guess_picks_total{agreement="same"}': "same",
+    'ace_precise_guess_picks_total{agreement="differs"}': "differs",
+    'ace_precise_guess_blocks_total{side="guess_only"}': "guess_only_blocks",
+    'ace_precise_guess_blocks_total{side="events_only"}': "events_only_blocks",
+}
+
+
+async def scrape_guess(metrics_url: str) -> dict[str, float]:
+    """How far a precise router's approximate index was from the pods' events
+    (``precise_routing.py``), from its /metrics: the first replica's alone."""
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as http, http.get(metrics_url) as resp:
+        resp.raise_for_status()
+        text = await resp.text()
+    out = dict.fromkeys(GUESS_SERIES.values(), 0.0)
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series in GUESS_SERIES:
+            out[GUESS_SERIES[series]] = float(value)
+    return out
+
+
 def counter_deltas(
     before: Sequence[dict[str, float]], after: Sequence[dict[str, float]]
 ) -> list[dict[str, float]]:
@@ -528,6 +551,7 @@ async def run_router(
     if variant is not None:
         stack_options.ext_proc_replicas, stack_options.share = variant.servers, variant.shared
         stack_options.precise = variant.precise and real is None
+        stack_options.metrics = f"127.0.0.1:{free_ports(1)[0]}"
     stack = Stack(stack_options) if variant is not None else peers.PeerStack(stack_options)
     try:
         url, *pod_urls = await _start(name, stack, ports, options, real)
@@ -540,6 +564,8 @@ async def run_router(
         if dead:
             run.failed = f"{', '.join(dead)} exited during the replay"
         run.summary = summarize(run.records, counter_deltas(before, after), wall)
+        if variant is not None and variant.precise:
+            run.summary["guess"] = await scrape_guess(f"http://{stack_options.metrics}/metrics")
     except (StackError, aiohttp.ClientError, OSError) as exc:
         run.failed = str(exc)
     finally:
@@ -695,6 +721,19 @@ def format_table(runs: Sequence[RouterRun], predicted: dict[str, Any] | None = N
         "ms; sim: TTFT on the simulated pods' clock; busiest: the busiest pod's share of "
         "requests; stayed: a conversation's next turn on its previous turn's pod"
     )
+    guessed = [run for run in runs if run.summary and run.summary.get("guess")]
+    if guessed:
+        lines.append(
+            "\nprecise routers' approximate index against the events (first replica): keyed "
+            "requests whose deepest pods it guessed alike; blocks only it / only the events held"
+        )
+        for run in guessed:
+            g = run.summary["guess"] if run.summary else {}
+            picks = g["same"] + g["differs"]
+            lines.append(
+                f"{run.name:<{w}}{_pct(g['same'] / picks if picks else None)}"
+                f"{g['guess_only_blocks']:>12.0f}{g['events_only_blocks']:>12.0f}"
+            )
     families = sorted({f for run in runs if run.summary for f in run.summary["families"]})
     if len(families) > 1:
         lines.append("\ncached% by family (requests)")

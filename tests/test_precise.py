@@ -210,60 +210,105 @@ def test_sglang_pages_one_event_each_and_a_partial_last_page_is_ignored() -> Non
     assert index.match(keys(), 1) == {0: (2, 2)} and index.pods[0].block_size == BS
 
 
-def test_one_fleet_routes_event_pods_by_their_events_and_the_rest_approximately() -> None:
-    """Two pods, one publishing (live) and one not: a prompt the publishing pod's events
-    say it holds goes there though the router never sent it; a prompt the router sent
-    to the other pod follows the approximate index there."""
-    from dataclasses import replace
+class TwoPods:
+    """A fleet of two pods through the production processor: pod 0 publishes events
+    (live), pod 1 does not."""
 
-    import msgspec
+    def __init__(self) -> None:
+        from dataclasses import replace
 
-    from ace_extproc.app import build
-    from ace_extproc.config import Config, Fleet, Settings, sim_fleet
-    from ace_extproc.sim.tokens import SimTokens
+        from ace_extproc.app import build
+        from ace_extproc.config import Config, Fleet, Settings, sim_fleet
 
-    base = sim_fleet(["127.0.0.1:1", "127.0.0.1:2"])
-    fleet = Fleet((replace(base.destinations[0], tokenizer="sim"),))
-    app = build(Config(fleet, Settings(salt_secret=b"k", probe_interval_s=0)))
-    precise = app.processor.precise
-    assert precise is not None
-    index = precise.index
-    index.set_live(0, True)
-    salt = app.processor.tenants.salt("anon")
-    head = {":path": "/v1/chat/completions", ":method": "POST", "content-type": "application/json"}
+        base = sim_fleet(["127.0.0.1:1", "127.0.0.1:2"])
+        fleet = Fleet((replace(base.destinations[0], tokenizer="sim"),))
+        self.app = build(Config(fleet, Settings(salt_secret=b"k", probe_interval_s=0)))
+        precise = self.app.processor.precise
+        assert precise is not None
+        self.precise = precise
+        self.index = precise.index
+        self.index.set_live(0, True)
+        self.salt = self.app.processor.tenants.salt("anon")
 
-    def send(topic: str) -> tuple[str, str]:
+    @staticmethod
+    def body(topic: str) -> bytes:
+        import msgspec
+
         messages = [
             {"role": "system", "content": f"{topic} " * 300},
             {"role": "user", "content": "?"},
         ]
-        body = msgspec.json.encode({"model": "sim-llama", "messages": messages})
-        outcome = app.processor.on_body(app.processor.on_headers(head, False), body)
+        return msgspec.json.encode({"model": "sim-llama", "messages": messages})
+
+    def send(self, topic: str) -> tuple[str, str]:
+        head = {
+            ":path": "/v1/chat/completions",
+            ":method": "POST",
+            "content-type": "application/json",
+        }
+        processor = self.app.processor
+        outcome = processor.on_body(processor.on_headers(head, False), self.body(topic))
         assert outcome.pod is not None
         return outcome.pod.id, outcome.action
 
-    # What another gateway placed on pod 0: its events, the router never saw the request.
-    placed = msgspec.json.encode(
-        {
-            "messages": [
-                {"role": "system", "content": "elsewhere " * 300},
-                {"role": "user", "content": "?"},
-            ]
-        }
-    )
-    ids = SimTokens().token_ids("/v1/chat/completions", placed)
-    assert ids is not None
-    n = len(ids) // 16
-    index.apply(0, [Stored(list(range(1, n + 1)), None, ids[: n * 16], 16, "GPU", None, salt, n)])
-    assert send("elsewhere") == ("pod-0", "hit")
+    def place_elsewhere(self, topic: str, hash_base: int = 1) -> None:
+        """What another gateway placed on pod 0: its events; the router never saw it."""
+        from ace_extproc.sim.tokens import SimTokens
+
+        ids = SimTokens().token_ids("/v1/chat/completions", self.body(topic))
+        assert ids is not None
+        n = len(ids) // 16
+        hashes = list(range(hash_base, hash_base + n))
+        self.index.apply(0, [Stored(hashes, None, ids[: n * 16], 16, "GPU", None, self.salt, n)])
+
+    def metrics(self) -> str:
+        return generate_latest(self.app.telemetry.registry).decode()
+
+
+def test_one_fleet_routes_event_pods_by_their_events_and_the_rest_approximately() -> None:
+    """Two pods, one publishing (live) and one not: a prompt the publishing pod's events
+    say it holds goes there though the router never sent it; a prompt the router sent
+    to the other pod follows the approximate index there."""
+    pods = TwoPods()
+    pods.place_elsewhere("elsewhere")
+    assert pods.send("elsewhere") == ("pod-0", "hit")
     # Pod 1 publishes nothing: a prompt first sent there is found by the approximate index.
     for i in range(8):
-        pod, _ = send(f"own-{i}")
+        pod, _ = pods.send(f"own-{i}")
         if pod == "pod-1":
-            assert send(f"own-{i}") == ("pod-1", "hit")
+            assert pods.send(f"own-{i}") == ("pod-1", "hit")
             break
     else:
         raise AssertionError("no new prompt was placed on pod 1")
+
+
+def test_how_far_the_guess_is_from_the_events_is_counted() -> None:
+    """The approximate index's guess against the events, for each keyed request: blocks
+    another gateway placed are the events' alone (the guess would have steered
+    elsewhere); blocks the engine evicted are the guess's alone; a prompt the router
+    sent and the engine still holds is the same on both sides."""
+    pods = TwoPods()
+    precise = pods.precise
+
+    def counts() -> tuple[int, int, float, float]:
+        p = precise
+        return p.guess_agreed, p.guess_differed, p.guess_only_blocks, p.events_only_blocks
+
+    pods.place_elsewhere("elsewhere")
+    assert pods.send("elsewhere") == ("pod-0", "hit")
+    agreed, differed, guess_only, events_only = counts()
+    assert (agreed, differed, guess_only) == (0, 1, 0.0) and events_only >= 3  # of ~6
+    # The router's own pick, now in both (speculatively in the events' index).
+    assert pods.send("elsewhere") == ("pod-0", "hit")
+    assert counts()[:2] == (1, 1)
+    # The engine evicts it: the guess still holds it, the events do not.
+    pods.index.apply(0, [Cleared()])
+    pods.send("elsewhere")
+    agreed, differed, guess_only, _ = counts()
+    assert (agreed, differed) == (1, 2) and guess_only >= 3
+    text = pods.metrics()
+    assert 'ace_precise_guess_picks_total{agreement="differs"} 2.0' in text
+    assert 'ace_precise_guess_blocks_total{side="events_only"}' in text
 
 
 def test_an_adapters_request_finds_its_adapters_blocks_and_no_others() -> None:

@@ -83,6 +83,24 @@ class PreciseMetrics(Collector):
         requests.add_metric(["deferred"], deferred)
         requests.add_metric(["unkeyed"], routing.unkeyed - deferred)
         yield requests
+        agreement = CounterMetricFamily(
+            "ace_precise_guess_picks",
+            "Keyed requests by whether the approximate index, alone, guessed the same "
+            "deepest pods as the events say (same: it would have steered alike).",
+            labels=["agreement"],
+        )
+        agreement.add_metric(["same"], routing.guess_agreed)
+        agreement.add_metric(["differs"], routing.guess_differed)
+        blocks = CounterMetricFamily(
+            "ace_precise_guess_blocks",
+            "Blocks (the approximate index's) that only one side says a candidate holds: "
+            "guess_only (evicted, or not yet computed), events_only (placed by another "
+            "replica or gateway, or kept past the guess's LRU).",
+            labels=["side"],
+        )
+        blocks.add_metric(["guess_only"], routing.guess_only_blocks)
+        blocks.add_metric(["events_only"], routing.events_only_blocks)
+        yield from (agreement, blocks)
         loaded = GaugeMetricFamily(
             "ace_tokenizer_loaded",
             "1 if the destination's tokenizer loaded; 0: routed approximately.",

@@ -13,15 +13,23 @@ Depths go to the picker in the approximate index's units (its blocks of the
 canonical prompt), as the share of the prompt the pod holds, so both kinds of pod
 are priced alike. A block offloaded to CPU or storage counts ``1 - offloaded_cost``
 of a GPU block: cheaper than a miss, dearer than a hit.
+
+Each keyed request also asks the approximate index what it guesses the same pods hold
+and counts how far the guess is from the events (the ``ace_precise_guess_*`` metrics):
+where they agree, the events cannot steer better, and an operator can see whether a
+fleet needs them (another replica's or gateway's traffic, evictions the index does not
+foresee) before paying for the tokenizer.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ace_extproc.config import Destination
 from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.precise import PreciseIndex
 from ace_extproc.tokens import RequestTokens, TokenizerError, block_keys, chain_seed, load
 
@@ -45,8 +53,10 @@ class PreciseRouting:
         *,
         offloaded_cost: float = 0.3,
         speculate: bool = True,
+        guess: BlockIndex | None = None,
     ) -> None:
         self.index = index
+        self.guess = guess  # the approximate index, compared with the events
         self.speculate = speculate
         self.fleet = fleet
         self.offloaded_cost = offloaded_cost
@@ -64,6 +74,13 @@ class PreciseRouting:
                 )
         self.views = 0  # requests keyed token-exact
         self.unkeyed = 0  # requests the tokenizer could not render (routed approximately)
+        # Keyed requests whose deepest live pods the guess named alike, or not; and the
+        # blocks only the guess holds (evicted, or not yet computed) or only the events
+        # (placed by someone else), in the approximate index's blocks.
+        self.guess_agreed = 0
+        self.guess_differed = 0
+        self.guess_only_blocks = 0.0
+        self.events_only_blocks = 0.0
 
     def view(
         self,
@@ -73,7 +90,7 @@ class PreciseRouting:
         salt: str | None,
         model: str,
         candidates: int,
-        router_blocks: int,
+        router_blocks: Sequence[int],
     ) -> PreciseView | None:
         """None where no candidate's events are trusted, or the request cannot be
         tokenized as the engine would: then the approximate index decides alone."""
@@ -92,11 +109,27 @@ class PreciseRouting:
         depths: dict[int, float] = {}
         if keys:
             discount = 1.0 - self.offloaded_cost
-            scale = router_blocks / tokens
+            scale = len(router_blocks) / tokens
             for slot, (warm, held) in self.index.match(keys, live).items():
                 cached = min((warm + discount * (held - warm)) * block_size, tokens - 1)
                 depths[slot] = scale * cached
+        if self.guess is not None:
+            self._compare(self.guess.match_depths(router_blocks, live), depths)
         return PreciseView(keys, tokens, live, depths)
+
+    def _compare(self, guessed: Mapping[int, int], depths: Mapping[int, float]) -> None:
+        """Count how far the guess is from the events' word. Differences under a block
+        are the partial last block, which only the engine's tokens count."""
+        for slot in guessed.keys() | depths.keys():
+            diff = guessed.get(slot, 0) - depths.get(slot, 0.0)
+            if diff >= 1:
+                self.guess_only_blocks += diff
+            elif diff <= -1:
+                self.events_only_blocks -= diff
+        if _deepest(guessed) == _deepest(depths):
+            self.guess_agreed += 1
+        else:
+            self.guess_differed += 1
 
     def picked(self, slot: int, view: PreciseView) -> None:
         if self.speculate and slot in self.index.pods:
@@ -118,3 +151,12 @@ class PreciseRouting:
                 return view.block_size or view.expected_block_size
             live ^= low
         return 0
+
+
+def _deepest(depths: Mapping[int, float]) -> frozenset[int]:
+    """The pods holding the deepest match, within the partial block a depth from the
+    events may lack; none where no pod holds a whole block."""
+    top = max(depths.values(), default=0.0)
+    if top < 1:
+        return frozenset()
+    return frozenset(slot for slot, depth in depths.items() if depth > top - 1)
