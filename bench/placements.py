@@ -15,7 +15,8 @@ simulation says how much of the prompt each pod holds cached (``simulate``'s
 - ``left``: what the best pod held beyond the chosen one's. Higher: the picks passed
   warm pods by (queue, the slack, a wrong belief about what they held).
 
-Then per pod: its share of the prompt tokens, its new placements (picks no match
+Then each family's cached tokens (which family the difference is in), and per pod:
+its share of the prompt tokens, its new placements (picks no match
 steered, ``miss``) and the blocks its cache evicted; and the picks by action. A
 crowded pod shows as a large share of new placements and evictions.
 """
@@ -61,12 +62,14 @@ def diagnose(
     new: Counter[int] = Counter()
     tokens: Counter[int] = Counter()
     actions: Counter[str] = Counter()
+    cached: Counter[str] = Counter()
     for slot, held in picks.values():
         best += max(held)
         left += max(held) - held[slot]
     for r in result.records:
         tokens[r.pod] += r.prompt_tokens
         actions[r.action] += 1
+        cached[r.family] += r.cached_tokens
         if r.action == "miss":
             new[r.pod] += 1
     return {
@@ -74,6 +77,9 @@ def diagnose(
         "best_held": best / prompt,
         "left": left / prompt,
         "actions": dict(actions),
+        # Each family's cached tokens, as a share of all prompt tokens: the variants'
+        # difference in a family is its part of the difference in "saved".
+        "families": {f: n / prompt for f, n in sorted(cached.items())},
         "pods": [
             {"tokens": tokens[p] / prompt, "new": new[p], "evicted": result.evictions[p]}
             for p in range(pods)
@@ -93,6 +99,11 @@ def report(name: str, fleet: str, found: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"{variant:<{width}}{f['saved']:>7.1%}{f['best_held']:>11.1%}{f['left']:>7.1%}   {acts}"
         )
+    families = sorted({f for v in found.values() for f in v["families"]})
+    lines.append("saved by family (shares of all prompt tokens): " + ", ".join(families))
+    for variant, f in found.items():
+        cells = "  ".join(f"{f['families'].get(name, 0.0):>7.1%}" for name in families)
+        lines.append(f"{variant:<{width}}{cells}")
     lines.append("per pod: prompt tokens / new placements / blocks evicted (thousands)")
     for variant, f in found.items():
         cells = "  ".join(

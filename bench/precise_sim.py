@@ -29,7 +29,9 @@ blocks, 32K tokens: the largest prompts barely fit).
 Per variant: TTFT p50/p99, the share of prompt tokens the engines reported cached
 (``saved%``, what ``usage.cached_tokens`` says), requests with any hit, evictions, the
 router's estimate error (|its estimated saved tokens - the engine's cached| over the
-prompt tokens), and what the precise index made of the events. Writes
+prompt tokens), what the precise index made of the events, and ``alike%``: of the
+requests keyed by the events, the share whose deepest pods the approximate index
+guessed alike (where it is near 100, the events have little to steer by). Writes
 ``bench/results/precise-sim.json`` (one entry per workload, merged into the file).
 """
 
@@ -179,7 +181,7 @@ def mean_of(runs: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any]:
 def table(name: str, fleets: dict[str, dict[str, dict[str, Any]]]) -> str:
     head = (
         f"{'fleet':<12}{'variant':<22}{'p50 ms':>9}{'p99 ms':>10}{'saved%':>8}"
-        f"{'hit%':>7}{'est.err%':>9}{'evict':>10}{'wall s':>8}"
+        f"{'hit%':>7}{'est.err%':>9}{'evict':>10}{'alike%':>8}{'wall s':>8}"
     )
     rows = [name, head, "-" * len(head)]
     for fleet, by_variant in fleets.items():
@@ -187,17 +189,25 @@ def table(name: str, fleets: dict[str, dict[str, dict[str, Any]]]) -> str:
             rows.append(
                 f"{fleet:<12}{variant:<22}{f['ttft_p50_ms']:>9.1f}{f['ttft_p99_ms']:>10.1f}"
                 f"{f['prefill_saved_ratio'] * 100:>8.1f}{f['hit_ratio'] * 100:>7.1f}"
-                f"{f['estimate_error'] * 100:>9.1f}{f['evictions']:>10}{f['wall_s']:>8.1f}"
+                f"{f['estimate_error'] * 100:>9.1f}{f['evictions']:>10}"
+                f"{_alike(f):>8}{f['wall_s']:>8.1f}"
             )
     return "\n".join(rows)
+
+
+def _alike(f: dict[str, Any]) -> str:
+    """The share of keyed requests whose deepest pods the approximate index guessed as
+    the events said ("-" without events)."""
+    share = f.get("guess_agreed")
+    return "-" if share is None else f"{share * 100:.1f}"
 
 
 def markdown(doc: dict[str, Any]) -> str:
     """The file's figures as one Markdown table (for bench/RESULTS.md)."""
     rows = [
         "| workload | fleet | variant | TTFT p50 ms | p99 ms | saved % | hit % | est. err % "
-        "| evictions |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| evictions | guess alike % |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, entry in doc.get("workloads", {}).items():
         label = name + (f" (first {entry['limit']})" if entry.get("limit") else "")
@@ -207,7 +217,7 @@ def markdown(doc: dict[str, Any]) -> str:
                     f"| {label} | {fleet} | {variant} | {f['ttft_p50_ms']:.1f} "
                     f"| {f['ttft_p99_ms']:.0f} | {f['prefill_saved_ratio'] * 100:.1f} "
                     f"| {f['hit_ratio'] * 100:.1f} | {f['estimate_error'] * 100:.1f} "
-                    f"| {f['evictions']} |"
+                    f"| {f['evictions']} | {_alike(f)} |"
                 )
     return "\n".join(rows)
 

@@ -280,11 +280,17 @@ class _Run:
         routing = self.procs[0].processor.precise
         views = routing.views if routing is not None else 0
         unkeyed = routing.unkeyed if routing is not None else 0
+        agreed = routing.guess_agreed if routing is not None else 0
+        compared = agreed + (routing.guess_differed if routing is not None else 0)
         pods = index.pods.values()
         return {
             "kv_events_delivered": self.kv_delivered,
             "precise_views": views,
             "precise_unkeyed": unkeyed,
+            # How often the approximate index guessed the events' deepest pods alike.
+            "guess_agreed": round(agreed / compared, 4) if compared else None,
+            "guess_only_blocks": round(routing.guess_only_blocks) if routing else 0,
+            "events_only_blocks": round(routing.events_only_blocks) if routing else 0,
             "speculative_confirmed": index.confirmed,
             "speculative_expired": index.expired,
             "blocks_stored": sum(v.stored for v in pods),
