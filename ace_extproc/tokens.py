@@ -29,7 +29,7 @@ import logging
 import re
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -151,6 +151,8 @@ class ModelTokens:
         self.deferred = 0  # requests not keyed: a long piece was being tokenized aside
         self._defer_bytes = defer_bytes
         self._pending: set[str] = set()
+        self._last_cold: tuple[str, ...] = ()  # the pieces the last deferred call lacked
+        self._waiters: dict[str, list[Callable[[], None]]] = {}
         self._worker: ThreadPoolExecutor | None = None
 
     # -- the request path ----------------------------------------------------------
@@ -203,7 +205,27 @@ class ModelTokens:
                 self._pending.add(piece)
                 self._aside(loop, piece)
         self.deferred += 1
+        self._last_cold = tuple(cold)
         return None
+
+    def when_tokenized(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the loop once the pieces the last deferred request
+        lacked are tokenized: its ids are then at hand (precise routing speculates its
+        pick then, so the next request for that document finds it)."""
+        pieces = [p for p in self._last_cold if p in self._pending]
+        if not pieces:
+            callback()
+            return
+        left = len(pieces)
+
+        def one_done() -> None:
+            nonlocal left
+            left -= 1
+            if not left:
+                callback()
+
+        for piece in pieces:
+            self._waiters.setdefault(piece, []).append(one_done)
 
     def _aside(self, loop: asyncio.AbstractEventLoop, piece: str) -> None:
         if self._worker is None:
@@ -220,6 +242,8 @@ class ModelTokens:
         self._pending.discard(piece)
         self.pieces_tokenized += 1
         self._store(piece, ids)
+        for waiter in self._waiters.pop(piece, ()):
+            waiter()
 
     def render(
         self,

@@ -351,3 +351,54 @@ def test_an_adapters_request_finds_its_adapters_blocks_and_no_others() -> None:
     assert send("sql") == ("pod-0", "hit")
     assert send("sim-llama") == ("pod-1", "hit")
     assert send("chat")[1] == "miss"  # another adapter: nobody holds its blocks
+
+
+def test_a_document_tokenized_aside_is_speculated_on_the_pod_it_went_to(
+    tmp_path: Path,
+) -> None:
+    """The first request for a long new document is routed approximately while its ids
+    are computed on a worker thread. Once they are, its pick is speculated on the pod
+    it went to, so the next request for the document, sent before the engine reports
+    it (a long prefill takes seconds), finds it there instead of missing on another
+    pod (as on real vLLM pods, before)."""
+    import asyncio
+    from dataclasses import replace
+
+    import msgspec
+
+    from ace_extproc.app import build
+    from ace_extproc.config import Config, Fleet, Settings, sim_fleet
+    from tests.model_files import write_model_files
+
+    model = write_model_files(tmp_path, corpus_bytes=200_000)
+    base = sim_fleet(["127.0.0.1:1", "127.0.0.1:2"])
+    fleet = Fleet((replace(base.destinations[0], tokenizer=str(model)),))
+    app = build(Config(fleet, Settings(salt_secret=b"k", probe_interval_s=0)))
+    precise = app.processor.precise
+    assert precise is not None
+    for slot in (0, 1):
+        precise.index.set_engine_cache(slot, 16, None)
+        precise.index.set_live(slot, True)
+    tokenizer = precise.tokenizers["sim"]
+    document = "A long document about routing requests to warm pods. " * 400  # 22 KB
+    messages = [{"role": "user", "content": document}]
+    body = msgspec.json.encode({"model": "sim-llama", "messages": messages})
+    head = {":path": "/v1/chat/completions", ":method": "POST", "content-type": "application/json"}
+
+    def send() -> tuple[str, str]:
+        processor = app.processor
+        outcome = processor.on_body(processor.on_headers(head, False), body)
+        assert outcome.pod is not None
+        return outcome.pod.id, outcome.action
+
+    async def go() -> tuple[tuple[str, str], tuple[str, str]]:
+        first = send()
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if not tokenizer._pending:  # type: ignore[attr-defined]
+                break
+        return first, send()
+
+    (pod, action), again = asyncio.run(go())
+    assert action == "miss" and getattr(tokenizer, "deferred", 0) == 1
+    assert again == (pod, "hit")

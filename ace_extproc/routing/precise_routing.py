@@ -31,17 +31,38 @@ from ace_extproc.config import Destination
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.precise import PreciseIndex
-from ace_extproc.tokens import RequestTokens, TokenizerError, block_keys, chain_seed, load
+from ace_extproc.tokens import (
+    ModelTokens,
+    RequestTokens,
+    TokenizerError,
+    block_keys,
+    chain_seed,
+    load,
+)
 
 log = logging.getLogger("ace_extproc.precise")
+
+
+@dataclass(slots=True)
+class Deferred:
+    """A request routed approximately while its long new document was tokenized aside:
+    what keys its pick once the ids are at hand."""
+
+    tokenizer: ModelTokens
+    path: str
+    body: bytes
+    salt: str | None
+    model: str
+    live: int
 
 
 @dataclass(slots=True)
 class PreciseView:
     keys: list[int]  # the prompt's block keys, in the pods' block size
     tokens: int  # the prompt's tokens, exact
-    live: int  # candidates whose events are trusted (bitmask)
+    live: int  # candidates whose events are trusted (bitmask); 0 while deferred
     depths: dict[int, float]  # live candidate -> depth in approximate-index blocks
+    deferred: Deferred | None = None
 
 
 class PreciseRouting:
@@ -93,15 +114,21 @@ class PreciseRouting:
         router_blocks: Sequence[int],
     ) -> PreciseView | None:
         """None where no candidate's events are trusted, or the request cannot be
-        tokenized as the engine would: then the approximate index decides alone."""
+        tokenized as the engine would: then the approximate index decides alone (as it
+        does for a view with nothing ``live``, whose long document is being tokenized
+        aside: its pick is keyed later)."""
         live = candidates & self.index.live_mask
         tokenizer = self.tokenizers.get(destination)
         if not live or tokenizer is None:
             return None
         block_size = self._block_size(live)
+        deferred_before = getattr(tokenizer, "deferred", 0)
         ids = tokenizer.token_ids(path, body)
         if not ids or not block_size:
             self.unkeyed += 1
+            if isinstance(tokenizer, ModelTokens) and tokenizer.deferred > deferred_before:
+                deferred = Deferred(tokenizer, path, body, salt, model, live)
+                return PreciseView([], 0, 0, {}, deferred)
             return None
         self.views += 1
         keys = block_keys(ids, block_size, chain_seed(salt, self._adapter(model, live)))
@@ -132,8 +159,25 @@ class PreciseRouting:
             self.guess_differed += 1
 
     def picked(self, slot: int, view: PreciseView) -> None:
-        if self.speculate and slot in self.index.pods:
+        if not (self.speculate and slot in self.index.pods):
+            return
+        deferred = view.deferred
+        if deferred is None:
             self.index.speculate(slot, view.keys)
+        else:
+            # Keyed once its document is tokenized: until the engine has prefilled it
+            # (seconds, for a long one) and said so, only this entry tells the next
+            # request for that document where it went.
+            deferred.tokenizer.when_tokenized(lambda: self._speculate_later(slot, deferred))
+
+    def _speculate_later(self, slot: int, deferred: Deferred) -> None:
+        if slot not in self.index.pods:
+            return  # the pod left meanwhile
+        ids = deferred.tokenizer.token_ids(deferred.path, deferred.body)
+        block_size = self._block_size(deferred.live)
+        if ids and block_size:
+            seed = chain_seed(deferred.salt, self._adapter(deferred.model, deferred.live))
+            self.index.speculate(slot, block_keys(ids, block_size, seed))
 
     def _adapter(self, model: str, live: int) -> str | None:
         """``model`` where it names a LoRA adapter on the live candidates (one
