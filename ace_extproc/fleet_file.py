@@ -544,7 +544,11 @@ class RouterBase(Section, frozen=True):
         ),
     ] = ""
     unhealthy_after: Annotated[
-        int, _doc("Consecutive failed probes (or scrapes) that take a pod out.")
+        int,
+        _doc(
+            "Consecutive failed probes (or scrapes that cannot connect or get a 5xx; a "
+            "slow one only loses its figures) that take a pod out."
+        ),
     ] = 2
     healthy_after: Annotated[int, _doc("Consecutive good probes that bring it back.")] = 2
     observe_responses: Annotated[

@@ -274,6 +274,44 @@ def test_a_stopped_pod_goes_down_and_comes_back_empty(caplog: pytest.LogCaptureF
     assert "sim/pod-1" in downs[0].getMessage()
 
 
+def test_a_pod_whose_metrics_answer_late_stays_in() -> None:
+    """A busy engine's API server answers /metrics late while /health is fine: the slow
+    scrapes lose their figures, not the pod (two of them between probes took it out).
+    A pod that refuses connections still goes down."""
+    from tests.conftest import serving
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def slow_metrics(_: web.Request) -> web.Response:
+        await asyncio.sleep(2 * FAST.probe_timeout_s)
+        return web.Response(text=VLLM)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", slow_metrics)
+
+    async def go() -> None:
+        async with serving(app) as port:
+            fleet = FleetState(sim_fleet([f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"]))
+            index = BlockIndex(1000)
+            # Probes as seldom as by default, so late scrapes follow one another.
+            settings = Settings(
+                salt_secret=b"s", scrape_interval_s=0.02, probe_interval_s=1.0, probe_timeout_s=0.5
+            )
+            monitor = FleetMonitor(fleet, index, settings)
+            await monitor.start()
+            try:
+                await until(lambda: not fleet.available >> 1 & 1)  # refused: down
+                await asyncio.sleep(6 * FAST.probe_timeout_s)  # several scrapes timed out
+                assert fleet.available >> 0 & 1
+                assert monitor.stats(0) is None  # no figures from them
+            finally:
+                await monitor.stop()
+
+    run(go)
+
+
 def test_counters_going_back_empty_only_that_pods_index() -> None:
     async def go() -> None:
         async with watched(sim("pod-0"), sim("pod-1")) as w:

@@ -22,7 +22,11 @@ Failures counted: a failed probe, and a scrape that cannot reach the pod (or get
 5xx). Successes counted: a good probe. A good scrape is no health signal: vLLM's API
 process still serves ``/metrics`` when its engine is dead and ``/health`` says 500. A
 ``/metrics`` that answers 4xx or text without the engine's series only loses load
-figures. Passive health, from the responses themselves, is ``outlier.py``'s.
+figures, and so does one that is only slow (timed out on a live connection): a busy
+engine's API server answers late, and scrapes run ten times as often as probes, so two
+late ones between probes took a busy pod out (on the real CPU vLLM pods under load,
+requests at moments found no pod available). ``/health`` timing out is the probe's to
+count. Passive health, from the responses themselves, is ``outlier.py``'s.
 
 Each pod's scrape or probe runs as its own task, and a pod whose previous one is
 still running is skipped that round, so one slow pod never delays the others. The
@@ -48,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp import ConnectionTimeoutError
 
 from ace_extproc.config import Pod, Settings
 from ace_extproc.routing import metrics_text
@@ -263,6 +268,8 @@ class FleetMonitor:
                 size = resp.content_length or 0
                 body = await resp.read() if size <= MAX_METRICS_BYTES else b""
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            if isinstance(exc, TimeoutError) and not isinstance(exc, ConnectionTimeoutError):
+                return  # connected but slow, not gone: no figures this round (above)
             if self.fleet.pods[slot] is pod:
                 self._failed(slot, f"/metrics: {_describe(exc)}")
             return
