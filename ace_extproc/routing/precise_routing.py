@@ -122,12 +122,13 @@ class PreciseRouting:
         if not live or tokenizer is None:
             return None
         block_size = self._block_size(live)
-        deferred_before = getattr(tokenizer, "deferred", 0)
+        model_tokens = tokenizer if isinstance(tokenizer, ModelTokens) else None
+        deferrals = model_tokens.deferred if model_tokens is not None else 0
         ids = tokenizer.token_ids(path, body)
         if not ids or not block_size:
             self.unkeyed += 1
-            if isinstance(tokenizer, ModelTokens) and tokenizer.deferred > deferred_before:
-                deferred = Deferred(tokenizer, path, body, salt, model, live)
+            if model_tokens is not None and model_tokens.deferred > deferrals:
+                deferred = Deferred(model_tokens, path, body, salt, model, live)
                 return PreciseView([], 0, 0, {}, deferred)
             return None
         self.views += 1
