@@ -504,11 +504,18 @@ def test_pod_added_at_run_time_takes_its_share_of_new_prefixes(tmp_path: Path) -
     assert not [s for s in going if s.served_by == new.id and s.start < added_at]
 
     # Existing conversations keep their pods: at most 1/N move, and only to the new pod.
-    old_later = [s for s in going + later if s.key in home]
-    moved = {s.key for s in old_later if s.served_by != home[s.key]}
+    # The one exception is the load rule: on a busy machine a pod's queue can grow past
+    # the spill threshold, and the router then moves a conversation on, saying "spill".
+    old_later = sorted((s for s in going + later if s.key in home), key=lambda s: s.start)
+    first_move: dict[str, Sent] = {}
+    for s in old_later:
+        if s.served_by != home[s.key]:
+            first_move.setdefault(s.key, s)
+    spilled = {k for k, s in first_move.items() if s.action == "spill"}
+    moved = set(first_move) - spilled
     assert len(moved) <= n_old / len(pods), moved
-    assert all(s.served_by == new.id for s in old_later if s.key in moved)
-    stayed = [s for s in later if s.key in home and s.key not in moved]
+    assert all(first_move[k].served_by == new.id for k in moved), [first_move[k] for k in moved]
+    stayed = [s for s in later if s.key in home and s.key not in first_move]
     assert stayed and all(s.action == "hit" and (s.cached or 0) > 500 for s in stayed)
 
     # New prefixes: the new pod takes about 1/N of them, the others keep a share each.
@@ -530,7 +537,7 @@ def test_pod_added_at_run_time_takes_its_share_of_new_prefixes(tmp_path: Path) -
 
     print(
         f"\nadd: new pod took {share:.0%} of {n_new} new prefixes {dict(new_picks)}; "
-        f"{len(moved)}/{n_old} existing conversations moved "
+        f"{len(moved)}/{n_old} existing conversations moved ({len(spilled)} spilled) "
         f"({sum(s.start >= added_at for s in going)} of their requests sent after the add "
         f"while they went on, {n_old} more mixed with the new ones); "
         f"{len(again)} follow-ups on the new pod all hit"
