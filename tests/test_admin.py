@@ -336,6 +336,9 @@ def test_subprocess_ctl_against_the_running_server() -> None:
 def _bindable(address: str) -> bool:
     host, port = address.rsplit(":", 1)
     with socket.socket() as s:
+        # As a restarted server binds: a connection the server closed first leaves the
+        # port in TIME_WAIT, which only a listener still there should count against.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, int(port)))
         except OSError:
