@@ -40,10 +40,12 @@ import msgspec
 import xxhash
 
 from ace_extproc import native
+from ace_extproc.logs import RateLimit
 
 log = logging.getLogger("ace_extproc.tokens")
 
 _xxh3 = xxhash.xxh3_64_intdigest
+_FAILED_KEPT = 256  # pieces remembered as failing, per model
 
 
 class TokenizerError(ValueError):
@@ -153,10 +155,24 @@ class ModelTokens:
         self._pending: set[str] = set()
         self._last_cold: tuple[str, ...] = ()  # the pieces the last deferred call lacked
         self._waiters: dict[str, list[Callable[[], None]]] = {}
+        # Pieces the tokenizer raised on aside: not tried again (bounded), so a request
+        # with one is routed approximately instead of waiting on a piece never done.
+        self._failed: OrderedDict[str, None] = OrderedDict()
+        self.pieces_failed = 0
+        self._warnings = RateLimit(1, 60.0)  # a broken tokenizer must not flood the log
         self._worker: ThreadPoolExecutor | None = None
 
     # -- the request path ----------------------------------------------------------
     def token_ids(self, path: str, body: bytes) -> list[int] | None:
+        try:
+            return self._token_ids(path, body)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # the tokenizer's own failure (a panic is no Exception)
+            self._failure("a request", exc)
+            return None
+
+    def _token_ids(self, path: str, body: bytes) -> list[int] | None:
         try:
             if path.endswith("/chat/completions"):
                 return self.chat_ids(_chat.decode(body))
@@ -200,6 +216,8 @@ class ModelTokens:
         ]
         if not cold:
             return self.encode(text)
+        if any(p in self._failed for p in cold):
+            return None  # not keyed: the approximate index routes it
         for piece in cold:
             if piece not in self._pending:
                 self._pending.add(piece)
@@ -233,10 +251,32 @@ class ModelTokens:
         tokenizer = self._tokenizer
 
         def work() -> None:
-            ids = list(tokenizer.encode_batch([piece], add_special_tokens=False)[0].ids)
+            try:
+                ids = list(tokenizer.encode_batch([piece], add_special_tokens=False)[0].ids)
+            except BaseException as exc:  # a panic in the Rust library is no Exception
+                loop.call_soon_threadsafe(self._lost, piece, exc)
+                return
             loop.call_soon_threadsafe(self._keep, piece, ids)
 
         self._worker.submit(work)
+
+    def _lost(self, piece: str, exc: BaseException) -> None:
+        self._pending.discard(piece)
+        self._waiters.pop(piece, None)  # their picks stay approximate, unspeculated
+        self._failed[piece] = None
+        if len(self._failed) > _FAILED_KEPT:
+            self._failed.popitem(last=False)
+        self._failure(f"a {len(piece)}-character piece tokenized aside", exc)
+
+    def _failure(self, what: str, exc: BaseException) -> None:
+        self.pieces_failed += 1
+        if self._warnings.allow("raised"):
+            log.warning(
+                "tokenizer raised %s on %s (%d so far); requests it fails on route approximately",
+                type(exc).__name__,
+                what,
+                self.pieces_failed,
+            )
 
     def _keep(self, piece: str, ids: list[int]) -> None:
         self._pending.discard(piece)

@@ -358,19 +358,40 @@ GUESS_SERIES = {
 }
 
 
-async def scrape_guess(metrics_url: str) -> dict[str, float]:
+async def _text(url: str) -> str:
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as http, http.get(url) as resp:
+        resp.raise_for_status()
+        return await resp.text()
+
+
+def guess(router_metrics: str) -> dict[str, float]:
     """How far a precise router's approximate index was from the pods' events
     (``precise_routing.py``), from its /metrics: the first replica's alone."""
-    timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(timeout=timeout) as http, http.get(metrics_url) as resp:
-        resp.raise_for_status()
-        text = await resp.text()
     out = dict.fromkeys(GUESS_SERIES.values(), 0.0)
-    for line in text.splitlines():
+    for line in router_metrics.splitlines():
         series, _, value = line.rpartition(" ")
         if series in GUESS_SERIES:
             out[GUESS_SERIES[series]] = float(value)
     return out
+
+
+def undecided(router_metrics: str, envoy_stats: str) -> dict[str, int]:
+    """Requests that went on without a decision, and why: the router's bypasses by
+    reason (its first replica's /metrics), and Envoy's ext_proc streams that failed
+    open (the sidecar too slow, ``message_timeouts``, or gone: ``failure_mode_allowed``)."""
+    out: dict[str, int] = {}
+    for line in router_metrics.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.startswith('ace_bypasses_total{reason="'):
+            out["bypass_" + series.split('"')[1]] = int(float(value))
+    for line in envoy_stats.splitlines():
+        name, _, value = line.partition(": ")
+        for stat in ("message_timeouts", "failure_mode_allowed", "streams_failed"):
+            # The routing filter's (stat_prefix "ace"), not the observe filter's.
+            if name.endswith(f".ext_proc.ace.{stat}") and value.strip().isdigit():
+                out[f"envoy_{stat}"] = out.get(f"envoy_{stat}", 0) + int(value)
+    return {k: v for k, v in sorted(out.items()) if v}
 
 
 def counter_deltas(
@@ -564,8 +585,12 @@ async def run_router(
         if dead:
             run.failed = f"{', '.join(dead)} exited during the replay"
         run.summary = summarize(run.records, counter_deltas(before, after), wall)
-        if variant is not None and variant.precise:
-            run.summary["guess"] = await scrape_guess(f"http://{stack_options.metrics}/metrics")
+        if variant is not None:
+            router_text = await _text(f"http://{stack_options.metrics}/metrics")
+            envoy_text = await _text(f"http://{stack_options.admin}/stats?filter=ext_proc")
+            run.summary["undecided"] = undecided(router_text, envoy_text)
+            if variant.precise:
+                run.summary["guess"] = guess(router_text)
     except (StackError, aiohttp.ClientError, OSError) as exc:
         run.failed = str(exc)
     finally:
@@ -734,6 +759,12 @@ def format_table(runs: Sequence[RouterRun], predicted: dict[str, Any] | None = N
                 f"{run.name:<{w}}{_pct(g['same'] / picks if picks else None)}"
                 f"{g['guess_only_blocks']:>12.0f}{g['events_only_blocks']:>12.0f}"
             )
+    undecided_runs = [run for run in runs if run.summary and run.summary.get("undecided")]
+    if undecided_runs:
+        lines.append("\nrequests that went on undecided (router bypasses; Envoy failing open)")
+        for run in undecided_runs:
+            counts = run.summary["undecided"] if run.summary else {}
+            lines.append(f"{run.name:<{w}}" + ", ".join(f"{k} {v}" for k, v in counts.items()))
     families = sorted({f for run in runs if run.summary for f in run.summary["families"]})
     if len(families) > 1:
         lines.append("\ncached% by family (requests)")

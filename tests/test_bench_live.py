@@ -260,6 +260,7 @@ def test_live_smoke_through_every_installed_router(tmp_path: Path) -> None:
             by_session[r.session] = r.sent_s + r.latency_ms / 1e3
     ace = runs[0].summary
     assert ace is not None
+    assert ace["undecided"] == {}  # scraped from the router and Envoy: every one decided
     # Every later turn extends a prefix ace-extproc has placed: all of them hit.
     assert ace["hit_ratio"] >= 6 / 9 and ace["cached_share"] > 0.5
 
@@ -348,3 +349,27 @@ def test_live_seeds_summarizes_each_router_over_seeds_and_runs() -> None:
     assert "engine_ttft_ms" not in s["routers"]["vllm"]
     assert s["routers"]["vllm"]["by_seed"] == {"0": 0.7, "1": 0.7, "2": 0.0}
     assert s["routers"]["vllm"]["lowest"] == 0.0
+
+
+def test_undecided_requests_are_read_from_the_routers_metrics_and_envoys_stats() -> None:
+    router = "\n".join(
+        [
+            "# TYPE ace_bypasses_total counter",
+            'ace_bypasses_total{reason="no_pod"} 4.0',
+            'ace_bypasses_total{reason="too_large"} 0.0',
+            'ace_decisions_total{mode="prod",action="hit"} 90.0',
+        ]
+    )
+    envoy = "\n".join(
+        [
+            "http.ace_ingress.ext_proc.ace.failure_mode_allowed: 3",
+            "http.ace_ingress.ext_proc.ace.message_timeouts: 2",
+            "http.ace_ingress.ext_proc.ace.streams_failed: 0",
+            "http.ace_ingress.ext_proc.ace_observe.failure_mode_allowed: 7",  # observing only
+        ]
+    )
+    assert live.undecided(router, envoy) == {
+        "bypass_no_pod": 4,
+        "envoy_failure_mode_allowed": 3,
+        "envoy_message_timeouts": 2,
+    }

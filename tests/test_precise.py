@@ -4,6 +4,7 @@ speculation and its expiry, tenants, bounds, and the block-size check."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
@@ -362,9 +363,47 @@ def test_a_document_tokenized_aside_is_speculated_on_the_pod_it_went_to(
     it (a long prefill takes seconds), finds it there instead of missing on another
     pod (as on real vLLM pods, before)."""
     import asyncio
-    from dataclasses import replace
 
-    import msgspec
+    app = _two_live_pods_with_a_model_tokenizer(tmp_path)
+    assert app.processor.precise is not None
+    tokenizer = app.processor.precise.tokenizers["sim"]
+    document = "A long document about routing requests to warm pods. " * 400  # 22 KB
+
+    def send() -> tuple[str, str]:
+        return _send(app, document)
+
+    async def go() -> tuple[tuple[str, str], tuple[str, str]]:
+        first = send()
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if not tokenizer._pending:  # type: ignore[attr-defined]
+                break
+        return first, send()
+
+    (pod, action), again = asyncio.run(go())
+    assert action == "miss" and getattr(tokenizer, "deferred", 0) == 1
+    assert again == (pod, "hit")
+
+
+def test_a_tokenizer_that_raises_routes_the_request_approximately_and_says_so(
+    tmp_path: Path,
+) -> None:
+    from tests.test_tokens import _Raising
+
+    app = _two_live_pods_with_a_model_tokenizer(tmp_path)
+    assert app.processor.precise is not None
+    tokenizer = app.processor.precise.tokenizers["sim"]
+    tokenizer._tokenizer = _Raising(tokenizer._tokenizer, inline=True)  # type: ignore[attr-defined]
+    pod, action = _send(app, "a short question")
+    assert pod in ("pod-0", "pod-1") and action == "miss"  # routed, by the guess
+    text = generate_latest(app.telemetry.registry).decode()
+    assert 'ace_tokenizer_failures_total{destination="sim"} 1.0' in text
+    assert 'ace_precise_requests_total{result="unkeyed"} 1.0' in text
+
+
+def _two_live_pods_with_a_model_tokenizer(tmp_path: Path) -> Any:
+    """An app whose two pods' events are live, keyed by a model directory's tokenizer."""
+    from dataclasses import replace
 
     from ace_extproc.app import build
     from ace_extproc.config import Config, Fleet, Settings, sim_fleet
@@ -379,26 +418,18 @@ def test_a_document_tokenized_aside_is_speculated_on_the_pod_it_went_to(
     for slot in (0, 1):
         precise.index.set_engine_cache(slot, 16, None)
         precise.index.set_live(slot, True)
-    tokenizer = precise.tokenizers["sim"]
-    document = "A long document about routing requests to warm pods. " * 400  # 22 KB
-    messages = [{"role": "user", "content": document}]
-    body = msgspec.json.encode({"model": "sim-llama", "messages": messages})
+    return app
+
+
+def _send(app: Any, content: str) -> tuple[str, str]:
+    """One chat request through the processor: the pod it went to, and why."""
+    import msgspec
+
+    body = msgspec.json.encode(
+        {"model": "sim-llama", "messages": [{"role": "user", "content": content}]}
+    )
     head = {":path": "/v1/chat/completions", ":method": "POST", "content-type": "application/json"}
-
-    def send() -> tuple[str, str]:
-        processor = app.processor
-        outcome = processor.on_body(processor.on_headers(head, False), body)
-        assert outcome.pod is not None
-        return outcome.pod.id, outcome.action
-
-    async def go() -> tuple[tuple[str, str], tuple[str, str]]:
-        first = send()
-        for _ in range(500):
-            await asyncio.sleep(0.01)
-            if not tokenizer._pending:  # type: ignore[attr-defined]
-                break
-        return first, send()
-
-    (pod, action), again = asyncio.run(go())
-    assert action == "miss" and getattr(tokenizer, "deferred", 0) == 1
-    assert again == (pod, "hit")
+    processor = app.processor
+    outcome = processor.on_body(processor.on_headers(head, False), body)
+    assert outcome.pod is not None
+    return outcome.pod.id, outcome.action

@@ -202,3 +202,66 @@ def test_a_long_new_document_is_tokenized_aside_on_an_event_loop(model_dir: Path
     assert first is None and tokens.deferred == 1
     assert short is not None
     assert again == ModelTokens(model_dir).token_ids(CHAT, long_body)  # off a loop: inline
+
+
+class _Raising:
+    """A loaded tokenizer that raises (as a panic in its Rust library would) on what it
+    tokenizes aside, and inline too where told; counts its calls aside."""
+
+    def __init__(self, real: Tokenizer, inline: bool) -> None:
+        self.real, self.inline, self.calls = real, inline, 0
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[object]:
+        self.calls += 1
+        raise RuntimeError("the tokenizer failed")
+
+    def encode(self, text: str, add_special_tokens: bool) -> object:
+        if self.inline:
+            raise RuntimeError("the tokenizer failed")
+        return self.real.encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_a_piece_the_tokenizer_raises_on_aside_is_not_waited_for(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A long piece whose tokenization raises on the worker is given up: its requests
+    route approximately at once (before, they were deferred for ever behind a piece
+    never done), it is not tried again, and short requests are keyed as before."""
+    import asyncio
+
+    tokens = ModelTokens(model_dir, defer_bytes=1000)
+    raising = _Raising(tokens._tokenizer, inline=False)
+    tokens._tokenizer = raising  # type: ignore[assignment]
+    long_body = chat("sys", "a document the tokenizer cannot take. " * 100)
+    called: list[bool] = []
+
+    async def go() -> tuple[list[int] | None, list[int] | None, list[int] | None]:
+        first = tokens.token_ids(CHAT, long_body)
+        tokens.when_tokenized(lambda: called.append(True))
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if not tokens._pending:
+                break
+        again = tokens.token_ids(CHAT, long_body)
+        await asyncio.sleep(0.05)
+        return first, again, tokens.token_ids(CHAT, chat("sys", "short"))
+
+    first, again, short = asyncio.run(go())
+    assert first is None and again is None
+    assert not tokens._pending and tokens.deferred == 1  # the second was not deferred
+    assert raising.calls == 1 and tokens.pieces_failed == 1
+    assert not called  # no ids ever came: nothing to speculate
+    assert short is not None
+    assert "tokenizer raised RuntimeError" in caplog.text
+
+
+def test_a_tokenizer_that_raises_inline_costs_that_request_its_keys_only(
+    model_dir: Path,
+) -> None:
+    tokens = ModelTokens(model_dir)
+    real = tokens._tokenizer
+    tokens._tokenizer = _Raising(real, inline=True)  # type: ignore[assignment]
+    assert tokens.token_ids(CHAT, chat("sys", "short")) is None
+    assert tokens.pieces_failed == 1
+    tokens._tokenizer = real
+    assert tokens.token_ids(CHAT, chat("sys", "short"))

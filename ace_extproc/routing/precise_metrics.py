@@ -110,4 +110,12 @@ class PreciseMetrics(Collector):
             loaded.add_metric([destination], 1.0)
         for destination in routing.failed:
             loaded.add_metric([destination], 0.0)
-        yield loaded
+        raised = CounterMetricFamily(
+            "ace_tokenizer_failures",
+            "Requests or pieces the destination's loaded tokenizer raised on (each "
+            "routed approximately; a piece that failed is not tried again).",
+            labels=["destination"],
+        )
+        for destination, tokenizer in routing.tokenizers.items():
+            raised.add_metric([destination], getattr(tokenizer, "pieces_failed", 0))
+        yield from (loaded, raised)
