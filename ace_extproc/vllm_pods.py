@@ -15,6 +15,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -181,6 +182,10 @@ class VllmOptions:
     max_cpu_loras: int | None = None  # adapters kept loaded (vLLM's default: max_loras)
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    # CPU engines share the machine with the router: a positive niceness gives Envoy and
+    # ace-extproc the CPU first, as in production, where the engines compute on GPUs
+    # (otherwise a sidecar starved mid-prefill misses Envoy's message_timeout).
+    niceness: int = 0
 
     @classmethod
     def find(cls, **overrides: object) -> VllmOptions:
@@ -302,7 +307,7 @@ class Pods:
                 stderr=asyncio.subprocess.STDOUT,
                 stdin=asyncio.subprocess.DEVNULL,
                 env={**os.environ, **self.options.environment()},
-                preexec_fn=die_with_parent,
+                preexec_fn=functools.partial(_in_child, self.options.niceness),
                 start_new_session=True,
             )
 
@@ -390,3 +395,9 @@ def fleet_doc(
         "destinations": [destination],
         "router": {"ttft_model": TTFT_MODEL, **(router or {})},
     }
+
+
+def _in_child(niceness: int) -> None:  # pragma: no cover - runs in the child
+    die_with_parent()
+    if niceness:
+        os.nice(niceness)

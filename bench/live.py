@@ -158,6 +158,7 @@ class LiveOptions:
     seed: int = 0  # the workload generator's
     engine: str = "sim"  # or "vllm": real servers (vllm_pods.py)
     kv_blocks: int | None = None  # real servers' KV cache in blocks (None: 1 GiB)
+    engine_nice: int = 0  # real servers' niceness (vllm_pods.VllmOptions.niceness)
 
 
 @dataclass(frozen=True, slots=True)
@@ -616,7 +617,13 @@ async def run_all(
     # other routers ignore them.
     workdir = Path(tempfile.mkdtemp(prefix="bench-live-vllm-"))
     lora = _adapters(workload, workdir)
-    vllm = VllmOptions.find(kv_blocks=options.kv_blocks, dev_mode=True, kv_events=True, **lora)
+    vllm = VllmOptions.find(
+        kv_blocks=options.kv_blocks,
+        dev_mode=True,
+        kv_events=True,
+        niceness=options.engine_nice,
+        **lora,
+    )
     progress(f"starting {options.pods} vLLM servers (logs in {workdir})")
     ports = free_ports(2 * options.pods)
     async with Pods(
@@ -916,6 +923,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", help="default: bench/results/live-<workload>.json")
     ap.add_argument("--records", help="write per-request records here (JSON lines)")
     ap.add_argument(
+        "--engine-nice",
+        type=int,
+        default=0,
+        help="run the real vLLM servers at this niceness, so the router and Envoy get the "
+        "CPU first, as beside GPU engines (default 0: as before)",
+    )
+    ap.add_argument(
         "--router-setting",
         action="append",
         default=[],
@@ -944,6 +958,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         engine=args.engine,
         kv_blocks=args.kv_blocks,
+        engine_nice=args.engine_nice,
     )
     try:
         workload = load_workload(args.workload, args.limit, args.rate, options.seed)

@@ -63,3 +63,22 @@ def test_make_adapters_writes_peft_layout(tmp_path: Path) -> None:
     again = make_adapters(tmp_path / "again", 3, model=model, seed=1)
     blobs = [Path(m.path, "adapter_model.safetensors").read_bytes() for m in (*modules, *again)]
     assert blobs[:3] == blobs[3:] and len(set(blobs[:3])) == 3
+
+
+def test_the_engines_niceness_is_set_in_the_child_only() -> None:
+    import functools
+    import os
+    import subprocess
+    import sys
+
+    from ace_extproc.vllm_pods import _in_child
+
+    ours = os.nice(0)
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.nice(0))"],
+        preexec_fn=functools.partial(_in_child, 7),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert int(child.stdout) == min(ours + 7, 19) and os.nice(0) == ours
