@@ -366,15 +366,21 @@ async def _text(url: str) -> str:
         return await resp.text()
 
 
+def _series(router_metrics: str) -> dict[str, float]:
+    """Each series of ace-extproc's own exposition (``name{labels}``) and its value."""
+    out = {}
+    for line in router_metrics.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series and not line.startswith("#"):
+            out[series] = float(value)
+    return out
+
+
 def guess(router_metrics: str) -> dict[str, float]:
     """How far a precise router's approximate index was from the pods' events
     (``precise_routing.py``), from its /metrics: the first replica's alone."""
-    out = dict.fromkeys(GUESS_SERIES.values(), 0.0)
-    for line in router_metrics.splitlines():
-        series, _, value = line.rpartition(" ")
-        if series in GUESS_SERIES:
-            out[GUESS_SERIES[series]] = float(value)
-    return out
+    series = _series(router_metrics)
+    return {key: series.get(name, 0.0) for name, key in GUESS_SERIES.items()}
 
 
 def undecided(router_metrics: str, envoy_stats: str) -> dict[str, int]:
@@ -382,16 +388,15 @@ def undecided(router_metrics: str, envoy_stats: str) -> dict[str, int]:
     reason (its first replica's /metrics), and Envoy's ext_proc streams that failed
     open (the sidecar too slow, ``message_timeouts``, or gone: ``failure_mode_allowed``)."""
     out: dict[str, int] = {}
-    for line in router_metrics.splitlines():
-        series, _, value = line.rpartition(" ")
+    for series, value in _series(router_metrics).items():
         if series.startswith('ace_bypasses_total{reason="'):
-            out["bypass_" + series.split('"')[1]] = int(float(value))
+            out["bypass_" + series.split('"')[1]] = int(value)
     for line in envoy_stats.splitlines():
-        name, _, value = line.partition(": ")
+        name, _, count = line.partition(": ")
         for stat in ("message_timeouts", "failure_mode_allowed", "streams_failed"):
             # The routing filter's (stat_prefix "ace"), not the observe filter's.
-            if name.endswith(f".ext_proc.ace.{stat}") and value.strip().isdigit():
-                out[f"envoy_{stat}"] = out.get(f"envoy_{stat}", 0) + int(value)
+            if name.endswith(f".ext_proc.ace.{stat}") and count.strip().isdigit():
+                out[f"envoy_{stat}"] = out.get(f"envoy_{stat}", 0) + int(count)
     return {k: v for k, v in sorted(out.items()) if v}
 
 
