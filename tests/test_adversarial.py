@@ -359,6 +359,7 @@ def test_a_300_mb_streamed_body_stays_out_of_the_sidecar_s_memory() -> None:
         client.run(send(300 << 20))
         grown = memory_mib(pid, "VmHWM") - before - path
         print(f"\nthe held-then-passed path's peak: +{path:.0f} MiB; 300 MB added {grown:.0f}")
+        assert path < 160, f"a body just past max_body_bytes grew the sidecar {path:.0f} MiB"
         assert grown < 64, f"300 MB grew the sidecar {grown:.0f} MiB past the path's {path:.0f}"
         status, headers, _ = client.chat(conversation(0, "after-300mb"))
         assert status == 200 and "x-ace-pinned" in headers  # alive, and routing

@@ -512,6 +512,7 @@ def test_pod_added_at_run_time_takes_its_share_of_new_prefixes(tmp_path: Path) -
         if s.served_by != home[s.key]:
             first_move.setdefault(s.key, s)
     spilled = {k for k, s in first_move.items() if s.action == "spill"}
+    assert len(spilled) <= n_old // 4, spilled  # 0-4 seen under 2x CPU stress
     moved = set(first_move) - spilled
     assert len(moved) <= n_old / len(pods), moved
     assert all(first_move[k].served_by == new.id for k in moved), [first_move[k] for k in moved]
