@@ -135,18 +135,53 @@ def test_a_block_size_that_disagrees_with_the_engine_untrusts_the_pod() -> None:
     assert not index.live_mask
 
 
-def test_what_the_engine_holds_is_believed_until_it_removes_it() -> None:
-    """Sending more than the engine can hold does not make the router take its blocks
-    as evicted: another replica's hits may keep them warm, and say nothing."""
+def test_what_a_queued_pick_pushes_out_is_evicted_until_the_engine_stores_that_pick() -> None:
+    """A pick pushing blocks out of a full pod's recency model dooms them: the engine
+    will evict them when it admits that pick, behind its queue, before a removal can
+    say so. Once it has stored the pick, its events are believed: another replica's
+    hits may have kept the blocks warm, and say nothing."""
     index = live_index(0)
     index.set_engine_cache(0, BS, BS * 6)
     index.apply(0, [stored([10, 11, 12, 13], IDS)])
-    other = block_keys([i + 100 for i in IDS], BS, chain_seed("s"))
-    index.speculate(0, other)  # eight blocks in a cache of six
-    assert index.match(keys(), 1) == {0: (4, 4)}
+    other_ids = [i + 100 for i in IDS]
+    index.speculate(0, keys(other_ids))  # eight blocks in a cache of six
+    assert index.match(keys(), 1) == {0: (2, 2)}  # its tail pushed out by a queued pick
     assert len(index.pods[0].recent) == 6  # the recency model is bounded all the same
+    index.apply(0, [stored([20, 21, 22], other_ids[:12])])
+    assert index.match(keys(), 1) == {0: (2, 2)}  # the pick's last block not stored yet
+    index.apply(0, [stored([23], other_ids[12:], parent=22)])  # the pick is in
+    assert index.match(keys(), 1) == {0: (4, 4)}  # no removal came: still held
     index.apply(0, [Removed([13], "GPU")])  # the engine's own word
     assert index.match(keys(), 1) == {0: (3, 3)}
+
+
+def test_a_doomed_block_sent_there_again_is_held_once_that_is_admitted() -> None:
+    index = live_index(0)
+    index.set_engine_cache(0, BS, BS * 7)
+    index.apply(0, [stored([10, 11, 12, 13], IDS)])
+    index.speculate(0, keys([i + 100 for i in IDS]))  # pushes out the tail block
+    assert index.match(keys(), 1) == {0: (3, 3)}
+    index.speculate(0, keys())  # the engine will compute it again for this one
+    assert index.match(keys(), 1) == {0: (4, 4)}
+
+
+def test_a_doomed_block_still_held_offloaded_counts_as_offloaded() -> None:
+    index = live_index(0)
+    index.set_engine_cache(0, BS, BS * 6)
+    index.apply(0, [stored([10, 11, 12, 13], IDS)])
+    index.apply(0, [stored([10, 11, 12, 13], IDS, medium="CPU")])
+    index.speculate(0, keys([i + 100 for i in IDS]))
+    assert index.match(keys(), 1) == {0: (2, 4)}
+
+
+def test_events_alone_doom_nothing() -> None:
+    """Blocks stored by the engine were admitted: whatever they evicted, its removal
+    says so, so what they push out of the recency model is still believed held."""
+    index = live_index(0)
+    index.set_engine_cache(0, BS, BS * 6)
+    index.apply(0, [stored([10, 11, 12, 13], IDS)])
+    index.apply(0, [stored(list(range(20, 28)), [i + 100 for i in IDS])])
+    assert index.match(keys(), 1) == {0: (4, 4)}
 
 
 def test_a_lost_removal_ages_out_with_the_least_recently_used() -> None:

@@ -17,6 +17,13 @@ block's parent and a removal.
 * **Tenants.** The seed holds the salt the engine hashed into block 0, and requests
   are keyed from the salt ace-extproc gives their tenant, so blocks stored under any
   other salt (or none) never match a request.
+* **Evicted while queued.** A pick that adds blocks to a full pod pushes its least
+  recently used ones out of ``recent``. The engine evicts them only when it admits that
+  pick, behind the queue there, and says so only then; a request sent meanwhile as a
+  hit on them would find them gone. So a block pushed out by a pick the engine has not
+  yet stored counts as evicted (``doomed``, with the pick's last new block as its
+  witness); once the witness is stored, the removals sent before it have said what the
+  engine really evicted.
 * **Trust.** A pod's view is used only while ``live``: its stream connected with no
   unrecovered gap. Otherwise the pod is routed by the approximate index, which keeps
   recording every pick for exactly that.
@@ -54,6 +61,9 @@ class PodView:
     orphans: int = 0  # stored blocks whose parent it never saw: not keyable
     mismatched: bool = False  # its events' block size is not its engine's
     capacity: int = 0  # the engine's KV blocks, where known: the view holds no more
+    # Blocks pushed out of ``recent`` by a pick still queued there -> that pick's
+    # witness key: counted evicted while the witness is speculative on this pod.
+    doomed: dict[int, int] = field(default_factory=dict)
 
 
 class PreciseIndex:
@@ -71,6 +81,7 @@ class PreciseIndex:
         self.live_mask = 0  # pods whose view is trusted
         self.confirmed = 0  # speculative entries a store confirmed
         self.expired = 0  # speculative entries never confirmed
+        self.doomed_blocks = 0  # blocks a match lost to a pick still queued there
 
     # -- pods ----------------------------------------------------------------------
     def add_pod(self, slot: int) -> PodView:
@@ -114,6 +125,7 @@ class PreciseIndex:
             _unset(self._offloaded, key, keep)
         view.blocks.clear()
         view.recent.clear()
+        view.doomed.clear()
         for key in [k for k, mask in self._speculative.items() if mask & ~keep]:
             _unset(self._speculative, key, keep)
             self._deadlines.pop((slot, key), None)
@@ -162,7 +174,7 @@ class PreciseIndex:
                 self._deadlines.pop((slot, key), None)
                 self.confirmed += 1
         if tier == GPU:
-            self._touch(view, keys)
+            self._touch(slot, view, keys)
         view.stored += len(keys)
         view.orphans += len(event.hashes) - len(keys)
         if view.capacity and len(blocks) > 2 * view.capacity:
@@ -185,23 +197,45 @@ class PreciseIndex:
                 del blocks[engine_hash]
             view.removed += 1
 
-    def _touch(self, view: PodView, keys: Sequence[int]) -> None:
+    def _touch(
+        self, slot: int, view: PodView, keys: Sequence[int], witness: int | None = None
+    ) -> None:
         """Make a chain's blocks the most recently used, its head last (an engine frees
         a request's blocks tail first), keeping at most the engine's capacity.
 
-        What falls out is not taken as evicted. A router that predicted the engine's
-        evictions from what it sent stopped matching blocks the engine still held: a
-        replica sees only its own requests, and a hit through another refreshes blocks
-        without an event (bench/RESULTS.md, "Precise routing"). Only a removal removes."""
-        recent = view.recent
+        What falls out is not taken as evicted for good. A router that predicted the
+        engine's evictions from what it sent stopped matching blocks the engine still
+        held: a replica sees only its own requests, and a hit through another refreshes
+        blocks without an event (bench/RESULTS.md, "Precise routing"). Only a removal
+        removes. But what a pick pushes out (``witness``: the pick's last new block) is
+        doomed until the engine has stored that pick: the engine evicts it then, behind
+        the queue, before its removal can say so."""
+        recent, doomed = view.recent, view.doomed
+        if doomed:
+            for key in keys:
+                doomed.pop(key, None)  # used again: held again once this is admitted
         for key in reversed(keys):
             if key in recent:
                 recent.move_to_end(key)
             else:
                 recent[key] = None
         if view.capacity and len(recent) > view.capacity:
+            bit, warm = 1 << slot, self._warm
             for _ in range(len(recent) - view.capacity):
-                recent.popitem(last=False)
+                key, _ = recent.popitem(last=False)
+                if witness is not None and warm.get(key, 0) & bit:
+                    doomed[key] = witness
+            if len(doomed) > view.capacity:
+                self._forget_doomed(slot, view)
+
+    def _forget_doomed(self, slot: int, view: PodView) -> None:
+        """Bound ``doomed``: drop the blocks whose witness was stored (or expired), then,
+        if still too many, the oldest doomed."""
+        bit, speculative = 1 << slot, self._speculative
+        kept = {k: w for k, w in view.doomed.items() if speculative.get(w, 0) & bit}
+        if len(kept) > view.capacity:
+            kept = dict(itertools.islice(kept.items(), len(kept) - view.capacity, None))
+        view.doomed = kept
 
     def _trim(self, slot: int, view: PodView) -> None:
         """Bound the map from the engine's hashes: its oldest-stored entries go, their
@@ -229,7 +263,9 @@ class PreciseIndex:
         view = self.pods.get(slot)
         if view is None:
             return
-        self._touch(view, keys)  # the engine will use them: recently used
+        # Its last new block: stored when the engine has admitted it (and evicted for it).
+        witness = next((key for key in reversed(keys) if not warm.get(key, 0) & bit), None)
+        self._touch(slot, view, keys, witness)  # the engine will use them: recently used
         for key in keys:
             if warm.get(key, 0) & bit:
                 continue
@@ -263,7 +299,8 @@ class PreciseIndex:
 
     def match(self, keys: Sequence[int], candidates: int) -> dict[int, tuple[int, int]]:
         """For each live candidate holding the first block: ``(warm, held)``, the
-        leading blocks it holds on GPU (or was just sent), and on any tier."""
+        leading blocks it holds on GPU (or was just sent), and on any tier; a doomed
+        block ends both, as an evicted one would, unless it is offloaded."""
         candidates &= self.live_mask
         if not candidates or not keys:
             return {}
@@ -287,7 +324,29 @@ class PreciseIndex:
         n = len(keys)
         _settle(warm_depth, warm, n)
         _settle(depth, held, n)
+        pods = self.pods
+        for slot, w in warm_depth.items():
+            if w and pods[slot].doomed and (fresh := self._undoomed(slot, keys, w)) < w:
+                self.doomed_blocks += w - fresh
+                warm_depth[slot] = fresh
+                on_tier = fresh  # past the doomed block, only an offloaded copy holds
+                while on_tier < depth[slot] and off_get(keys[on_tier], 0) >> slot & 1:
+                    on_tier += 1
+                depth[slot] = on_tier
         return {slot: (warm_depth.get(slot, 0), d) for slot, d in depth.items() if d}
+
+    def _undoomed(self, slot: int, keys: Sequence[int], warm: int) -> int:
+        """The leading blocks of ``keys[:warm]`` not doomed on ``slot``. Eviction takes
+        a chain's tail first, so only a doomed tail costs a walk from the head."""
+        doomed, bit, speculative = self.pods[slot].doomed, 1 << slot, self._speculative
+        witness = doomed.get(keys[warm - 1])
+        if witness is None or not speculative.get(witness, 0) & bit:
+            return warm
+        for i in range(warm):
+            witness = doomed.get(keys[i])
+            if witness is not None and speculative.get(witness, 0) & bit:
+                return i
+        return warm
 
     def blocks_held(self, slot: int) -> int:
         view = self.pods.get(slot)

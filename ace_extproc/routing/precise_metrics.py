@@ -69,6 +69,12 @@ class PreciseMetrics(Collector):
         speculative.add_metric(["confirmed"], index.confirmed)
         speculative.add_metric(["expired"], index.expired)
         yield speculative
+        yield CounterMetricFamily(
+            "ace_precise_doomed_blocks",
+            "Blocks a match did not count: a pick still queued on the pod pushed them out "
+            "of its recency order, so the engine evicts them before the request is in.",
+            value=index.doomed_blocks,
+        )
 
     def _routing_families(self, routing: PreciseRouting) -> Iterator[Metric]:
         requests = CounterMetricFamily(
