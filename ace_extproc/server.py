@@ -56,6 +56,7 @@ from ace_extproc.probes import Probes
 from ace_extproc.processor import Processor, RequestContext
 from ace_extproc.procs import die_with_parent
 from ace_extproc.routing.replicas import redacted_url
+from ace_extproc.stalls import LoopWatchdog
 
 log = logging.getLogger("ace_extproc")
 
@@ -567,6 +568,10 @@ async def serve(config: Config) -> None:
     probes = Probes()
     _in_background(probes_ready_when_synced(app, probes), "ace-probes-ready")
     heartbeat = asyncio.create_task(probes.beat(), name="ace-heartbeat")
+    watchdog = LoopWatchdog()
+    app.telemetry.registry.register(watchdog)
+    watched = asyncio.create_task(watchdog.beat(), name="ace-loop-watchdog")
+    watchdog.start()
     try:
         metrics = tm.serve_metrics(s.metrics_listen, app.telemetry, probes)
     except OSError as exc:  # the data path matters more than its metrics
@@ -594,6 +599,8 @@ async def serve(config: Config) -> None:
     await server.stop(s.shutdown_grace_s)
     await app.stop()
     heartbeat.cancel()
+    watched.cancel()
+    watchdog.stop()
     if metrics is not None:
         metrics.stop()
     log.info("ace-extproc stopped")

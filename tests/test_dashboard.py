@@ -19,6 +19,7 @@ from ace_extproc.observe import Ledger, Observation
 from ace_extproc.routing import BlockIndex, FleetState
 from ace_extproc.routing.metrics_text import parse
 from ace_extproc.routing.monitor import FleetMonitor
+from ace_extproc.stalls import LoopWatchdog
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "dashboards" / "ace-extproc.json"
 
@@ -79,6 +80,7 @@ def exported_names() -> tuple[set[str], set[str]]:
     ledger = Ledger()
     # With the process collectors.
     t = tm.Telemetry(settings, fleet, index, monitor, ledger=ledger, sharing=_Sharing())
+    t.registry.register(LoopWatchdog())  # as serve() registers it
     t.decision("prod", "hit", "acme", 0, 100, 50, 2.0, 30_000)
     t.decision("prod", "bypass_bad_json", "acme")
     t.steps_ns(1, 2, 3, 4)
