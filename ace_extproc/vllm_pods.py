@@ -184,7 +184,8 @@ class VllmOptions:
     env: dict[str, str] = field(default_factory=dict)
     # CPU engines share the machine with the router: a positive niceness gives Envoy and
     # ace-extproc the CPU first, as in production, where the engines compute on GPUs
-    # (otherwise a sidecar starved mid-prefill misses Envoy's message_timeout).
+    # (otherwise the OS starves every other process for up to 1.4 s at a time while
+    # they prefill, and a starved sidecar misses Envoy's message_timeout).
     niceness: int = 0
 
     @classmethod
@@ -301,7 +302,7 @@ class Pods:
         events = self.kv_events_ports[i] if i < len(self.kv_events_ports) else None
         self.workdir.mkdir(parents=True, exist_ok=True)
         with self.log(i).open("ab") as log:
-            self.procs[i] = await asyncio.create_subprocess_exec(
+            proc = self.procs[i] = await asyncio.create_subprocess_exec(
                 *self.options.argv(self.host, self.ports[i], events),
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
@@ -310,6 +311,8 @@ class Pods:
                 preexec_fn=functools.partial(_in_child, self.options.niceness),
                 start_new_session=True,
             )
+        if self.options.niceness:  # it leads a session of its own: that session too
+            nice_session(proc.pid, self.options.niceness)
 
     async def _wait_healthy(self, i: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -401,3 +404,13 @@ def _in_child(niceness: int) -> None:  # pragma: no cover - runs in the child
     die_with_parent()
     if niceness:
         os.nice(niceness)
+
+
+def nice_session(pid: int, niceness: int) -> None:
+    """Give the session that ``pid`` leads ``niceness``. With the kernel's autogroups
+    on (most desktops and VMs), CPU is shared between sessions first and a process's
+    niceness counts only within its own: at niceness 10 alone, engines in their own
+    sessions still starved the sidecar (run T). No autogroups, or not allowed: the
+    process's niceness stands."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/autogroup").write_text(f"{niceness}\n")

@@ -356,6 +356,14 @@ GUESS_SERIES = {
     'ace_precise_guess_picks_total{agreement="differs"}': "differs",
     'ace_precise_guess_blocks_total{side="guess_only"}': "guess_only_blocks",
     'ace_precise_guess_blocks_total{side="events_only"}': "events_only_blocks",
+    # What became of the picks recorded ahead of the events, what a queued pick doomed,
+    # and the requests keyed token-exact or routed approximately.
+    'ace_precise_speculative_total{result="confirmed"}': "speculative_confirmed",
+    'ace_precise_speculative_total{result="expired"}': "speculative_expired",
+    "ace_precise_doomed_blocks_total": "doomed_blocks",
+    'ace_precise_requests_total{result="keyed"}': "keyed",
+    'ace_precise_requests_total{result="deferred"}': "deferred",
+    'ace_precise_requests_total{result="unkeyed"}': "unkeyed",
 }
 
 
@@ -386,11 +394,17 @@ def guess(router_metrics: str) -> dict[str, float]:
 def undecided(router_metrics: str, envoy_stats: str) -> dict[str, int]:
     """Requests that went on without a decision, and why: the router's bypasses by
     reason (its first replica's /metrics), and Envoy's ext_proc streams that failed
-    open (the sidecar too slow, ``message_timeouts``, or gone: ``failure_mode_allowed``)."""
+    open (the sidecar too slow, ``message_timeouts``, or gone: ``failure_mode_allowed``),
+    with the times the sidecar's event loop was held 250 ms or more (``stalls.py``; the
+    sidecar's log has the stack that held it) and the longest, in milliseconds."""
     out: dict[str, int] = {}
     for series, value in _series(router_metrics).items():
         if series.startswith('ace_bypasses_total{reason="'):
             out["bypass_" + series.split('"')[1]] = int(value)
+        elif series == "ace_event_loop_stalls_total":
+            out["loop_stalls"] = int(value)
+        elif series == "ace_event_loop_longest_stall_seconds":
+            out["loop_longest_stall_ms"] = round(value * 1000)
     for line in envoy_stats.splitlines():
         name, _, count = line.partition(": ")
         for stat in ("message_timeouts", "failure_mode_allowed", "streams_failed"):
@@ -931,8 +945,9 @@ def parser() -> argparse.ArgumentParser:
         "--engine-nice",
         type=int,
         default=0,
-        help="run the real vLLM servers at this niceness, so the router and Envoy get the "
-        "CPU first, as beside GPU engines (default 0: as before)",
+        help="run the real vLLM servers at this niceness (their session's autogroup too), "
+        "so the router and Envoy get the CPU first, as beside GPU engines (default 0: "
+        "the OS starves every process for up to 1.4 s at a time while they prefill)",
     )
     ap.add_argument(
         "--router-setting",

@@ -358,6 +358,8 @@ def test_undecided_requests_are_read_from_the_routers_metrics_and_envoys_stats()
             'ace_bypasses_total{reason="no_pod"} 4.0',
             'ace_bypasses_total{reason="too_large"} 0.0',
             'ace_decisions_total{mode="prod",action="hit"} 90.0',
+            "ace_event_loop_stalls_total 2.0",
+            "ace_event_loop_longest_stall_seconds 1.2345",
         ]
     )
     envoy = "\n".join(
@@ -372,4 +374,6 @@ def test_undecided_requests_are_read_from_the_routers_metrics_and_envoys_stats()
         "bypass_no_pod": 4,
         "envoy_failure_mode_allowed": 3,
         "envoy_message_timeouts": 2,
+        "loop_longest_stall_ms": 1234,
+        "loop_stalls": 2,
     }

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from ace_extproc.vllm_pods import LoraModule, VllmOptions, make_adapters
 
 TINY = {
@@ -82,3 +84,27 @@ def test_the_engines_niceness_is_set_in_the_child_only() -> None:
         check=True,
     )
     assert int(child.stdout) == min(ours + 7, 19) and os.nice(0) == ours
+
+
+def test_an_engine_s_session_is_niced_too() -> None:
+    """With autogroups, niceness counts only within a session, so the engines' session
+    groups are niced (run T's engines at niceness 10 alone still starved the sidecar)."""
+    import subprocess
+    import sys
+
+    from ace_extproc.vllm_pods import nice_session
+
+    if not Path("/proc/self/autogroup").exists():
+        pytest.skip("no autogroups in this kernel")
+    ours = Path("/proc/self/autogroup").read_text().split()[-1]
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(5)"], start_new_session=True
+    )
+    try:
+        nice_session(child.pid, 7)
+        assert Path(f"/proc/{child.pid}/autogroup").read_text().split()[-1] == "7"
+    finally:
+        child.kill()
+        child.wait()
+    assert Path("/proc/self/autogroup").read_text().split()[-1] == ours
+    nice_session(child.pid, 7)  # gone: nothing to nice, nothing raised
