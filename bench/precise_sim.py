@@ -24,7 +24,9 @@ Variants (``VARIANTS``):
 Fleets (``FLEETS``): ``default`` (the simulation's 16,384 blocks a pod) and
 ``kv-pressure`` (4,096 blocks, 64K tokens: a pod holds a few prompts, so engines
 evict and the approximate index's model of their LRU is tested), ``kv-tight`` (2,048
-blocks, 32K tokens: the largest prompts barely fit).
+blocks, 32K tokens: the largest prompts barely fit), ``vllm-cpu`` (the real-engine
+tier's pods at 2,048 blocks, as ``bench.live --engine vllm --kv-blocks 2048`` runs
+them; with ``--pods 2 --limit 300 --rate 1``, the shape of its precise runs).
 
 Per variant: TTFT p50/p99, the share of prompt tokens the engines reported cached
 (``saved%``, what ``usage.cached_tokens`` says), requests with any hit, evictions, the
@@ -50,6 +52,7 @@ from typing import Any
 from bench import workloads
 from bench.baselines import resolve
 from bench.fleetsim import RunResult, SimSettings, simulate, summarize
+from bench.fleetsim.settings import cpu_vllm
 from bench.workloads.base import Workload
 
 OUT = Path("bench/results/precise-sim.json")
@@ -59,6 +62,9 @@ FLEETS: dict[str, SimSettings] = {
     "kv-pressure": SimSettings(num_gpu_blocks=4096),
     # 32K tokens: the largest prompt of most workloads still fits (not Mooncake's).
     "kv-tight": SimSettings(num_gpu_blocks=2048),
+    # The real-engine tier's pods (bench.live --engine vllm --kv-blocks 2048): the CPU
+    # build's block size, batch limit and calibrated TTFT model, to predict those runs.
+    "vllm-cpu": cpu_vllm(2048),
 }
 # Workloads too big to run whole for every variant here: their first N requests.
 DEFAULT_LIMITS: dict[str, int] = {"mooncake": 1000}
@@ -236,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         default="ace",
         help="ours with router settings changed, as bench.report: e.g. ace@min_match=0",
     )
+    ap.add_argument("--rate", type=float, help="requests/s, as bench.live --rate")
     ap.add_argument("--seed", type=int, default=0, help="the workload generator's seed")
     ap.add_argument(
         "--seeds",
@@ -290,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         limit = args.limit or DEFAULT_LIMITS.get(name)
         seeds = range(args.seed, args.seed + (1 if name in UNSEEDED else args.seeds))
         try:
-            runs = [workloads.get(name, seed=seed, limit=limit) for seed in seeds]
+            runs = [workloads.get(name, seed=seed, limit=limit, rate=args.rate) for seed in seeds]
         except (ValueError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
