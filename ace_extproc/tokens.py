@@ -12,9 +12,14 @@ Tokenizing is the one new cost on the request path, and a conversation's later t
 repeat the earlier ones. The rendered text is cut at the tokenizer's special tokens,
 which the tokenizer itself never merges across, so each piece tokenizes alone to the
 same ids as in the whole; pieces are cached by their text. A new turn then tokenizes
-only its new messages (``bench.tokenize_cost`` measures both). A long piece the cache
-lacks (a new document) is tokenized on a worker thread, off the event loop, and the
-one request that found it cold is routed approximately.
+only its new messages (``bench.tokenize_cost`` measures both). A long piece is cut
+further, into segments of about ``SEGMENT_CHARS`` ending in a letter or digit before a
+line break, where byte-level BPE tokenizers never merge either (checked on each
+tokenizer when it loads; one that fails keeps whole pieces): a document sent with a
+new question in the same message then tokenizes only its last segment. Cold text of
+``defer_bytes`` or more in one request (a new document) is tokenized on a worker
+thread, off the event loop, and the one request that found it cold is routed
+approximately.
 
 Block keys (``block_keys``) chain 64-bit hashes of each block's token ids from a seed
 that holds the request's ``cache_salt`` (and LoRA): the router's own names for the
@@ -46,6 +51,10 @@ log = logging.getLogger("ace_extproc.tokens")
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _FAILED_KEPT = 256  # pieces remembered as failing, per model
+# A long piece is cut into segments of about this many characters, each cached alone:
+# a document sent again with a new question in the same message then finds all but
+# its last segment cached.
+SEGMENT_CHARS = 4096
 
 
 class TokenizerError(ValueError):
@@ -145,6 +154,7 @@ class ModelTokens:
         # Longest first, so a special token that begins another is not cut short.
         alternatives = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
         self._split = re.compile(f"({alternatives})") if alternatives else None
+        self._segments_of_long = _cuts_are_stable(files.tokenizer)
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
         self._cached_tokens = 0
         self._cache_tokens = cache_tokens
@@ -202,26 +212,23 @@ class ModelTokens:
         return self.encode_deferring(text)
 
     def encode_deferring(self, text: str) -> list[int] | None:
-        """``encode``, or None while a long cold piece of it is tokenized aside (only
-        on an event loop; elsewhere, as ``encode``)."""
+        """``encode``, or None while its cold segments, ``defer_bytes`` or more, are
+        tokenized aside (only on an event loop; elsewhere, as ``encode``)."""
+        segments = self._segments(text)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            return self.encode(text)
-        pieces = self._split.split(text) if self._split is not None else [text]
-        cold = [
-            p
-            for i, p in enumerate(pieces)
-            if not i % 2 and len(p) >= self._defer_bytes and p not in self._pieces
-        ]
-        if not cold:
-            return self.encode(text)
-        if any(p in self._failed for p in cold):
+            return self._encode_segments(segments)
+        pieces = self._pieces
+        cold = [seg for special, seg in segments if not special and seg and seg not in pieces]
+        if sum(map(len, cold)) < self._defer_bytes:
+            return self._encode_segments(segments)
+        if any(seg in self._failed for seg in cold):
             return None  # not keyed: the approximate index routes it
-        for piece in cold:
-            if piece not in self._pending:
-                self._pending.add(piece)
-                self._aside(loop, piece)
+        for seg in cold:
+            if seg not in self._pending:
+                self._pending.add(seg)
+                self._aside(loop, seg)
         self.deferred += 1
         self._last_cold = tuple(cold)
         return None
@@ -301,17 +308,31 @@ class ModelTokens:
         return text
 
     def encode(self, text: str) -> list[int]:
-        """``text``'s ids without added special tokens, piece by cached piece."""
-        if self._split is None:
-            return self._encode_piece(text)
+        """``text``'s ids without added special tokens, segment by cached segment."""
+        return self._encode_segments(self._segments(text))
+
+    def _encode_segments(self, segments: list[tuple[bool, str]]) -> list[int]:
         ids: list[int] = []
         special = self._special_ids
-        for i, piece in enumerate(self._split.split(text)):
-            if i % 2:  # the separators: a special token, one id
-                ids.append(special[piece])
-            elif piece:
-                ids += self._encode_piece(piece)
+        for is_special, segment in segments:
+            if is_special:
+                ids.append(special[segment])
+            elif segment:
+                ids += self._encode_piece(segment)
         return ids
+
+    def _segments(self, text: str) -> list[tuple[bool, str]]:
+        """``text`` cut at special tokens (flagged), its long pieces cut into segments."""
+        pieces = self._split.split(text) if self._split is not None else [text]
+        out: list[tuple[bool, str]] = []
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                out.append((True, piece))
+            elif self._segments_of_long and len(piece) > SEGMENT_CHARS:
+                out += [(False, segment) for segment in cut(piece)]
+            else:
+                out.append((False, piece))
+        return out
 
     def _encode_piece(self, piece: str) -> list[int]:
         pieces = self._pieces
@@ -334,6 +355,44 @@ class ModelTokens:
         while self._cached_tokens > self._cache_tokens and pieces:
             _, old = pieces.popitem(last=False)
             self._cached_tokens -= len(old)
+
+
+def cut(text: str, size: int = SEGMENT_CHARS) -> list[str]:
+    """``text`` in segments of at least ``size`` characters (the last may be shorter),
+    each cut where a line break follows a letter or digit: the first such place past
+    ``size`` from the segment's start, so two texts that begin alike are cut alike up to
+    where they differ."""
+    out = []
+    start, n = 0, len(text)
+    while n - start > size:
+        i = text.find("\n", start + size)
+        while i != -1 and not text[i - 1].isalnum():
+            i = text.find("\n", i + 1)
+        if i == -1:
+            break
+        out.append(text[start:i])
+        start = i
+    out.append(text[start:])
+    return out
+
+
+# Text with what a cut could split: words, numbers, punctuation and blank lines before
+# a line break, indentation, contractions, non-ASCII letters.
+_PROBE = (
+    "Passage 12: the cache's 3 tiers.\nIt ends with 2048\n\n  Next line, indented\n"
+    "word\n- item one\nnaïve café déjà vu\nx = f(y) + 10\nThe end\n\n\nA last line"
+) * 3
+
+
+def _cuts_are_stable(tokenizer: Any) -> bool:
+    """Whether this tokenizer gives cut text the ids of the whole (byte-level BPE does;
+    one that prepends a marker to every text it is given does not)."""
+    try:
+        whole = tokenizer.encode(_PROBE, add_special_tokens=False).ids
+        parts = [tokenizer.encode(s, add_special_tokens=False).ids for s in cut(_PROBE, 8)]
+    except Exception:
+        return False
+    return len(parts) > 10 and [i for p in parts for i in p] == list(whole)
 
 
 def _as_vllm_renders(

@@ -45,8 +45,15 @@ def bodies(salt: str) -> list[tuple[str, dict[str, Any]]]:
     calls = [
         {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"id": "7"}'}}
     ]
+    # A long message cut into segments (lines ending in a letter or digit), a document
+    # and its question in one message as the suite sends them.
+    notes = "\n".join(
+        f"[{i}] the {salt} handbook says check the ledger {i} times" for i in range(400)
+    )
+    question = f"{notes}\n\nQuestion: which line says 7 times?\nAnswer:"
     cases: list[tuple[str, dict[str, Any]]] = [
         ("chat", {"messages": chat}),
+        ("docqa", {"messages": [{"role": "user", "content": question}]}),
         ("turns", {"messages": [*turns, {"role": "user", "content": "And then?"}]}),
         ("tools", {"messages": chat, "tools": TOOLS}),
         ("parts", {"messages": [{"role": "user", "content": parts}]}),
