@@ -10,33 +10,34 @@ put to the loop.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
-# The loop beats this often; a beat this old means it is stuck (GC pauses are ms).
-BEAT_S = 1.0
+# A heartbeat this old means the loop is stuck (its beats come every 50 ms: stalls.py).
 STALE_S = 10.0
 
 StartResponse = Callable[..., Any]
 App = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
 
+class Heartbeat(Protocol):
+    last_beat: float  # when the event loop last beat (the probes' clock)
+
+
 class Probes:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, heartbeat: Heartbeat | None = None
+    ) -> None:
+        """``heartbeat``: the event loop's (``stalls.LoopWatchdog``, which beats on the
+        loop); without one, the loop is taken as last seen when these were made."""
         self._clock = clock
         self.serving = False  # set once ext_proc serves; cleared as it stops
         self.last_beat = clock()
-
-    async def beat(self) -> None:
-        """Until cancelled: the event loop's heartbeat."""
-        while True:
-            self.last_beat = self._clock()
-            await asyncio.sleep(BEAT_S)
+        self._heartbeat: Heartbeat = heartbeat if heartbeat is not None else self
 
     def alive(self) -> bool:
-        return self._clock() - self.last_beat < STALE_S
+        return self._clock() - self._heartbeat.last_beat < STALE_S
 
     def ready(self) -> bool:
         return self.serving and self.alive()

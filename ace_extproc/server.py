@@ -565,13 +565,14 @@ async def serve(config: Config) -> None:
         )
     # Its own port and thread: a scrape never waits on, or holds up, this loop. The
     # kubelet's probes ask there too: the ext_proc port need not be open to them.
-    probes = Probes()
-    _in_background(probes_ready_when_synced(app, probes), "ace-probes-ready")
-    heartbeat = asyncio.create_task(probes.beat(), name="ace-heartbeat")
+    # One heartbeat on the loop: the watchdog logs and counts its stalls, the kubelet's
+    # liveness probe fails when it stops.
     watchdog = LoopWatchdog()
     app.telemetry.registry.register(watchdog)
-    watched = asyncio.create_task(watchdog.beat(), name="ace-loop-watchdog")
+    heartbeat = asyncio.create_task(watchdog.beat(), name="ace-heartbeat")
     watchdog.start()
+    probes = Probes(heartbeat=watchdog)
+    _in_background(probes_ready_when_synced(app, probes), "ace-probes-ready")
     try:
         metrics = tm.serve_metrics(s.metrics_listen, app.telemetry, probes)
     except OSError as exc:  # the data path matters more than its metrics
@@ -599,7 +600,6 @@ async def serve(config: Config) -> None:
     await server.stop(s.shutdown_grace_s)
     await app.stop()
     heartbeat.cancel()
-    watched.cancel()
     watchdog.stop()
     if metrics is not None:
         metrics.stop()

@@ -184,7 +184,7 @@ class VllmOptions:
     env: dict[str, str] = field(default_factory=dict)
     # CPU engines share the machine with the router: a positive niceness gives Envoy and
     # ace-extproc the CPU first, as in production, where the engines compute on GPUs
-    # (otherwise the OS starves every other process for up to 1.4 s at a time while
+    # (otherwise the OS starves every other process for up to seconds at a time while
     # they prefill, and a starved sidecar misses Envoy's message_timeout).
     niceness: int = 0
 

@@ -947,7 +947,7 @@ def parser() -> argparse.ArgumentParser:
         default=0,
         help="run the real vLLM servers at this niceness (their session's autogroup too), "
         "so the router and Envoy get the CPU first, as beside GPU engines (default 0: "
-        "the OS starves every process for up to 1.4 s at a time while they prefill)",
+        "the OS starves every process for seconds at a time while they prefill)",
     )
     ap.add_argument(
         "--router-setting",

@@ -47,12 +47,12 @@ def test_a_held_loop_is_logged_with_its_culprit_and_counted(
     cpu_ms = float(re.search(r"using (\d+) ms of CPU", warnings[0]).group(1))  # type: ignore[union-attr]
     assert cpu_ms < 100
     assert watchdog.stalls == 1
-    assert 0.3 <= watchdog.longest_s <= 0.6
+    assert 0.3 <= watchdog.longest_s <= 1.5  # held 0.5 s (a busy CI machine resumes late)
     assert watchdog.stalled_s == watchdog.longest_s
 
 
 def test_a_turning_loop_is_not_a_stall(caplog: pytest.LogCaptureFixture) -> None:
-    watchdog = LoopWatchdog(threshold_s=0.1, interval_s=0.02)
+    watchdog = LoopWatchdog(threshold_s=0.25, interval_s=0.02)
     with caplog.at_level(logging.WARNING, logger="ace_extproc.stalls"):
         asyncio.run(_run(watchdog, 0.0))
     assert watchdog.stalls == 0 and not caplog.records
@@ -112,3 +112,17 @@ def test_garbage_collection_in_a_stall_is_timed() -> None:
     finally:
         watchdog.stop()
     assert watchdog._gc_ms() > 0 and watchdog._on_gc not in gc.callbacks
+
+
+def test_the_liveness_probe_follows_the_watchdog_s_heartbeat() -> None:
+    from ace_extproc.probes import STALE_S, Probes
+
+    now = [100.0]
+    watchdog = LoopWatchdog(clock=lambda: now[0])
+    probes = Probes(clock=lambda: now[0], heartbeat=watchdog)
+    now[0] += STALE_S - 1
+    assert probes.alive()
+    now[0] += 2  # no beat for longer than STALE_S: the loop is stuck
+    assert not probes.alive()
+    watchdog.last_beat = now[0]  # it beat again
+    assert probes.alive()
