@@ -20,6 +20,7 @@ from ace_extproc.app import build
 from ace_extproc.config import Config, Destination, Fleet, Mode, Pod, Settings, sim_fleet
 from ace_extproc.latency import get_model
 from ace_extproc.routing import BlockIndex, FleetState
+from ace_extproc.routing.load import UNSEEN_MS, LoadAccounting
 from ace_extproc.routing.metrics_text import EngineStats, parse, restarted
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.sim.app import SimConfig, SimServer
@@ -464,6 +465,49 @@ def test_queued_prefill_drains_in_real_time_and_clears_when_the_engine_is_idle()
     assert load.queued_prefill_ms == pytest.approx(300.0)
     monitor.apply(0, EngineStats(engine="vllm", running=0, waiting=0, kv_usage=0.0))
     assert load.queued_prefill_ms == 0.0  # an idle engine has no prefill left
+
+
+def test_a_pick_the_engine_cannot_count_yet_survives_an_idle_scrape() -> None:
+    """A real vLLM reads 0 running for 0.27 s after a 30K-token prompt is sent (its API
+    server tokenizes first): a scrape then must not wipe the prompt's queued prefill, or
+    the next short request joins the pod about to prefill it. Once the pick's modelled
+    TTFT and the hop's allowance have passed, an idle reading is believed again."""
+    settings = Settings(ttft_model="vllm-cpu-tiny")
+    fleet = FleetState(sim_fleet(["127.0.0.1:1", "127.0.0.1:2"]))
+    now = [100.0]
+    load = LoadAccounting(fleet, settings, clock=lambda: now[0])
+    monitor = FleetMonitor(fleet, BlockIndex(100), settings, load)
+    model = get_model("vllm-cpu-tiny")
+    load.sent(0, 25_000)
+    queued = fleet.load[0].queued_prefill_ms
+    assert queued == pytest.approx(model.prefill_work_ms(25_000))
+    now[0] += 0.3
+    load.drain()
+    idle = EngineStats(engine="vllm", running=0, waiting=0, kv_usage=0.0)
+    monitor.apply(0, idle)
+    assert fleet.load[0].queued_prefill_ms == pytest.approx(queued - 300.0)
+    assert fleet.load[0].inflight == 1
+    monitor.apply(1, idle)  # the other pod's reading is its own
+    assert fleet.load[1].queued_prefill_ms == 0.0
+    # Past the pick's modelled TTFT and the allowance: the idle reading stands.
+    now[0] = 100.0 + (model.ttft_ms(25_000) + UNSEEN_MS) / 1000 + 0.001
+    monitor.apply(0, idle)
+    assert (fleet.load[0].queued_prefill_ms, fleet.load[0].inflight) == (0.0, 0)
+
+
+def test_an_idle_reading_keeps_only_what_unseen_picks_added() -> None:
+    """Prefill left over from picks the engine has counted (a pod faster than its model)
+    is dropped by an idle reading even while a later pick is still on its way."""
+    settings = Settings(ttft_model="vllm-cpu-tiny")
+    fleet = FleetState(sim_fleet(["127.0.0.1:1"]))
+    now = [50.0]
+    load = LoadAccounting(fleet, settings, clock=lambda: now[0])
+    monitor = FleetMonitor(fleet, BlockIndex(100), settings, load)
+    fleet.load[0].queued_prefill_ms = 5_000.0  # an old estimate, the engine long past it
+    load.sent(0, 1_000)
+    monitor.apply(0, EngineStats(engine="vllm", running=0, waiting=0, kv_usage=0.0))
+    expected = get_model("vllm-cpu-tiny").prefill_work_ms(1_000)
+    assert fleet.load[0].queued_prefill_ms == pytest.approx(expected)
 
 
 def test_a_long_prompt_queues_more_than_its_tokens_at_the_linear_rate() -> None:

@@ -22,6 +22,7 @@ never undrains a pod and an undrain never brings back one that is down.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -51,6 +52,8 @@ class PodLoad:
     inflight: int = 0
     # Prefill sent and not yet done, in milliseconds of the pod's TTFT model (load.py)
     queued_prefill_ms: float = 0.0
+    # Picks the engine may not count yet, oldest first: (when it must, their prefill ms).
+    unseen: deque[tuple[float, float]] = field(default_factory=deque)
     # Its LoRA adapter slots (vllm:lora_requests_info, and the picks since: lora.py)
     lora: Adapters = field(default_factory=Adapters)
 

@@ -15,7 +15,14 @@ flat rate called that pod free seconds before it was (issue 27's short requests
 waited behind it). The queue drains in real time, scaled by how much faster than
 their model the pods run (``prefill_tokens_per_s``: a simulated fleet on a fast
 clock), before each pick (``drain``); each scrape corrects it (``observed``): an idle
-engine has none left. The other replicas' placements count too
+engine has none left, except the picks it cannot count yet. A request shows in the
+engine's gauges only once its API server has read and tokenized it and the engine has
+run a step with it: a real vLLM on an idle machine read 0 running for 0.27 s after a
+30K-token prompt was sent, seconds on a busy one, and a scrape in that gap wiped the
+prompt's queued prefill, so a short request went to the pod about to prefill it (the
+real-pod runs' third slowest request, 4.3 s behind a 25K-token document with the other
+pod idle). So a pick stays counted until its modelled TTFT has passed, plus
+``UNSEEN_MS`` for the hop there. The other replicas' placements count too
 (``routing/replicas.py``).
 
 LoRA adapters are counted the same way (``lora.py``): a pick of adapter A marks A
@@ -35,6 +42,9 @@ from ace_extproc.routing.metrics_text import LoraInfo
 
 # The queued-prefill estimate drains at most this often.
 DRAIN_EVERY_MS = 1.0
+# Past its modelled TTFT, how long a pick may still be on its way to the engine's gauges
+# (Envoy, the API server's queue, the engine's step), unseen by a scrape.
+UNSEEN_MS = 100.0
 
 
 class LoadAccounting:
@@ -81,7 +91,16 @@ class LoadAccounting:
         if self.active:
             load = self.fleet.load[slot]
             load.inflight += 1
-            load.queued_prefill_ms += self.model_of(slot).prefill_work_ms(uncached, cached)
+            ttft = self.model_of(slot)
+            work = ttft.prefill_work_ms(uncached, cached)
+            load.queued_prefill_ms += work
+            speed = self._speeds.get(self.fleet.pods[slot].destination, self._speed)
+            now = self.clock()
+            unseen = load.unseen
+            while unseen and unseen[0][0] <= now:
+                unseen.popleft()
+            seen_by = now + (ttft.ttft_ms(uncached, cached) / speed + UNSEEN_MS) / 1000
+            unseen.append((seen_by, work))
             if model is not None and load.lora.max_lora:
                 load.lora.picked(model)
 
@@ -98,8 +117,9 @@ class LoadAccounting:
         (picks since are added on top). An idle engine has no prefill left: whatever the
         estimate still holds (a pod faster than its model, prompts more cached than
         believed) is dropped; a busy one keeps it, its running requests may still be
-        prefilling. ``lora``: its adapter slots, where it runs LoRA; ``base_model``:
-        the model it serves without an adapter."""
+        prefilling; picks it may not count yet keep theirs. ``lora``: its adapter
+        slots, where it runs LoRA; ``base_model``: the model it serves without an
+        adapter."""
         load = self.fleet.load[slot]
         load.running, load.waiting = running, waiting
         if kv_usage is not None:
@@ -108,7 +128,12 @@ class LoadAccounting:
         if lora is not None:
             load.lora.scraped(base_model, lora.max_lora, lora.in_use)
         if running == 0 and waiting == 0:
-            load.queued_prefill_ms = 0.0
+            unseen, now = load.unseen, self.clock()
+            while unseen and unseen[0][0] <= now:
+                unseen.popleft()
+            # Picks on their way stay queued, at most as much as they added.
+            load.inflight = len(unseen)
+            load.queued_prefill_ms = min(load.queued_prefill_ms, sum(w for _, w in unseen))
             load.lora.idle()
 
     def drain(self, now: float | None = None) -> None:
