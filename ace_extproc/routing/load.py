@@ -16,9 +16,9 @@ waited behind it). The queue drains in real time, scaled by how much faster than
 their model the pods run (``prefill_tokens_per_s``: a simulated fleet on a fast
 clock), before each pick (``drain``); each scrape corrects it (``observed``): an idle
 engine has none left, except the picks it cannot count yet. A request shows in the
-engine's gauges only once its API server has read and tokenized it and the engine has
-run a step with it: a real vLLM on an idle machine read 0 running for 0.27 s after a
-30K-token prompt was sent, seconds on a busy one, and a scrape in that gap wiped the
+engine's gauges only once its API server has read and tokenized it: a real vLLM on an
+idle machine read 0 running for 0.13-0.28 s after a 30K-token prompt was sent
+(``bench/gauge_lag.py``), longer on a busy one, and a scrape in that gap wiped the
 prompt's queued prefill, so a short request went to the pod about to prefill it (the
 real-pod runs' third slowest request, 4.3 s behind a 25K-token document with the other
 pod idle). So a pick stays counted until its modelled TTFT has passed, plus

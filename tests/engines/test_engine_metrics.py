@@ -8,7 +8,7 @@ import re
 import time
 
 from ace_extproc.vllm_pods import Pods
-from tests.engines.conftest import KV_BLOCKS, front, get_text, metric, post
+from tests.engines.conftest import KV_BLOCKS, document, front, get_text, metric, post, usage
 
 
 def test_the_index_is_sized_from_the_engines_cache_config_info(
@@ -70,3 +70,39 @@ def test_load_the_router_did_not_send_is_read_from_the_engines_metrics(
 
         busy, idle = ace.run(scenario())
     assert busy >= 4 and idle == 0
+
+
+def test_short_requests_avoid_the_pod_of_a_long_prompt_its_gauges_do_not_count_yet(
+    pods: Pods, loop: asyncio.AbstractEventLoop
+) -> None:
+    """vLLM counts a request in ``num_requests_running`` only once its API server has
+    tokenized it (bench.gauge_lag: 0.13-0.28 s for 30K tokens on an idle pod), so the
+    scrapes in between read that pod idle. Short requests sent then must still see the
+    long prompt queued there and go to the other pod (before routing/load.py kept a pick
+    counted through such readings, they went by their keys: half of them onto it)."""
+    long_body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": document("gauge-lag", repeats=1500)}],
+        "max_tokens": 2,
+    }
+    with front(pods, loop) as ace:
+
+        async def scenario() -> tuple[str, list[str]]:
+            slow = asyncio.ensure_future(post(ace.url, "/v1/chat/completions", long_body))
+            await asyncio.sleep(0.15)  # picked, and a scrape or two read its pod idle
+            served = []
+            for i in range(6):
+                # Each its own first block, so each has its own key (rendezvous order).
+                text = f"{i}-{i * 7919}: a short question of its own. " * 40
+                msgs = [{"role": "user", "content": text}]
+                body = {"model": "tiny", "messages": msgs, "max_tokens": 2}
+                status, headers, answer = await post(ace.url, "/v1/chat/completions", body)
+                assert status == 200, answer
+                served.append(headers["x-ace-served-by"])
+            status, headers, answer = await slow
+            assert status == 200, answer
+            assert usage(answer)["prompt_tokens"] > 20_000
+            return headers["x-ace-served-by"], served
+
+        long_pod, short_pods = ace.run(scenario())
+    assert long_pod not in short_pods, (long_pod, short_pods)
