@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -93,7 +94,7 @@ from ace_extproc.stack import TRACE_HEADER, Stack, StackError, StackOptions
 from ace_extproc.vllm_pods import EnginesMissing, Pods, VllmOptions
 from bench import peers
 from bench.ceiling import ceiling
-from bench.overhead import free_ports, metric_sums, percentile
+from bench.overhead import cpu_s, free_ports, metric_sums, percentile
 from bench.workloads.base import Workload
 
 # Another router's algorithm from bench/baselines, run as ace-extproc's policy.
@@ -414,6 +415,19 @@ def undecided(router_metrics: str, envoy_stats: str) -> dict[str, int]:
     return {k: v for k, v in sorted(out.items()) if v}
 
 
+def process_cpu(stack: Any) -> dict[str, float]:
+    """CPU seconds used so far by the stack's processes, by group: ``envoy`` (the one
+    before ace-extproc), ``pods`` (simulated ones), ``router`` (every ace-extproc server
+    and its Redis, or a peer router). On the real-engine tier the engines share the
+    machine's cores with them: a router that burns CPU slows the engines it routes to."""
+    out: dict[str, float] = {}
+    for name, proc in getattr(stack, "procs", {}).items():
+        group = "envoy" if name == "envoy" else "pods" if name.startswith("pod-") else "router"
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            out[group] = out.get(group, 0.0) + cpu_s(proc.pid)
+    return out
+
+
 def counter_deltas(
     before: Sequence[dict[str, float]], after: Sequence[dict[str, float]]
 ) -> list[dict[str, float]]:
@@ -597,7 +611,9 @@ async def run_router(
     try:
         url, *pod_urls = await _start(name, stack, ports, options, real)
         before = await scrape(pod_urls)
+        cpu_before = process_cpu(stack)
         run.records, wall = await replay(url, requests, options)
+        cpu_after = process_cpu(stack)
         after = await scrape(pod_urls)
         dead = stack.dead()
         if real is not None:
@@ -605,6 +621,11 @@ async def run_router(
         if dead:
             run.failed = f"{', '.join(dead)} exited during the replay"
         run.summary = summarize(run.records, counter_deltas(before, after), wall)
+        run.summary["cpu_ms_per_request"] = {
+            group: round((cpu_after[group] - cpu_before[group]) * 1000 / len(requests), 2)
+            for group in cpu_before
+            if group in cpu_after and requests
+        }
         if variant is not None:
             router_text = await _text(f"http://{stack_options.metrics}/metrics")
             envoy_text = await _text(f"http://{stack_options.admin}/stats?filter=ext_proc")
@@ -785,6 +806,12 @@ def format_table(runs: Sequence[RouterRun], predicted: dict[str, Any] | None = N
                 f"{run.name:<{w}}{_pct(g['same'] / picks if picks else None)}"
                 f"{g['guess_only_blocks']:>12.0f}{g['events_only_blocks']:>12.0f}"
             )
+    cpu_runs = [run for run in runs if run.summary and run.summary.get("cpu_ms_per_request")]
+    if cpu_runs:
+        lines.append("\nCPU a request on this machine, ms (the engines share its cores)")
+        for run in cpu_runs:
+            cpu = run.summary["cpu_ms_per_request"] if run.summary else {}
+            lines.append(f"{run.name:<{w}}" + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
     undecided_runs = [run for run in runs if run.summary and run.summary.get("undecided")]
     if undecided_runs:
         lines.append("\nrequests that went on undecided (router bypasses; Envoy failing open)")

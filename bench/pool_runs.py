@@ -1,0 +1,85 @@
+"""Several ``bench.live`` runs' per-request records, pooled per router.
+
+    python -m bench.pool_runs RECORDS... [--baseline ace] [--out FILE]
+
+One run of 300 requests has its TTFT p99 set by its three slowest requests; on the
+real-engine tier those are the first requests of new 25K-token documents, which every
+router places alike (nothing is warm anywhere), and whose time moves by seconds between
+two routers' turns of one run. Pooling the records (``--records FILE`` of each run,
+JSON lines, gzipped or not) of runs of one command gives each percentile several times
+the requests. Per router: answered requests, the engines' cached share, TTFT p50, p90,
+p95 and p99; and each figure against ``--baseline``'s, as a ratio (below 1: lower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench import record
+from bench.overhead import percentile
+
+QUANTILES = (0.50, 0.90, 0.95, 0.99)
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def pooled(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per router: answered requests, cached share of prompt tokens, TTFT quantiles (ms)."""
+    out: dict[str, dict[str, float]] = {}
+    for router in dict.fromkeys(r["router"] for r in records):
+        ok = [r for r in records if r["router"] == router and r["error"] is None]
+        ttfts = [r["ttft_ms"] for r in ok if r["ttft_ms"] is not None]
+        prompt = sum(r["prompt_tokens"] or 0 for r in ok)
+        figures: dict[str, float] = {
+            "requests": len(ok),
+            "cached_share": round(sum(r["cached_tokens"] or 0 for r in ok) / prompt, 4)
+            if prompt
+            else 0.0,
+        }
+        for q in QUANTILES:
+            figures[f"ttft_p{round(q * 100)}_ms"] = round(percentile(ttfts, q), 1)
+        out[router] = figures
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("records", nargs="+", type=Path)
+    ap.add_argument("--baseline", default="ace")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    records = [r for path in args.records for r in read(path)]
+    routers = pooled(records)
+    base = routers.get(args.baseline)
+    names = [f"ttft_p{round(q * 100)}_ms" for q in QUANTILES]
+    print(f"{len(args.records)} runs pooled")
+    print(f"{'router':<16}{'requests':>9}{'cached%':>9}" + "".join(f"{n[5:8]:>9}" for n in names))
+    for router, f in routers.items():
+        row = f"{router:<16}{f['requests']:>9.0f}{f['cached_share'] * 100:>9.2f}"
+        row += "".join(f"{f[n]:>9.0f}" for n in names)
+        if base is not None and router != args.baseline:
+            ratios = " ".join(f"{f[n] / base[n]:.2f}x" for n in names if base[n])
+            points = (f["cached_share"] - base["cached_share"]) * 100
+            row += f"   vs {args.baseline}: {points:+.2f} points, TTFT {ratios}"
+        print(row)
+    if args.out:
+        doc = {
+            "command": record.command("bench.pool_runs", argv),
+            "runs": [str(p) for p in args.records],
+            "routers": routers,
+        }
+        record.write(args.out, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
