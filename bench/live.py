@@ -806,18 +806,16 @@ def format_table(runs: Sequence[RouterRun], predicted: dict[str, Any] | None = N
                 f"{run.name:<{w}}{_pct(g['same'] / picks if picks else None)}"
                 f"{g['guess_only_blocks']:>12.0f}{g['events_only_blocks']:>12.0f}"
             )
-    cpu_runs = [run for run in runs if run.summary and run.summary.get("cpu_ms_per_request")]
-    if cpu_runs:
-        lines.append("\nCPU a request on this machine, ms (the engines share its cores)")
-        for run in cpu_runs:
-            cpu = run.summary["cpu_ms_per_request"] if run.summary else {}
-            lines.append(f"{run.name:<{w}}" + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
-    undecided_runs = [run for run in runs if run.summary and run.summary.get("undecided")]
-    if undecided_runs:
-        lines.append("\nrequests that went on undecided (router bypasses; Envoy failing open)")
-        for run in undecided_runs:
-            counts = run.summary["undecided"] if run.summary else {}
-            lines.append(f"{run.name:<{w}}" + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    for key, title in (
+        ("cpu_ms_per_request", "CPU a request on this machine, ms (the engines share its cores)"),
+        ("undecided", "requests that went on undecided (router bypasses; Envoy failing open)"),
+    ):
+        shown = [run for run in runs if run.summary and run.summary.get(key)]
+        if shown:
+            lines.append("\n" + title)
+        for run in shown:
+            named = run.summary[key] if run.summary else {}
+            lines.append(f"{run.name:<{w}}" + ", ".join(f"{k} {v:g}" for k, v in named.items()))
     families = sorted({f for run in runs if run.summary for f in run.summary["families"]})
     if len(families) > 1:
         lines.append("\ncached% by family (requests)")
