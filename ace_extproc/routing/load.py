@@ -33,6 +33,7 @@ what is.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 
 from ace_extproc.config import Settings, ttft_models
@@ -96,11 +97,8 @@ class LoadAccounting:
             load.queued_prefill_ms += work
             speed = self._speeds.get(self.fleet.pods[slot].destination, self._speed)
             now = self.clock()
-            unseen = load.unseen
-            while unseen and unseen[0][0] <= now:
-                unseen.popleft()
             seen_by = now + (ttft.ttft_ms(uncached, cached) / speed + UNSEEN_MS) / 1000
-            unseen.append((seen_by, work))
+            _on_their_way(load.unseen, now).append((seen_by, work))
             if model is not None and load.lora.max_lora:
                 load.lora.picked(model)
 
@@ -128,9 +126,7 @@ class LoadAccounting:
         if lora is not None:
             load.lora.scraped(base_model, lora.max_lora, lora.in_use)
         if running == 0 and waiting == 0:
-            unseen, now = load.unseen, self.clock()
-            while unseen and unseen[0][0] <= now:
-                unseen.popleft()
+            unseen = _on_their_way(load.unseen, self.clock())
             # Picks on their way stay queued, at most as much as they added.
             load.inflight = len(unseen)
             load.queued_prefill_ms = min(load.queued_prefill_ms, sum(w for _, w in unseen))
@@ -157,3 +153,10 @@ class LoadAccounting:
             if load.queued_prefill_ms:
                 done = elapsed_ms * speeds.get(pods[slot].destination, default)
                 load.queued_prefill_ms = max(0.0, load.queued_prefill_ms - done)
+
+
+def _on_their_way(unseen: deque[tuple[float, float]], now: float) -> deque[tuple[float, float]]:
+    """``unseen`` without the picks the engine must have counted by ``now``."""
+    while unseen and unseen[0][0] <= now:
+        unseen.popleft()
+    return unseen
