@@ -377,3 +377,43 @@ def test_undecided_requests_are_read_from_the_routers_metrics_and_envoys_stats()
         "loop_longest_stall_ms": 1234,
         "loop_stalls": 2,
     }
+
+
+def test_process_cpu_groups_the_stacks_processes() -> None:
+    """The router's processes (ace-extproc servers, Redis, a peer), Envoy and simulated
+    pods are counted apart: on the real-engine tier the router's CPU is the engines' loss."""
+    import os
+    from types import SimpleNamespace
+
+    me = SimpleNamespace(pid=os.getpid())
+    gone = SimpleNamespace(pid=2**22 + 12345)  # no such process: skipped, not raised
+    stack = SimpleNamespace(
+        procs={"envoy": me, "ace-extproc": me, "redis": me, "pod-0": me, "sglang": gone}
+    )
+    cpu = live.process_cpu(stack)
+    assert set(cpu) == {"envoy", "router", "pods"}
+    assert cpu["router"] == pytest.approx(2 * cpu["envoy"], rel=0.05)  # two of them
+    assert cpu["envoy"] > 0
+
+
+def test_pool_runs_pools_each_routers_records(tmp_path: Path) -> None:
+    from bench import pool_runs
+
+    def rec(router: str, ttft: float, cached: int, error: str | None = None) -> str:
+        r = {"router": router, "error": error, "ttft_ms": ttft}
+        return json.dumps(r | {"prompt_tokens": 100, "cached_tokens": cached})
+
+    one = tmp_path / "one.jsonl"
+    one.write_text("\n".join([rec("ace", 10, 50), rec("ace_precise", 30, 80)]) + "\n")
+    two = tmp_path / "two.jsonl"
+    two.write_text(
+        "\n".join([rec("ace", 20, 70), rec("ace_precise", 40, 90), rec("ace", 0, 0, "reset")])
+    )
+    routers = pool_runs.pooled([r for p in (one, two) for r in pool_runs.read(p)])
+    assert routers["ace"]["requests"] == 2  # the failed request left out
+    assert routers["ace"]["cached_share"] == pytest.approx(0.6)
+    assert routers["ace_precise"]["cached_share"] == pytest.approx(0.85)
+    assert routers["ace"]["ttft_p99_ms"] == 20 and routers["ace_precise"]["ttft_p50_ms"] == 40
+    out = tmp_path / "pooled.json"
+    assert pool_runs.main([str(one), str(two), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["routers"] == routers
