@@ -9,6 +9,10 @@ two routers' turns of one run. Pooling the records (``--records FILE`` of each r
 JSON lines, gzipped or not) of runs of one command gives each percentile several times
 the requests. Per router: answered requests, the engines' cached share, TTFT p50, p90,
 p95 and p99; and each figure against ``--baseline``'s, as a ratio (below 1: lower).
+Then the requests each router sent to the same pod as the baseline, with the same
+cached tokens (placement and cache aside), by family: the median of their TTFT less
+the baseline's for the same request of the same run, so a router slower for some other
+reason shows.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,14 +56,41 @@ def pooled(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def paired(
+    runs: Sequence[Sequence[dict[str, Any]]], baseline: str
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per router, per family: requests placed and cached as the baseline's in the same
+    run, and the median of their TTFT less the baseline's (ms)."""
+    diffs: dict[str, dict[str, list[float]]] = {}
+    for records in runs:
+        ok = [r for r in records if r["error"] is None and r["ttft_ms"] is not None]
+        base = {r["index"]: r for r in ok if r["router"] == baseline}
+        for r in ok:
+            b = base.get(r["index"])
+            if r["router"] == baseline or b is None:
+                continue
+            if (r["pod"], r["cached_tokens"]) == (b["pod"], b["cached_tokens"]):
+                by_family = diffs.setdefault(r["router"], {})
+                by_family.setdefault(r["family"], []).append(r["ttft_ms"] - b["ttft_ms"])
+    return {
+        router: {
+            family: {"requests": len(d), "median_ttft_diff_ms": round(statistics.median(d), 1)}
+            for family, d in sorted(families.items())
+        }
+        for router, families in diffs.items()
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("records", nargs="+", type=Path)
     ap.add_argument("--baseline", default="ace")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    records = [r for path in args.records for r in read(path)]
+    runs = [read(path) for path in args.records]
+    records = [r for run in runs for r in run]
     routers = pooled(records)
+    alike = paired(runs, args.baseline)
     base = routers.get(args.baseline)
     names = [f"ttft_p{round(q * 100)}_ms" for q in QUANTILES]
     print(f"{len(args.records)} runs pooled")
@@ -71,11 +103,16 @@ def main(argv: list[str] | None = None) -> int:
             points = (f["cached_share"] - base["cached_share"]) * 100
             row += f"   vs {args.baseline}: {points:+.2f} points, TTFT {ratios}"
         print(row)
+    for router, families in alike.items():
+        print(f"{router}, placed and cached as {args.baseline}: TTFT less its, median ms")
+        for family, f in families.items():
+            print(f"  {family:<14}{f['requests']:>6.0f}{f['median_ttft_diff_ms']:>+9.0f}")
     if args.out:
         doc = {
             "command": record.command("bench.pool_runs", argv),
             "runs": [str(p) for p in args.records],
             "routers": routers,
+            "placed_alike": alike,
         }
         record.write(args.out, doc)
     return 0

@@ -399,20 +399,31 @@ def test_process_cpu_groups_the_stacks_processes() -> None:
 def test_pool_runs_pools_each_routers_records(tmp_path: Path) -> None:
     from bench import pool_runs
 
-    def rec(router: str, ttft: float, cached: int, error: str | None = None) -> str:
-        r = {"router": router, "error": error, "ttft_ms": ttft}
-        return json.dumps(r | {"prompt_tokens": 100, "cached_tokens": cached})
+    def rec(router: str, ttft: float, cached: int, error: str | None = None, i: int = 0) -> str:
+        r = {"router": router, "error": error, "ttft_ms": ttft, "index": i, "pod": "pod-0"}
+        return json.dumps(r | {"prompt_tokens": 100, "cached_tokens": cached, "family": "doc"})
 
     one = tmp_path / "one.jsonl"
     one.write_text("\n".join([rec("ace", 10, 50), rec("ace_precise", 30, 80)]) + "\n")
     two = tmp_path / "two.jsonl"
     two.write_text(
-        "\n".join([rec("ace", 20, 70), rec("ace_precise", 40, 90), rec("ace", 0, 0, "reset")])
+        "\n".join(
+            [
+                rec("ace", 20, 70),
+                rec("ace_precise", 40, 70),  # placed and cached alike: 20 ms slower
+                rec("ace", 0, 0, "reset", i=1),
+            ]
+        )
     )
-    routers = pool_runs.pooled([r for p in (one, two) for r in pool_runs.read(p)])
+    runs = [pool_runs.read(p) for p in (one, two)]
+    # Only the second run's pair got the same cached tokens: the first is left out.
+    assert pool_runs.paired(runs, "ace") == {
+        "ace_precise": {"doc": {"requests": 1, "median_ttft_diff_ms": 20.0}}
+    }
+    routers = pool_runs.pooled([r for run in runs for r in run])
     assert routers["ace"]["requests"] == 2  # the failed request left out
     assert routers["ace"]["cached_share"] == pytest.approx(0.6)
-    assert routers["ace_precise"]["cached_share"] == pytest.approx(0.85)
+    assert routers["ace_precise"]["cached_share"] == pytest.approx(0.75)
     assert routers["ace"]["ttft_p99_ms"] == 20 and routers["ace_precise"]["ttft_p50_ms"] == 40
     out = tmp_path / "pooled.json"
     assert pool_runs.main([str(one), str(two), "--out", str(out)]) == 0
