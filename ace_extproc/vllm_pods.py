@@ -355,8 +355,10 @@ class Pods:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             for url in self.urls:
                 async with http.post(f"{url}/reset_prefix_cache") as resp:
-                    if resp.status != 200:
-                        raise RuntimeError(f"{url}/reset_prefix_cache: HTTP {resp.status}")
+                    body = await resp.json(content_type=None) if resp.status == 200 else {}
+                    # vLLM answers 200 with success false while blocks are held.
+                    if not body.get("success"):
+                        raise RuntimeError(f"{url}/reset_prefix_cache: HTTP {resp.status} {body}")
 
     async def stop(self) -> None:
         await asyncio.gather(*(self.kill(i, signal.SIGTERM) for i in range(len(self.ports))))

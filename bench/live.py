@@ -30,7 +30,9 @@ Routers, each started in front of cold pods:
   gie_lora  GIE's LoRA-affinity filter before its default scorers (bench/baselines), run
             as ace-extproc's policy (``router.policy: module:Class``): GIE's endpoint
             picker is Go and does not run here, its algorithm does
-A peer that is not installed is skipped, with the reason in the table and the JSON.
+A peer that is not installed is skipped, with the reason in the table and the JSON. A
+router named twice runs twice, its second turn reported as ``NAME#2`` (``--routers
+ace,ace_precise,ace``): an A/A check of how far two turns of one router differ.
 
 Replay. At most ``--concurrency`` requests are in flight, taken in arrival order (closed
 loop). With ``--speed S`` > 0 a request is also held until its arrival time divided by S
@@ -58,6 +60,10 @@ machine time; the engines' simulated TTFT (``engine_ttft_ms``: from a request re
 its pod to its first token, on the pods' clock, queueing included) is what each router's
 placement gave, at any scale, and with the cached share the figure to compare. Fleet events
 of a workload (pods leaving or joining) are not replayed: every pod serves from the start.
+``--clear-cache-at S[,S...]`` empties a pod's prefix cache S seconds into each router's
+replay (pods in turn; vLLM's ``/reset_prefix_cache?reset_running_requests=true``), as a
+restart would, without telling the router: the drift an index of where requests were
+sent cannot see, and KV events report (``AllBlocksCleared``).
 
 Writes ``bench/results/live-<workload>.json`` (``--out``), per-request records with
 ``--records FILE`` (JSON lines), and prints a table.
@@ -160,6 +166,7 @@ class LiveOptions:
     engine: str = "sim"  # or "vllm": real servers (vllm_pods.py)
     kv_blocks: int | None = None  # real servers' KV cache in blocks (None: 1 GiB)
     engine_nice: int = 0  # real servers' niceness (vllm_pods.VllmOptions.niceness)
+    clear_cache_at: tuple[float, ...] = ()  # seconds into the replay (``clear_caches``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,6 +337,40 @@ async def replay(
         await asyncio.gather(*(one(i) for i in range(len(requests))))
         wall = time.perf_counter() - t0
     return [r for r in records if r is not None], wall
+
+
+async def clear_caches(pod_urls: Sequence[str], at: Sequence[float]) -> list[dict[str, Any]]:
+    """Empty a pod's prefix cache at each of ``at`` (seconds into the replay), the k-th
+    clear on pod k modulo their number, its running requests preempted (they prefill
+    again): what a restart does to a pod's cache, without the minute a restart takes.
+    The router is not told; a pod that publishes KV events says ``AllBlocksCleared``.
+    Appends each clear as it is done: ``{"at_s", "pod", "success"}``."""
+    done: list[dict[str, Any]] = []
+    if not at or not pod_urls:
+        return done
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        for k, offset in enumerate(sorted(at)):
+            await asyncio.sleep(max(0.0, start + offset - loop.time()))
+            pod = k % len(pod_urls)
+            url = f"{pod_urls[pod]}/reset_prefix_cache"
+            params = {"reset_running_requests": "true"}  # vLLM: preempt, then it cannot fail
+            async with http.post(url, params=params) as resp:
+                body = await resp.json(content_type=None) if resp.status == 200 else {}
+            at_s = round(loop.time() - start, 2)
+            done.append({"at_s": at_s, "pod": pod, "success": bool(body.get("success"))})
+    return done
+
+
+async def _stop_clearing(task: asyncio.Task[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The clears done by the end of the replay (any later ones are not made)."""
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return []
+    return task.result()
 
 
 # ------------------------------------------------------------------ engine counters
@@ -608,12 +649,15 @@ async def run_router(
         stack_options.precise = variant.precise and real is None
         stack_options.metrics = f"127.0.0.1:{free_ports(1)[0]}"
     stack = Stack(stack_options) if variant is not None else peers.PeerStack(stack_options)
+    clears: asyncio.Task[list[dict[str, Any]]] | None = None
     try:
         url, *pod_urls = await _start(name, stack, ports, options, real)
         before = await scrape(pod_urls)
         cpu_before = process_cpu(stack)
+        clears = asyncio.create_task(clear_caches(pod_urls, options.clear_cache_at))
         run.records, wall = await replay(url, requests, options)
         cpu_after = process_cpu(stack)
+        cleared = await _stop_clearing(clears)
         after = await scrape(pod_urls)
         dead = stack.dead()
         if real is not None:
@@ -621,6 +665,8 @@ async def run_router(
         if dead:
             run.failed = f"{', '.join(dead)} exited during the replay"
         run.summary = summarize(run.records, counter_deltas(before, after), wall)
+        if options.clear_cache_at:
+            run.summary["cache_clears"] = cleared
         run.summary["cpu_ms_per_request"] = {
             group: round((cpu_after[group] - cpu_before[group]) * 1000 / len(requests), 2)
             for group in cpu_before
@@ -635,6 +681,8 @@ async def run_router(
     except (StackError, aiohttp.ClientError, OSError) as exc:
         run.failed = str(exc)
     finally:
+        if clears is not None and not clears.done():
+            clears.cancel()
         await stack.stop()
     return run
 
@@ -695,11 +743,13 @@ async def _each(
     progress: Callable[[str], None],
     real: Pods | None,
 ) -> list[RouterRun]:
-    runs = []
+    runs: list[RouterRun] = []
     for name in routers:
         progress(f"{name}: starting the router" + ("" if real else f" and {options.pods} pods"))
         started = time.monotonic()
         run = await run_router(name, requests, options, real)
+        if turn := sum(r.name.partition("#")[0] == name for r in runs):
+            run.name = f"{name}#{turn + 1}"  # a repeat: its records and summary apart
         what = run.skipped or run.failed or f"{len(run.records)} requests"
         progress(f"{name}: {what} ({time.monotonic() - started:.1f} s)")
         runs.append(run)
@@ -926,6 +976,16 @@ def _routers(text: str) -> list[str]:
     return names
 
 
+def _seconds(text: str) -> tuple[float, ...]:
+    try:
+        times = tuple(float(x) for x in text.split(",") if x)
+    except ValueError:
+        times = ()
+    if not times or any(t < 0 for t in times):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, comma-separated, got {text!r}")
+    return times
+
+
 def _router_setting(item: str, ap: argparse.ArgumentParser) -> tuple[str, object]:
     key, sep, value = item.partition("=")
     if not sep or not key:
@@ -975,6 +1035,15 @@ def parser() -> argparse.ArgumentParser:
         "the OS starves every process for seconds at a time while they prefill)",
     )
     ap.add_argument(
+        "--clear-cache-at",
+        type=_seconds,
+        default=(),
+        metavar="S[,S...]",
+        help="empty a pod's prefix cache this many seconds into each router's replay, "
+        "pods in turn, its running requests preempted (a restart's effect on the cache); "
+        "the router is not told",
+    )
+    ap.add_argument(
         "--router-setting",
         action="append",
         default=[],
@@ -1004,6 +1073,7 @@ def main(argv: list[str] | None = None) -> int:
         engine=args.engine,
         kv_blocks=args.kv_blocks,
         engine_nice=args.engine_nice,
+        clear_cache_at=args.clear_cache_at,
     )
     try:
         workload = load_workload(args.workload, args.limit, args.rate, options.seed)

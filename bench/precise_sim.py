@@ -28,6 +28,12 @@ blocks, 32K tokens: the largest prompts barely fit), ``vllm-cpu`` (the real-engi
 tier's pods at 2,048 blocks, as ``bench.live --engine vllm --kv-blocks 2048`` runs
 them; with ``--pods 2 --limit 300 --rate 1``, the shape of its precise runs).
 
+``--clear-every S``: every S simulated seconds a pod's cache is emptied of what no
+running request holds, the pods in turn, and the router is not told (a restart's
+effect on the cache: ``FleetEvent`` "clear"). The approximate index keeps guessing
+what it sent there; the events say ``AllBlocksCleared``. Writes
+``precise-sim-clearS.json`` unless ``--out``.
+
 Per variant: TTFT p50/p99, the share of prompt tokens the engines reported cached
 (``saved%``, what ``usage.cached_tokens`` says), requests with any hit, evictions, the
 router's estimate error (|its estimated saved tokens - the engine's cached| over the
@@ -53,7 +59,7 @@ from bench import workloads
 from bench.baselines import resolve
 from bench.fleetsim import RunResult, SimSettings, simulate, summarize
 from bench.fleetsim.settings import cpu_vllm
-from bench.workloads.base import Workload
+from bench.workloads.base import FleetEvent, Workload
 
 OUT = Path("bench/results/precise-sim.json")
 DELAYS_S = (0.0, 0.05, 0.5)
@@ -124,6 +130,20 @@ def figures(result: RunResult) -> dict[str, Any]:
         "wall_s": round(result.wall_s, 2),
         **{k: v for k, v in result.extra.items() if k != "scrapes"},
     }
+
+
+def with_clears(workload: Workload, pods: int, every_s: float) -> Workload:
+    """``workload`` with a pod's cache cleared every ``every_s`` seconds while requests
+    arrive, pods in turn (slot 0 first), beside its own fleet events."""
+    if every_s <= 0 or not workload.requests:
+        return workload
+    end = workload.requests[-1].arrival_s
+    clears = [
+        FleetEvent(round(k * every_s, 6), "clear", (k - 1) % pods)
+        for k in range(1, int(end // every_s) + 1)
+    ]
+    events = sorted([*workload.events, *clears], key=lambda e: e.at_s)
+    return replace(workload, events=events)
 
 
 def run_workload(
@@ -258,6 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         help="N routers taking turns, sharing nothing (and approximate+shared: through "
         "Redis); writes precise-sim-replicasN.json unless --out",
     )
+    ap.add_argument(
+        "--clear-every",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="empty a pod's cache every S simulated seconds, pods in turn, unannounced "
+        "(a restart); writes precise-sim-clearS.json unless --out",
+    )
     ap.add_argument("--out")
     ap.add_argument("--markdown", action="store_true", help="print --out's table; run nothing")
     args = ap.parse_args(argv)
@@ -265,12 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--replicas must be at least 1")
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")
+    if args.clear_every < 0:
+        ap.error("--clear-every must not be negative")
     if args.out is None:
-        args.out = str(
-            OUT
-            if args.replicas == 1
-            else OUT.with_name(f"precise-sim-replicas{args.replicas}.json")
-        )
+        stem = "precise-sim"
+        if args.replicas > 1:
+            stem += f"-replicas{args.replicas}"
+        if args.clear_every:
+            stem += f"-clear{args.clear_every:g}"
+        args.out = str(OUT.with_name(f"{stem}.json"))
     if args.markdown:
         print(markdown(json.loads(Path(args.out).read_text())))
         return 0
@@ -288,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "pods": args.pods,
             "policy": args.policy,
+            "clear_every_s": args.clear_every,
             "fleets": {f: asdict(s) for f, s in fleets.items()},
             "variants": chosen,
         }
@@ -297,7 +329,14 @@ def main(argv: list[str] | None = None) -> int:
         limit = args.limit or DEFAULT_LIMITS.get(name)
         seeds = range(args.seed, args.seed + (1 if name in UNSEEDED else args.seeds))
         try:
-            runs = [workloads.get(name, seed=seed, limit=limit, rate=args.rate) for seed in seeds]
+            runs = [
+                with_clears(
+                    workloads.get(name, seed=seed, limit=limit, rate=args.rate),
+                    args.pods,
+                    args.clear_every,
+                )
+                for seed in seeds
+            ]
         except (ValueError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

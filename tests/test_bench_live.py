@@ -428,3 +428,63 @@ def test_pool_runs_pools_each_routers_records(tmp_path: Path) -> None:
     out = tmp_path / "pooled.json"
     assert pool_runs.main([str(one), str(two), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["routers"] == routers
+
+
+def test_a_router_named_twice_runs_twice_its_second_turn_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ran: list[str] = []
+
+    async def fake_run(name: str, *args: Any, **kwargs: Any) -> live.RouterRun:
+        ran.append(name)
+        return live.RouterRun(name)
+
+    monkeypatch.setattr(live, "run_router", fake_run)
+    options = live.LiveOptions()
+    runs = asyncio.run(live._each([], ["ace", "ace_precise", "ace", "ace"], options, print, None))
+    assert ran == ["ace", "ace_precise", "ace", "ace"]  # each turn runs the router named
+    assert [r.name for r in runs] == ["ace", "ace_precise", "ace#2", "ace#3"]
+
+
+def test_clear_caches_empties_the_pods_in_turn_preempting_running_requests() -> None:
+    from aiohttp import web
+
+    async def main() -> tuple[list[tuple[int, str | None]], list[dict[str, Any]]]:
+        calls: list[tuple[int, str | None]] = []
+        runners, urls = [], []
+        for pod in range(2):
+
+            async def reset(request: web.Request, pod: int = pod) -> web.Response:
+                calls.append((pod, request.query.get("reset_running_requests")))
+                return web.json_response({"success": pod == 0})  # pod 1 refuses
+
+            app = web.Application()
+            app.router.add_post("/reset_prefix_cache", reset)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{port}")
+        try:
+            done = await live.clear_caches(urls, (0.1, 0.0, 0.05))
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+        return calls, done
+
+    calls, done = asyncio.run(main())
+    assert calls == [(0, "true"), (1, "true"), (0, "true")]
+    assert [(d["pod"], d["success"]) for d in done] == [(0, True), (1, False), (0, True)]
+    assert [d["at_s"] for d in done] == sorted(d["at_s"] for d in done)
+    assert done[2]["at_s"] >= 0.1
+
+
+def test_clear_cache_at_takes_seconds_and_refuses_the_rest() -> None:
+    ap = live.parser()
+    args = ap.parse_args(["--workload", "seed800", "--clear-cache-at", "100,200.5"])
+    assert args.clear_cache_at == (100.0, 200.5)
+    for bad in ("", "soon", "-1", "5,x"):
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--workload", "seed800", "--clear-cache-at", bad])

@@ -10,7 +10,7 @@ from dataclasses import replace
 from bench import workloads
 from bench.baselines import resolve
 from bench.fleetsim import RunResult, SimSettings, simulate, summarize
-from bench.precise_sim import VARIANTS, figures
+from bench.precise_sim import VARIANTS, figures, with_clears
 from bench.workloads.base import Request, Workload
 
 APPROXIMATE = SimSettings()
@@ -92,3 +92,26 @@ def test_deterministic_across_runs() -> None:
 def test_the_report_runs_every_variant() -> None:
     assert set(VARIANTS) >= {"approximate", "precise@50ms", "precise+spec@500ms"}
     assert not VARIANTS["approximate"]
+
+
+def test_a_cache_cleared_unannounced_misleads_the_guess_not_the_events() -> None:
+    """A pod that loses its cache (a restart) without the router being told: the
+    approximate index still counts on what it sent there, the events say it is gone."""
+    plain = conversations(n=4, turns=4, gap_s=2.0)
+    cleared = with_clears(plain, pods=2, every_s=3.0)  # pod 0 at 3 s, pod 1 at 6 s
+    assert [(e.at_s, e.action, e.slot) for e in cleared.events] == [
+        (3.0, "clear", 0),
+        (6.0, "clear", 1),
+    ]
+
+    def error(workload: Workload, settings: SimSettings) -> float:
+        """|the router's estimate of each request's cached tokens - the engine's|, over
+        the prompt tokens."""
+        return float(figures(run(workload, settings, pods=2))["estimate_error"])
+
+    spec = replace(SPECULATIVE, event_delay_s=0.0)
+    # Without a clear both are off by the partial blocks each counts its own way only.
+    assert error(plain, APPROXIMATE) < 0.05 and error(plain, spec) < 0.05
+    # With them the guess promised turns a history the pods had lost; the events did not.
+    assert error(cleared, APPROXIMATE) > 0.2
+    assert error(cleared, spec) < 0.05

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -143,5 +144,30 @@ def test_cancelled_requests_leak_nothing() -> None:
         assert (engine.running, engine.waiting) == (0, 0)
         assert engine.cache.used_blocks == 0
         assert engine.stats.finished == {"abort": 1}
+
+    asyncio.run(main())
+
+
+def test_the_gauges_count_a_request_once_the_server_has_read_it() -> None:
+    """A real vLLM's gauges count a request only once its API server has tokenized it
+    (bench/gauge_lag.py); the sim's do too, for the server's share of its prompt."""
+
+    async def main() -> None:
+        slow_server = dataclasses.replace(MODEL, t0_ms=10.0, token_ms=0.02)
+        engine = Engine(
+            slow_server, PrefixCache(block_size=16, num_gpu_blocks=4096), time_scale=1.0
+        )
+        long = asyncio.create_task(engine.start(list(range(20_000)), max_tokens=1))
+        await asyncio.sleep(0.05)  # its server share: 10 + 0.02 * 20,000 = 410 ms
+        assert engine.running == 1  # admitted, and prefilling in the engine's timing
+        assert engine.gauges() == (0, 0)  # but not reported yet
+        short = asyncio.create_task(engine.start(list(range(30_000, 30_100)), max_tokens=1))
+        await asyncio.sleep(0.1)  # the short one's share (12 ms) has passed, not the long's
+        assert engine.gauges() == (1, 0)
+        await asyncio.sleep(0.45)  # both read; the long one's prefill runs past 1 s
+        assert engine.gauges() == (2, 0)
+        for req in await asyncio.gather(long, short):
+            engine.finish(req)
+        assert engine.gauges() == (0, 0)
 
     asyncio.run(main())

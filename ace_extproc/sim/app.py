@@ -599,17 +599,18 @@ def _permission(created: int) -> dict[str, Any]:
 
 
 async def _get_load(request: web.Request) -> web.StreamResponse:
-    engine = request.app[POD].engine
-    return _json({"load": engine.running + engine.waiting})
+    running, waiting = request.app[POD].engine.gauges()
+    return _json({"load": running + waiting})
 
 
 async def _server_info(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     info: dict[str, Any] = asdict(pod.config)
+    running, waiting = pod.engine.gauges()
     info.update(
         version=VERSION,
-        num_requests_running=pod.engine.running,
-        num_requests_waiting=pod.engine.waiting,
+        num_requests_running=running,
+        num_requests_waiting=waiting,
         kv_cache_usage=pod.cache.usage,
         cached_blocks=pod.cache.cached_blocks,
     )
@@ -635,14 +636,11 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     engine, cache, stats = pod.engine, pod.cache, pod.engine.stats
     out = Exposition({"engine": "0", "model_name": pod.config.model})
+    running, waiting = engine.gauges()
     out.gauge(
-        "vllm:num_requests_running",
-        engine.running,
-        "Number of requests in model execution batches.",
+        "vllm:num_requests_running", running, "Number of requests in model execution batches."
     )
-    out.gauge(
-        "vllm:num_requests_waiting", engine.waiting, "Number of requests waiting to be processed."
-    )
+    out.gauge("vllm:num_requests_waiting", waiting, "Number of requests waiting to be processed.")
     out.gauge("vllm:kv_cache_usage_perc", cache.usage, "KV-cache usage. 1 means 100 percent usage.")
     out.counter(
         "vllm:prefix_cache_queries_total",

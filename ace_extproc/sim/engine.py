@@ -16,6 +16,12 @@ A request's life, and where it waits:
 3. **Decode**: one token every ``tpot_ms``, whatever the batch (decode does
    not slow prefill down here, nor the reverse).
 
+The load gauges (``gauges``) count a request only once the API server's share of it
+(``TTFTModel.server_ms``: reading and tokenizing its prompt) has passed, as a real
+vLLM's do: its engine hears of a request only once it is tokenized, so a scrape right
+after a long prompt was sent reads the pod idle (``bench/gauge_lag.py`` measured
+0.13-0.28 s for a 30K-token prompt). The timing above is unchanged by it.
+
 With LoRA (``lora``, :mod:`.lora`), a request naming an adapter is admitted only
 while the running requests name fewer than ``--max-loras`` other adapters (else it is
 skipped, and the requests behind it may go); one whose adapter is not in a slot loads
@@ -87,6 +93,7 @@ class EngineRequest:
     prefill_enqueued_ms: float = 0.0  # prefill clock when it joined the prefill queue
     done: bool = False
     adapter: str | None = None  # the LoRA adapter it names (None: the base model)
+    counted_at: float = 0.0  # loop time the load gauges count it from (tokenized)
     load_ms: float = 0.0  # loading its adapter at admission (model ms, its batch's)
 
     @property
@@ -132,6 +139,7 @@ class Engine:
         cache.events = events
         self.running = 0
         self.waiting = 0
+        self._uncounted: deque[EngineRequest] = deque()  # not yet tokenized, by arrival
         # The model with no step floor gives a request's share of a batch's work.
         self._work = dataclasses.replace(model, t_step_ms=0.0)
         self._admit_queue: deque[tuple[EngineRequest, asyncio.Future[None]]] = deque()
@@ -174,6 +182,10 @@ class Engine:
         loop = asyncio.get_running_loop()
         req = EngineRequest(num_tokens, keys, salt, max_tokens, n, loop.time(), prompt)
         req.adapter = adapter
+        if self.time_scale > 0:
+            server_s = self.model.server_ms(num_tokens) * self.time_scale / 1000
+            req.counted_at = req.arrival + server_s
+            self._uncounted.append(req)
         await self._admit(req)
         try:
             await self._prefill(req)
@@ -181,6 +193,24 @@ class Engine:
             self.finish(req, "abort")
             raise
         return req
+
+    def gauges(self) -> tuple[int, int]:
+        """``(running, waiting)`` as the engine reports them: without the requests whose
+        prompt the API server is still reading (they are in neither yet)."""
+        running, waiting = self.running, self.waiting
+        uncounted = self._uncounted
+        if not uncounted:
+            return running, waiting
+        now = asyncio.get_running_loop().time()
+        while uncounted and (uncounted[0].counted_at <= now or uncounted[0].done):
+            uncounted.popleft()  # arrival order: a longer prompt behind may be uncounted
+        for req in uncounted:
+            if req.counted_at > now and not req.done:
+                if req.alloc is None:
+                    waiting -= 1
+                else:
+                    running -= 1
+        return running, waiting
 
     async def decode(self, req: EngineRequest, tokens: int) -> None:
         """Produce ``tokens`` more tokens per choice, ``tpot_ms`` each."""

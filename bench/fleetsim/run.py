@@ -505,6 +505,8 @@ class _Run:
             self._remove(event.slot)
         elif event.action == "add":
             self._add(event.slot)
+        elif event.action == "clear":
+            self._clear(event.slot)
         else:
             raise ValueError(f"unknown fleet event action {event.action!r}")
 
@@ -539,6 +541,13 @@ class _Run:
             proc.index.add_pod(slot)
             proc.fleet.set_available(slot, True)
         self._events_on(slot)
+
+    def _clear(self, slot: int) -> None:
+        """The pod's cache loses every block no running request holds, as a restart
+        empties it, and the router is not told: only the pod's KV events say so."""
+        pod = self.pods[slot]
+        if pod.present and not self.settings.pooled_cache:
+            pod.cache.reset()
 
     # -- what pods report (the Listener) -----------------------------------------------
     def finished(self, job: Job, now: float) -> None:
@@ -580,7 +589,7 @@ class _CacheEvents:
     def removed(self, hashes: Sequence[int]) -> None:
         self.run._publish(self.slot, Removed(list(hashes), "GPU"))
 
-    def cleared(self) -> None:  # the sim never resets a pod's cache
+    def cleared(self) -> None:  # a "clear" fleet event emptied it
         self.run._publish(self.slot, Cleared())
 
 

@@ -23,10 +23,11 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class FleetEvent:
-    """A change to the fleet during a run (the stress shapes): pod ``slot`` leaves or joins."""
+    """A change to the fleet during a run (the stress shapes): pod ``slot`` leaves or
+    joins, or loses its cache unannounced (a restart: ``bench.precise_sim --clear-every``)."""
 
     at_s: float
-    action: str  # "remove" | "add"
+    action: str  # "remove" | "add" | "clear"
     slot: int
 
 
