@@ -171,3 +171,27 @@ def test_the_gauges_count_a_request_once_the_server_has_read_it() -> None:
         assert engine.gauges() == (0, 0)
 
     asyncio.run(main())
+
+
+def test_a_request_cancelled_before_admission_leaves_the_gauges() -> None:
+    async def main() -> None:
+        slow_server = dataclasses.replace(MODEL, t0_ms=200.0)
+        engine = Engine(
+            slow_server,
+            PrefixCache(block_size=16, num_gpu_blocks=4096),
+            time_scale=1.0,
+            max_num_seqs=1,
+        )
+        first = asyncio.create_task(engine.start(list(range(100)), max_tokens=1))
+        await asyncio.sleep(0)
+        queued = asyncio.create_task(engine.start(list(range(1000, 1100)), max_tokens=1))
+        await asyncio.sleep(0.01)
+        assert (engine.running, engine.waiting) == (1, 1)
+        assert engine.gauges() == (0, 0)  # neither read yet (200 ms each)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert engine.waiting == 0 and engine.gauges() == (0, 0)  # not -1 waiting
+        engine.finish(await first)
+
+    asyncio.run(main())

@@ -185,8 +185,13 @@ class Engine:
         if self.time_scale > 0:
             server_s = self.model.server_ms(num_tokens) * self.time_scale / 1000
             req.counted_at = req.arrival + server_s
+            self._prune_counted(req.arrival)  # bounded, whether or not anyone scrapes
             self._uncounted.append(req)
-        await self._admit(req)
+        try:
+            await self._admit(req)
+        except BaseException:
+            req.done = True  # cancelled before admission: in no gauge (finish is a no-op)
+            raise
         try:
             await self._prefill(req)
         except BaseException:
@@ -202,8 +207,7 @@ class Engine:
         if not uncounted:
             return running, waiting
         now = asyncio.get_running_loop().time()
-        while uncounted and (uncounted[0].counted_at <= now or uncounted[0].done):
-            uncounted.popleft()  # arrival order: a longer prompt behind may be uncounted
+        self._prune_counted(now)
         for req in uncounted:
             if req.counted_at > now and not req.done:
                 if req.alloc is None:
@@ -211,6 +215,13 @@ class Engine:
                 else:
                     running -= 1
         return running, waiting
+
+    def _prune_counted(self, now: float) -> None:
+        """Drop the leading requests counted (or finished) by ``now``; in arrival order,
+        so a longer prompt behind a short one may stay until the next call."""
+        uncounted = self._uncounted
+        while uncounted and (uncounted[0].counted_at <= now or uncounted[0].done):
+            uncounted.popleft()
 
     async def decode(self, req: EngineRequest, tokens: int) -> None:
         """Produce ``tokens`` more tokens per choice, ``tpot_ms`` each."""
