@@ -9,10 +9,12 @@ two routers' turns of one run. Pooling the records (``--records FILE`` of each r
 JSON lines, gzipped or not) of runs of one command gives each percentile several times
 the requests. Per router: answered requests, the engines' cached share, TTFT p50, p90,
 p95 and p99; and each figure against ``--baseline``'s, as a ratio (below 1: lower).
-Then the requests each router sent to the same pod as the baseline, with the same
-cached tokens (placement and cache aside), by family: the median of their TTFT less
-the baseline's for the same request of the same run, so a router slower for some other
-reason shows.
+Also per router of ours, its broken promises: requests its trace calls a hit whose
+engine served less than half the tokens it promised (``saved_prefill_tokens``), and the
+tokens short. Then how many requests each router sent to the same pod as the baseline,
+and of those with the same cached tokens (placement and cache aside), by family: the
+median of their TTFT less the baseline's for the same request of the same run, so a
+router slower for some other reason shows.
 """
 
 from __future__ import annotations
@@ -52,7 +54,33 @@ def pooled(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
         }
         for q in QUANTILES:
             figures[f"ttft_p{round(q * 100)}_ms"] = round(percentile(ttfts, q), 1)
+        short = [s for s in map(_short, ok) if s]
+        figures["short_hits"], figures["short_hit_tokens"] = len(short), sum(short)
         out[router] = figures
+    return out
+
+
+def _short(r: dict[str, Any]) -> int:
+    """The tokens a request routed as a hit was promised and not served, where the
+    engine served less than half (0 otherwise, and for a router that writes no trace)."""
+    trace = dict(kv.partition("=")[::2] for kv in (r.get("trace") or "").split(","))
+    promised = int(trace.get("saved_prefill_tokens") or 0)
+    cached = r["cached_tokens"] or 0
+    return promised - cached if trace.get("action") == "hit" and cached < promised / 2 else 0
+
+
+def same_pod(runs: Sequence[Sequence[dict[str, Any]]], baseline: str) -> dict[str, list[int]]:
+    """Per router: ``[requests sent to the same pod as the baseline's in the same run,
+    requests both answered]``."""
+    out: dict[str, list[int]] = {}
+    for records in runs:
+        ok = [r for r in records if r["error"] is None]
+        base = {r["index"]: r["pod"] for r in ok if r["router"] == baseline}
+        for r in ok:
+            if r["router"] != baseline and r["index"] in base:
+                counts = out.setdefault(r["router"], [0, 0])
+                counts[0] += r["pod"] == base[r["index"]]
+                counts[1] += 1
     return out
 
 
@@ -103,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
             points = (f["cached_share"] - base["cached_share"]) * 100
             row += f"   vs {args.baseline}: {points:+.2f} points, TTFT {ratios}"
         print(row)
+    print("hits served less than half the tokens promised: requests, tokens short")
+    for router, f in routers.items():
+        print(f"  {router:<14}{f['short_hits']:>6.0f}{f['short_hit_tokens']:>9.0f}")
+    pods = same_pod(runs, args.baseline)
+    for router, (same, total) in pods.items():
+        print(f"{router}: {same} of {total} requests on {args.baseline}'s pod")
     for router, families in alike.items():
         print(f"{router}, placed and cached as {args.baseline}: TTFT less its, median ms")
         for family, f in families.items():
@@ -112,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": record.command("bench.pool_runs", argv),
             "runs": [str(p) for p in args.records],
             "routers": routers,
+            "same_pod": pods,
             "placed_alike": alike,
         }
         record.write(args.out, doc)

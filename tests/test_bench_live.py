@@ -430,6 +430,31 @@ def test_pool_runs_pools_each_routers_records(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["routers"] == routers
 
 
+def test_pool_runs_counts_broken_promises_and_shared_pods() -> None:
+    from bench import pool_runs
+
+    def rec(router: str, i: int, pod: str, cached: int, trace: str | None) -> dict[str, Any]:
+        return {"router": router, "index": i, "pod": pod, "error": None, "ttft_ms": 1.0,
+                "prompt_tokens": 1000, "cached_tokens": cached, "family": "chat",
+                "trace": trace}  # fmt: skip
+
+    def hit(promised: int) -> str:
+        return f"mode=prod,action=hit,prefix_key=ab,saved_prefill_tokens={promised}"
+
+    run = [
+        rec("ace", 0, "pod-0", 0, hit(800)),  # promised 800, served 0: short by 800
+        rec("ace", 1, "pod-0", 500, hit(800)),  # served more than half: kept
+        rec("ace", 2, "pod-1", 0, "mode=prod,action=miss,saved_prefill_tokens=0"),
+        rec("ace_precise", 0, "pod-1", 0, "mode=prod,action=miss,saved_prefill_tokens=0"),
+        rec("ace_precise", 1, "pod-0", 500, hit(600)),
+        rec("ace_precise", 2, "pod-1", 0, None),  # a router without a trace
+    ]
+    routers = pool_runs.pooled(run)
+    assert (routers["ace"]["short_hits"], routers["ace"]["short_hit_tokens"]) == (1, 800)
+    assert routers["ace_precise"]["short_hits"] == 0
+    assert pool_runs.same_pod([run], "ace") == {"ace_precise": [2, 3]}
+
+
 def test_a_router_named_twice_runs_twice_its_second_turn_apart(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
