@@ -154,6 +154,9 @@ class _Run:
             # (each pick priced by the TTFT model, drained on the simulated clock),
             # corrected by the scrapes every scrape_interval_s.
             proc.load.use_clock(lambda: self.now)
+            rates = getattr(proc.picker, "rates", None)  # the cost pipeline's prefix rates
+            if rates is not None:
+                rates.clock = lambda: self.now
         # Each replica's precise index (KV events on), on the simulated clock.
         self.precise: list[PreciseIndex] = []
         for proc in self.procs:
