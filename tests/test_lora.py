@@ -3,11 +3,14 @@ router sees them, and what serving an adapter costs (routing/lora.py)."""
 
 from collections import Counter
 
+import pytest
+
 from ace_extproc.config import Settings, sim_fleet
+from ace_extproc.latency import get_model
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, metrics_text, policies
 from ace_extproc.routing.load import LoadAccounting
-from ace_extproc.routing.lora import DEFAULT_BUSY_MS, DEFAULT_LOAD_MS, Adapters, LoraCost
+from ace_extproc.routing.lora import DECODE_STEPS, DEFAULT_LOAD_MS, Adapters, LoraCost
 from ace_extproc.routing.metrics_text import LoraInfo
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.routing.pipeline import DEFAULT_SCORERS
@@ -65,8 +68,11 @@ def test_lora_samples_with_missing_or_empty_labels_are_read_safely() -> None:
     assert metrics_text.parse(VLLM_TEXT.split("# HELP vllm:lora")[0]).lora is None
 
 
+BUSY_MS = 2000.0
+
+
 def cost(view: Adapters, model: str) -> float:
-    return view.cost_ms(model, DEFAULT_LOAD_MS, DEFAULT_BUSY_MS)
+    return view.cost_ms(model, DEFAULT_LOAD_MS, BUSY_MS)
 
 
 def test_an_adapter_costs_nothing_loaded_a_load_with_a_slot_free_more_when_all_are_busy() -> None:
@@ -80,13 +86,13 @@ def test_an_adapter_costs_nothing_loaded_a_load_with_a_slot_free_more_when_all_a
     view.picked("b")  # between scrapes, the router's own pick counts
     assert cost(view, "b") == 0.0
     # Both slots' adapters in use: a third waits for one of them to finish.
-    assert cost(view, "c") == DEFAULT_LOAD_MS + DEFAULT_BUSY_MS
+    assert cost(view, "c") == DEFAULT_LOAD_MS + BUSY_MS
     # The next scrape: "a" has no request left. It stays loaded, but its slot may go.
     view.scraped(BASE, 2, ["b"])
     assert cost(view, "a") == 0.0 and cost(view, "c") == DEFAULT_LOAD_MS
     view.picked("c")  # "c" took the slot of "a", the least recently used idle one
     assert list(view.loaded) == ["b", "c"]
-    assert cost(view, "a") == DEFAULT_LOAD_MS + DEFAULT_BUSY_MS  # "b" and "c" in use
+    assert cost(view, "a") == DEFAULT_LOAD_MS + BUSY_MS  # "b" and "c" in use
     view.idle()  # an idle engine: nothing in use, both still loaded
     assert cost(view, "d") == DEFAULT_LOAD_MS and cost(view, "c") == 0.0
 
@@ -131,18 +137,25 @@ def test_the_scorer_is_zero_for_the_base_model_and_without_lora() -> None:
     picker = policies.cost_policy(Settings())(fleet, BlockIndex(10_000))
     assert any(isinstance(w.scorer, LoraCost) for w in DEFAULT_SCORERS)
 
-    def prices(model: str) -> list[float]:
+    def prices(model: str, scorer: LoraCost | None = None, ttft: str = "") -> list[float]:
         from ace_extproc.routing.pipeline import Candidates
 
         r = RoutingRequest(hash_prompt(PROMPT, None, 512, 1), PROMPT, 4096, "t", model)
-        c = Candidates(r, (0, 1, 2, 3), {}, fleet, picker.index, picker.model, 32.0, 1, -1)
-        return LoraCost()(c)
+        m = get_model(ttft) if ttft else picker.model
+        c = Candidates(r, (0, 1, 2, 3), {}, fleet, picker.index, m, 32.0, 1, -1)
+        return (scorer or LoraCost())(c)
 
     assert prices(BASE) == [0.0, 0.0, 0.0, 0.0]
     # Pods 2 and 3 run no LoRA: they cost nothing (they would refuse an adapter: the
     # fleet's configuration, not the price, keeps adapters off them).
     assert prices("a") == [0.0, DEFAULT_LOAD_MS, 0.0, 0.0]
-    assert prices("b") == [DEFAULT_LOAD_MS + DEFAULT_BUSY_MS, DEFAULT_LOAD_MS, 0.0, 0.0]
+    # Every slot of pod 0 busy: a decode's wait there, in the destination's model's steps
+    # (1,980 ms on the default 70B model, 225 ms on the CPU pods' tiny one) unless set.
+    busy = DECODE_STEPS * picker.model.t_step_ms
+    assert busy == pytest.approx(1980.0)
+    assert prices("b") == [DEFAULT_LOAD_MS + busy, DEFAULT_LOAD_MS, 0.0, 0.0]
+    assert prices("b", ttft="vllm-cpu-tiny")[0] == pytest.approx(DEFAULT_LOAD_MS + 225.0)
+    assert prices("b", LoraCost(busy_ms=500.0), "vllm-cpu-tiny")[0] == DEFAULT_LOAD_MS + 500.0
 
 
 def lora_fleet(pods: int, max_lora: int) -> tuple[FleetState, LoadAccounting, object]:
