@@ -20,6 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Decode steps of a typical answer: a few hundred tokens. How long a request holds its
+# pod after its first token (its blocks pinned, its LoRA slot in use) is this many of
+# the model's steps: an estimate, the router does not know the answer's length.
+DECODE_STEPS = 180
+
 
 @dataclass(frozen=True, slots=True)
 class TTFTModel:
@@ -44,6 +49,10 @@ class TTFTModel:
     def ttft_ms(self, uncached: int, cached: int = 0) -> float:
         """TTFT of one request alone on an idle engine."""
         return self.server_ms(uncached + cached) + self.prefill_ms(uncached, cached)
+
+    def decode_ms(self) -> float:
+        """A typical answer's decode (``DECODE_STEPS`` of the engine's step)."""
+        return DECODE_STEPS * self.t_step_ms
 
     def server_ms(self, tokens: int) -> float:
         """The fixed part and the per-token part of a ``tokens``-token prompt, before the

@@ -6,11 +6,11 @@ from collections import Counter
 import pytest
 
 from ace_extproc.config import Settings, sim_fleet
-from ace_extproc.latency import get_model
+from ace_extproc.latency import DECODE_STEPS, get_model
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, metrics_text, policies
 from ace_extproc.routing.load import LoadAccounting
-from ace_extproc.routing.lora import DECODE_STEPS, DEFAULT_LOAD_MS, Adapters, LoraCost
+from ace_extproc.routing.lora import DEFAULT_LOAD_MS, Adapters, LoraCost
 from ace_extproc.routing.metrics_text import LoraInfo
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.routing.pipeline import DEFAULT_SCORERS

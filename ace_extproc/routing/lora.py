@@ -40,12 +40,6 @@ if TYPE_CHECKING:
 # MLP's too: ~400 MB); read from local disk at 1-2 GB/s, parsed and copied to the GPU,
 # that is tens to a few hundred ms (less from vLLM's CPU cache, --max-cpu-loras).
 DEFAULT_LOAD_MS = 100.0
-# What a request waits when every slot holds an adapter in use: until one adapter's
-# requests have all finished, about one request's decode, an estimate too. In decode
-# steps, so its milliseconds are each destination's TTFT model's (``t_step_ms``): 1,980
-# ms on the default 70B model (11 ms a step), as the flat 2 s it replaces; 225 ms on the
-# real-engine tier's CPU pods (1.25 ms), whose wait the flat figure priced 9x too high.
-DECODE_STEPS = 180
 
 
 @dataclass(slots=True)
@@ -117,8 +111,10 @@ class Adapters:
 class LoraCost:
     """A pipeline scorer: what the request's adapter costs on each pod (``Adapters``),
     0 for the base model. ``load_ms``: loading an adapter into a slot; ``busy_ms``:
-    waiting for a slot when every one holds an adapter in use (unset: ``DECODE_STEPS``
-    of the destination's TTFT model)."""
+    waiting for a slot when every one holds an adapter in use: until one adapter's
+    requests have all finished, about one answer's decode (unset: the destination's
+    TTFT model's ``decode_ms``, 1,980 ms on the default 70B model as the flat 2 s it
+    replaced, 225 ms on the real-engine tier's CPU pods)."""
 
     load_ms: float = DEFAULT_LOAD_MS
     busy_ms: float | None = None
@@ -131,5 +127,5 @@ class LoraCost:
         load, model = c.fleet.load, c.request.model
         load_ms, busy_ms = self.load_ms, self.busy_ms
         if busy_ms is None:
-            busy_ms = DECODE_STEPS * c.model.t_step_ms
+            busy_ms = c.model.decode_ms()
         return [load[slot].lora.cost_ms(model, load_ms, busy_ms) for slot in c.slots]
