@@ -463,7 +463,8 @@ class RouterBase(Section, frozen=True):
         _doc(
             "The pods' prefill rate in uncached prompt tokens a second, where they run faster "
             "or slower than their TTFT model: the queued-prefill estimate drains that much "
-            "faster; 0: as the model says. Set, it holds for every pod.",
+            "faster, and fewer of a hot prefix's requests come while it lasts; 0: as the "
+            "model says. Set, it holds for every pod.",
             ge=0,
         ),
     ] = 0.0

@@ -385,13 +385,16 @@ def test_replicas_sharing_placements_route_as_one() -> None:
         result = simulate(workload, picker, pods=4, progress=False, **kw)  # type: ignore[arg-type]
         return [r.pod for r in by_arrival(result)]
 
+    def busiest(placed: list[int]) -> float:
+        """The busiest pod's share of the requests, over an even share."""
+        return max(placed.count(pod) for pod in range(4)) / (len(placed) / 4)
+
     one = pods()
     assert set(one) == {0, 1, 2, 3}  # the hot prefix spread: the queue mattered
-    # Unshared, each replica prices a third of the queue: the hot prefix stays on one pod.
-    assert len(set(pods(replicas=3))) == 1
-    # Sharing, they see the whole queue and spread it over every pod too; not request
-    # for request as one replica does, since each counts only its own requests' rate on
-    # the prefix (pipeline.PrefillCost), so they spread it a few requests later.
+    # Unshared, each replica prices a third of the queue: one pod takes twice its share.
+    assert busiest(pods(replicas=3)) > 1.5
+    # Sharing, they see the whole queue and spread it as one replica does; not request
+    # for request, since each counts only its own requests' rate on the prefix
+    # (pipeline.PrefillCost), so they spread it a few requests later.
     shared = pods(replicas=3, share_delay_s=0.0)
-    assert set(shared) == set(one)
-    assert max(shared.count(pod) for pod in set(shared)) <= 2 * len(shared) // len(set(one))
+    assert busiest(one) <= 1.25 and busiest(shared) <= 1.25

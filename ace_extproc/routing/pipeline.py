@@ -62,8 +62,9 @@ class Candidates:
     home: int  # the pod the request's session last went to; -1: none
     # Blocks of the session's request last sent home (the depth home got from it).
     home_blocks: float = float("inf")
-    # Requests a second on the deepest warm prefix lately (``prefix_rates.py``): those
-    # that would follow this one to a pod it warms.
+    # Requests a second on the deepest warm prefix lately (``prefix_rates.py``), a second
+    # of the pods' TTFT model as the queues are: those that would follow this one to a
+    # pod it warms.
     prefix_per_s: float = 0.0
 
 
@@ -306,6 +307,7 @@ class Pipeline:
         place_sessions: bool = False,
         sessions_remembered: int = 65_536,
         destination_models: Mapping[str, TTFTModel] | None = None,
+        prefill_tokens_per_s: float = 0.0,
     ) -> None:
         self.fleet = fleet
         self.index = index
@@ -339,6 +341,9 @@ class Pipeline:
         self._sessions_remembered = sessions_remembered
         self._slot_lists: dict[int, tuple[int, ...]] = {}
         self.rates = PrefixRates()
+        # The pods' prefill rate where it is not their model's (settings'): the queues
+        # are in the model's milliseconds, the prefix rates in requests a real second.
+        self._prefill_tokens_per_s = prefill_tokens_per_s
         # Destinations whose pods run another TTFT model (a request's candidates are
         # all of one destination): priced with their own.
         self._models = {d: m for d, m in (destination_models or {}).items() if m != model}
@@ -436,7 +441,10 @@ class Pipeline:
             home_blocks,
         )
         if depths and (deepest := max(depths.values())) >= 1:
-            c.prefix_per_s = self.rates.seen(blocks[min(int(deepest), n) - 1])
+            per_s = self.rates.seen(blocks[min(int(deepest), n) - 1])
+            if rate := self._prefill_tokens_per_s:  # per second of the model's time
+                per_s *= model.prefill_tokens_per_s / rate
+            c.prefix_per_s = per_s
         prices = self._price(c)
         chosen, backups = self.picker(c, prices)
         index.record(chosen, blocks)

@@ -55,6 +55,7 @@ def cost_policy(
             min_match=share,
             place_sessions=by_session,
             destination_models=ttft_models(fleet.fleet, settings),
+            prefill_tokens_per_s=settings.prefill_tokens_per_s,
         )
 
     return build

@@ -25,18 +25,22 @@ class PrefixRates:
         self.clock = clock
         self._tau = time_constant_s
         self._remembered = remembered
-        # prefix key -> (decayed count, when it was last decayed)
-        self._counts: dict[int, tuple[float, float]] = {}
+        # prefix key -> (decayed count, when it was last decayed, when first asked for)
+        self._counts: dict[int, tuple[float, float, float]] = {}
 
     def seen(self, key: int) -> float:
         """Count a request for ``key``; the requests a second asked for it before this
-        one."""
+        one. Over the time it has been asked for, up to the time constant: a prefix that
+        turns hot is hot from its first few requests, not a time constant later."""
         now = self.clock()
-        counts = self._counts
-        count, at = counts.pop(key, (0.0, now))
+        counts, tau = self._counts, self._tau
+        count, at, first = counts.pop(key, (0.0, now, now))
         if now > at:
-            count *= math.exp((at - now) / self._tau)
-        counts[key] = (count + 1.0, now)
+            count *= math.exp((at - now) / tau)
+        counts[key] = (count + 1.0, now, first)
         if len(counts) > self._remembered:
             del counts[next(iter(counts))]
-        return count / self._tau
+        # A steady rate r seen for ``age`` seconds leaves a decayed count of
+        # r * tau * (1 - exp(-age / tau)).
+        window = tau * -math.expm1((first - now) / tau)
+        return count / window if window > 0 else 0.0
