@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Decode steps of a typical answer: a few hundred tokens. How long a request holds its
-# pod after its first token (its blocks pinned, its LoRA slot in use) is this many of
-# the model's steps: an estimate, the router does not know the answer's length.
+# pod after its first token (its LoRA adapter's slot in use) is this many of the
+# model's steps: an estimate, the router does not know the answer's length.
 DECODE_STEPS = 180
 
 
