@@ -72,6 +72,11 @@ class TTFTModel:
         warm = server + max(self.t_step_ms, self.a_ms * n + self.b_ms * n * (cached + n / 2))
         return cold / warm, cold - warm
 
+    def speed(self, prefill_tokens_per_s: float) -> float:
+        """Milliseconds of this model's prefill pods that prefill ``prefill_tokens_per_s``
+        do in a millisecond: 1 where that is 0 (they run as the model says)."""
+        return prefill_tokens_per_s / self.prefill_tokens_per_s if prefill_tokens_per_s else 1.0
+
     @property
     def prefill_tokens_per_s(self) -> float:
         """A pod's prefill rate in uncached tokens a second, the attention term aside."""

@@ -68,11 +68,8 @@ class LoadAccounting:
         # Milliseconds of the model's prefill a pod does per millisecond: 1, unless the
         # pods are set to prefill faster (or slower) than their model says.
         rate = settings.prefill_tokens_per_s
-        self._speeds: dict[str, float] = {
-            dest: rate / model.prefill_tokens_per_s if rate else 1.0
-            for dest, model in self._models.items()
-        }
-        self._speed = rate / self._default.prefill_tokens_per_s if rate else 1.0
+        self._speeds = {dest: model.speed(rate) for dest, model in self._models.items()}
+        self._speed = self._default.speed(rate)
         self._drained_at = clock()
 
     def use_clock(self, clock: Callable[[], float]) -> None:

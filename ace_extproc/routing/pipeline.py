@@ -442,9 +442,7 @@ class Pipeline:
         )
         if depths and (deepest := max(depths.values())) >= 1:
             per_s = self.rates.seen(blocks[min(int(deepest), n) - 1])
-            if rate := self._prefill_tokens_per_s:  # per second of the model's time
-                per_s *= model.prefill_tokens_per_s / rate
-            c.prefix_per_s = per_s
+            c.prefix_per_s = per_s / model.speed(self._prefill_tokens_per_s)  # model time
         prices = self._price(c)
         chosen, backups = self.picker(c, prices)
         index.record(chosen, blocks)
