@@ -256,6 +256,18 @@ class VllmOptions:
         return {**env, **self.env}
 
 
+async def reset_prefix_cache(
+    http: aiohttp.ClientSession, url: str, *, running: bool = False
+) -> bool:
+    """Empty the prefix cache of the server at ``url`` (``dev_mode``); ``running``:
+    preempt its running requests first, so it cannot fail. Whether it did: vLLM answers
+    200 with ``success: false`` while running requests hold blocks."""
+    params = {"reset_running_requests": "true"} if running else None
+    async with http.post(f"{url}/reset_prefix_cache", params=params) as resp:
+        body = await resp.json(content_type=None) if resp.status == 200 else {}
+    return bool(body.get("success"))
+
+
 class Pods:
     """Real vLLM servers that outlive any one stack in front of them: the real-engine
     tests and live benchmarks start them once (a start takes a minute) and put Envoy,
@@ -354,11 +366,8 @@ class Pods:
         cold on the same servers."""
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             for url in self.urls:
-                async with http.post(f"{url}/reset_prefix_cache") as resp:
-                    body = await resp.json(content_type=None) if resp.status == 200 else {}
-                    # vLLM answers 200 with success false while blocks are held.
-                    if not body.get("success"):
-                        raise RuntimeError(f"{url}/reset_prefix_cache: HTTP {resp.status} {body}")
+                if not await reset_prefix_cache(http, url):
+                    raise RuntimeError(f"{url}/reset_prefix_cache did not succeed")
 
     async def stop(self) -> None:
         await asyncio.gather(*(self.kill(i, signal.SIGTERM) for i in range(len(self.ports))))

@@ -97,7 +97,7 @@ from ace_extproc import config as config_mod
 from ace_extproc import vllm_pods
 from ace_extproc.sim.app import POD_HEADER, TTFT_FIELD
 from ace_extproc.stack import TRACE_HEADER, Stack, StackError, StackOptions
-from ace_extproc.vllm_pods import EnginesMissing, Pods, VllmOptions
+from ace_extproc.vllm_pods import EnginesMissing, Pods, VllmOptions, reset_prefix_cache
 from bench import peers
 from bench.ceiling import ceiling
 from bench.overhead import cpu_s, free_ports, metric_sums, percentile
@@ -354,12 +354,8 @@ async def clear_caches(pod_urls: Sequence[str], at: Sequence[float]) -> list[dic
         for k, offset in enumerate(sorted(at)):
             await asyncio.sleep(max(0.0, start + offset - loop.time()))
             pod = k % len(pod_urls)
-            url = f"{pod_urls[pod]}/reset_prefix_cache"
-            params = {"reset_running_requests": "true"}  # vLLM: preempt, then it cannot fail
-            async with http.post(url, params=params) as resp:
-                body = await resp.json(content_type=None) if resp.status == 200 else {}
-            at_s = round(loop.time() - start, 2)
-            done.append({"at_s": at_s, "pod": pod, "success": bool(body.get("success"))})
+            success = await reset_prefix_cache(http, pod_urls[pod], running=True)
+            done.append({"at_s": round(loop.time() - start, 2), "pod": pod, "success": success})
     return done
 
 
