@@ -64,6 +64,11 @@ of a workload (pods leaving or joining) are not replayed: every pod serves from 
 replay (pods in turn; vLLM's ``/reset_prefix_cache?reset_running_requests=true``), as a
 restart would, without telling the router: the drift an index of where requests were
 sent cannot see, and KV events report (``AllBlocksCleared``).
+``--foreign-load TOKENS@SECONDS`` sends a new prompt of about TOKENS tokens straight to
+the first pod every SECONDS seconds of each router's replay, past the router, as a second
+gateway in front of that pod would: its blocks evict the router's there, which an index
+of where the router sent requests cannot see, and KV events report (``BlockRemoved``).
+Its requests are left out of the figures (the engines' counters less their usage).
 
 Writes ``bench/results/live-<workload>.json`` (``--out``), per-request records with
 ``--records FILE`` (JSON lines), and prints a table.
@@ -167,6 +172,7 @@ class LiveOptions:
     kv_blocks: int | None = None  # real servers' KV cache in blocks (None: 1 GiB)
     engine_nice: int = 0  # real servers' niceness (vllm_pods.VllmOptions.niceness)
     clear_cache_at: tuple[float, ...] = ()  # seconds into the replay (``clear_caches``)
+    foreign_load: tuple[int, float] | None = None  # (tokens, every s): ``foreign_load``
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,6 +365,74 @@ async def clear_caches(pod_urls: Sequence[str], at: Sequence[float]) -> list[dic
     return done
 
 
+def _foreign_text(k: int, tokens: int) -> str:
+    """The k-th foreign prompt: its own from its first characters, never cached (its
+    words are about four tokens each for the tiny model's tokenizer, three or four for
+    a real one: the engine's usage says how many it was)."""
+    words = [f"w{(k * 7919 + i * 104729) % 99991}" for i in range(tokens // 4)]
+    return f"foreign request {k}: " + " ".join(words)
+
+
+async def foreign_load(
+    pod_url: str, model: str, tokens: int, every_s: float, stop: asyncio.Event
+) -> list[dict[str, Any]]:
+    """Send a new prompt of about ``tokens`` tokens to ``pod_url`` every ``every_s``
+    seconds, one at a time (as one client: the next waits for the answer, so a slow pod
+    is not buried under a backlog), until ``stop`` is set; then each answer:
+    ``{"at_s", "status", "prompt_tokens", "cached_tokens"}``."""
+    done: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    timeout = aiohttp.ClientTimeout(total=300)
+
+    async def one(http: aiohttp.ClientSession, k: int) -> None:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": _foreign_text(k, tokens)}],
+            "max_tokens": 1,
+        }
+        at, status, use = round(loop.time() - start, 2), 0, None
+        try:
+            async with http.post(f"{pod_url}/v1/chat/completions", json=body) as resp:
+                status, use = resp.status, _usage(await resp.read())
+        except (TimeoutError, aiohttp.ClientError):
+            pass
+        done.append(
+            {
+                "at_s": at,
+                "status": status,
+                "prompt_tokens": use.prompt_tokens if use else 0,
+                "cached_tokens": use.cached_tokens if use else 0,
+            }
+        )
+
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        k = 0
+        while not stop.is_set():
+            await one(http, k)
+            k += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), start + k * every_s - loop.time())
+    return done
+
+
+def without_foreign(per_pod: list[dict[str, float]], foreign: Sequence[dict[str, Any]]) -> None:
+    """The first pod's counter deltas less the foreign load's answered requests."""
+    ok = [f for f in foreign if f["status"] == 200]
+    prompt = sum(f["prompt_tokens"] for f in ok)
+    cached = sum(f["cached_tokens"] for f in ok)
+    pod = per_pod[0]
+    for key, value in (
+        ("requests", len(ok)),
+        ("prompt_tokens", prompt),
+        ("prompt_tokens_cached", cached),
+        ("prefix_cache_queries", prompt),
+        ("prefix_cache_hits", cached),
+    ):
+        if key in pod:
+            pod[key] -= value
+
+
 async def _stop_clearing(task: asyncio.Task[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The clears done by the end of the replay (any later ones are not made)."""
     if not task.done():
@@ -367,6 +441,15 @@ async def _stop_clearing(task: asyncio.Task[list[dict[str, Any]]]) -> list[dict[
             await task
         return []
     return task.result()
+
+
+def _foreign_summary(foreign: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    ok = [f for f in foreign if f["status"] == 200]
+    return {
+        "sent": len(foreign),
+        "ok": len(ok),
+        "prompt_tokens": sum(f["prompt_tokens"] for f in ok),
+    }
 
 
 # ------------------------------------------------------------------ engine counters
@@ -646,23 +729,37 @@ async def run_router(
         stack_options.metrics = f"127.0.0.1:{free_ports(1)[0]}"
     stack = Stack(stack_options) if variant is not None else peers.PeerStack(stack_options)
     clears: asyncio.Task[list[dict[str, Any]]] | None = None
+    foreign: asyncio.Task[list[dict[str, Any]]] | None = None
+    stop_foreign = asyncio.Event()
     try:
         url, *pod_urls = await _start(name, stack, ports, options, real)
         before = await scrape(pod_urls)
         cpu_before = process_cpu(stack)
         clears = asyncio.create_task(clear_caches(pod_urls, options.clear_cache_at))
+        if options.foreign_load is not None:
+            model = json.loads(requests[0].body).get("model", "") if requests else ""
+            foreign = asyncio.create_task(
+                foreign_load(pod_urls[0], model, *options.foreign_load, stop_foreign)
+            )
         run.records, wall = await replay(url, requests, options)
         cpu_after = process_cpu(stack)
         cleared = await _stop_clearing(clears)
+        stop_foreign.set()
+        foreigners = await foreign if foreign is not None else []
         after = await scrape(pod_urls)
         dead = stack.dead()
         if real is not None:
             dead += [f"vllm-{i}" for i in range(len(real.ports)) if not real.running(i)]
         if dead:
             run.failed = f"{', '.join(dead)} exited during the replay"
-        run.summary = summarize(run.records, counter_deltas(before, after), wall)
+        per_pod = counter_deltas(before, after)
+        if foreign is not None:
+            without_foreign(per_pod, foreigners)
+        run.summary = summarize(run.records, per_pod, wall)
         if options.clear_cache_at:
             run.summary["cache_clears"] = cleared
+        if foreign is not None:
+            run.summary["foreign_load"] = _foreign_summary(foreigners)
         run.summary["cpu_ms_per_request"] = {
             group: round((cpu_after[group] - cpu_before[group]) * 1000 / len(requests), 2)
             for group in cpu_before
@@ -677,8 +774,9 @@ async def run_router(
     except (StackError, aiohttp.ClientError, OSError) as exc:
         run.failed = str(exc)
     finally:
-        if clears is not None and not clears.done():
-            clears.cancel()
+        for task in (clears, foreign):
+            if task is not None and not task.done():
+                task.cancel()
         await stack.stop()
     return run
 
@@ -982,6 +1080,17 @@ def _seconds(text: str) -> tuple[float, ...]:
     return times
 
 
+def _foreign(text: str) -> tuple[int, float]:
+    tokens, sep, every = text.partition("@")
+    try:
+        parsed = int(tokens), float(every)
+    except ValueError:
+        parsed = (0, 0.0)
+    if not sep or parsed[0] <= 0 or parsed[1] <= 0:
+        raise argparse.ArgumentTypeError(f"expected TOKENS@SECONDS, both > 0, got {text!r}")
+    return parsed
+
+
 def _router_setting(item: str, ap: argparse.ArgumentParser) -> tuple[str, object]:
     key, sep, value = item.partition("=")
     if not sep or not key:
@@ -1040,6 +1149,14 @@ def parser() -> argparse.ArgumentParser:
         "the router is not told",
     )
     ap.add_argument(
+        "--foreign-load",
+        type=_foreign,
+        metavar="TOKENS@SECONDS",
+        help="send a new prompt of about TOKENS tokens straight to the first pod every "
+        "SECONDS seconds of each router's replay, past the router (a second gateway's "
+        "traffic: it evicts the router's blocks there); left out of the figures",
+    )
+    ap.add_argument(
         "--router-setting",
         action="append",
         default=[],
@@ -1070,6 +1187,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_blocks=args.kv_blocks,
         engine_nice=args.engine_nice,
         clear_cache_at=args.clear_cache_at,
+        foreign_load=args.foreign_load,
     )
     try:
         workload = load_workload(args.workload, args.limit, args.rate, options.seed)

@@ -471,6 +471,20 @@ def test_a_router_named_twice_runs_twice_its_second_turn_apart(
     assert [r.name for r in runs] == ["ace", "ace_precise", "ace#2", "ace#3"]
 
 
+async def _serve(path: str, handler: Any) -> tuple[Any, str]:
+    """A pod answering POST ``path`` on a free port: its runner (to clean up) and URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
 def test_clear_caches_empties_the_pods_in_turn_preempting_running_requests() -> None:
     from aiohttp import web
 
@@ -483,15 +497,9 @@ def test_clear_caches_empties_the_pods_in_turn_preempting_running_requests() -> 
                 calls.append((pod, request.query.get("reset_running_requests")))
                 return web.json_response({"success": pod == 0})  # pod 1 refuses
 
-            app = web.Application()
-            app.router.add_post("/reset_prefix_cache", reset)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            runner, url = await _serve("/reset_prefix_cache", reset)
             runners.append(runner)
-            urls.append(f"http://127.0.0.1:{port}")
+            urls.append(url)
         try:
             done = await live.clear_caches(urls, (0.1, 0.0, 0.05))
         finally:
@@ -513,3 +521,63 @@ def test_clear_cache_at_takes_seconds_and_refuses_the_rest() -> None:
     for bad in ("", "soon", "-1", "5,x"):
         with pytest.raises(SystemExit):
             ap.parse_args(["--workload", "seed800", "--clear-cache-at", bad])
+
+
+def test_foreign_load_sends_new_prompts_on_time_one_at_a_time() -> None:
+    from aiohttp import web
+
+    async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+        bodies: list[dict[str, Any]] = []
+
+        async def chat(request: web.Request) -> web.Response:
+            body = await request.json()
+            bodies.append(body)
+            await asyncio.sleep(0.08 if len(bodies) == 2 else 0.01)  # the 2nd is late
+            usage = {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 0}}
+            return web.json_response({"usage": usage})
+
+        runner, url = await _serve("/v1/chat/completions", chat)
+        stop = asyncio.Event()
+        try:
+            task = asyncio.ensure_future(live.foreign_load(url, "tiny", 50, 0.05, stop))
+            await asyncio.sleep(0.22)
+            stop.set()
+            sent_by_stop = len(bodies)
+            done = await task
+        finally:
+            await runner.cleanup()
+        return bodies, done, sent_by_stop
+
+    bodies, done, sent_by_stop = asyncio.run(main())
+    at = [d["at_s"] for d in done]
+    assert 4 <= sent_by_stop <= 5  # at 0, 0.05, 0.13 (after the late answer), 0.15, 0.2
+    assert len(done) == len(bodies) == sent_by_stop  # each answered, none sent after stop
+    assert at[2] >= 0.12  # the one after the late answer waited for it
+    assert at[3] - at[2] < 0.04  # and the next kept to the period
+    assert all(d["status"] == 200 and d["prompt_tokens"] == 100 for d in done)
+    texts = [b["messages"][0]["content"] for b in bodies]
+    assert len({t[:20] for t in texts}) == len(texts)  # each new from its first block
+    assert all(b["model"] == "tiny" and b["max_tokens"] == 1 for b in bodies)
+
+
+def test_the_foreign_loads_usage_is_taken_off_the_first_pods_counters() -> None:
+    per_pod = [
+        {"requests": 10.0, "prompt_tokens": 5000.0, "prompt_tokens_cached": 900.0},
+        {"requests": 7.0, "prompt_tokens": 3000.0, "prompt_tokens_cached": 800.0},
+    ]
+    foreign = [
+        {"at_s": 0.0, "status": 200, "prompt_tokens": 1000, "cached_tokens": 100},
+        {"at_s": 1.0, "status": 0, "prompt_tokens": 0, "cached_tokens": 0},  # no answer
+    ]
+    live.without_foreign(per_pod, foreign)
+    assert per_pod[0] == {"requests": 9.0, "prompt_tokens": 4000.0, "prompt_tokens_cached": 800.0}
+    assert per_pod[1]["requests"] == 7.0
+
+
+def test_foreign_load_takes_tokens_at_seconds_and_refuses_the_rest() -> None:
+    ap = live.parser()
+    args = ap.parse_args(["--workload", "seed800", "--foreign-load", "8000@2.5"])
+    assert args.foreign_load == (8000, 2.5)
+    for bad in ("8000", "x@2", "8000@0", "-5@1", "@"):
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--workload", "seed800", "--foreign-load", bad])
