@@ -456,6 +456,14 @@ class Telemetry(Collector):
             "request priced by the pod's TTFT model, drained in real time.",
             labels=pl,
         )
+        underpriced = CounterMetricFamily(
+            "ace_pod_underpriced_waits",
+            "Scrapes that found requests waiting in the engine while the router's "
+            "queued-prefill estimate for the pod was empty: the pod is slower than its "
+            "TTFT model (or its prompts longer than the router counts them). Calibrate "
+            "the model or set prefill_tokens_per_s.",
+            labels=pl,
+        )
         capacity = GaugeMetricFamily(
             "ace_pod_kv_capacity_tokens", "The engine's KV cache size in tokens.", labels=pl
         )
@@ -519,6 +527,7 @@ class Telemetry(Collector):
                 inflight.add_metric(labels, load.inflight)
                 kv.add_metric(labels, load.kv_usage)
                 queued.add_metric(labels, load.queued_prefill_ms / 1000)
+                underpriced.add_metric(labels, load.underpriced)
             if slot < len(capacities) and capacities[slot] is not None:
                 capacity.add_metric(labels, float(capacities[slot] or 0))
             stats = _stats(monitor, slot) if monitor is not None else None
@@ -535,7 +544,8 @@ class Telemetry(Collector):
                     family.add_metric(labels, value)
         for (dest, state), n in sorted(counts.items()):
             by_state.add_metric([dest, state], n)
-        yield from (by_state, up, running, waiting, inflight, kv, queued, capacity)
+        yield from (by_state, up, running, waiting, inflight, kv, queued, underpriced)
+        yield capacity
         yield from (e_prompt, e_cached, e_queries, e_hits, e_rate)
 
     def _index_families(self, index: BlockIndex) -> Iterator[Metric]:

@@ -118,6 +118,15 @@ def test_bypasses_fire_on_anomalies_not_on_other_paths() -> None:
     assert share == pytest.approx(0.1)
 
 
+def test_a_pod_slower_than_its_model_fires_where_requests_keep_waiting() -> None:
+    fleet = Fleet()
+    before = fleet.scrape()
+    fleet.state.load[0].underpriced += 30  # now and then: a full batch, a long prompt
+    fleet.state.load[1].underpriced += 600  # most scrapes (10 a second) over the minute
+    (labels, value), *more = fired("AcePodSlowerThanModel", before, fleet.scrape())
+    assert not more and labels["pod"] == fleet.state.pods[1].id and value == 10.0
+
+
 def test_reuse_below_the_estimate_fires_when_the_engines_disagree() -> None:
     agreeing, disagreeing = Fleet(), Fleet()
     for fleet in (agreeing, disagreeing):

@@ -14,6 +14,7 @@ import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from ace_extproc import server
 from ace_extproc.app import build
@@ -24,6 +25,7 @@ from ace_extproc.routing.load import UNSEEN_MS, LoadAccounting
 from ace_extproc.routing.metrics_text import EngineStats, parse, restarted
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.sim.app import SimConfig, SimServer
+from ace_extproc.telemetry import Telemetry
 from tests.conftest import free_port, serving
 
 # ------------------------------------------------------------------ the parser
@@ -643,3 +645,29 @@ def test_shadow_s_picks_queue_nothing() -> None:
     outcome = proc.on_body(proc.on_headers(headers, False), body)
     assert outcome.would_pick is not None  # it decided ...
     assert proc.fleet.load[0].queued_prefill_ms == 0.0  # ... and charged no one
+
+
+def test_requests_waiting_on_a_pod_the_estimate_calls_free_are_counted() -> None:
+    """A pod slower than its TTFT model: the estimate drains before the engine is done,
+    and a scrape then finds requests waiting there. Each such scrape is counted (an
+    operator's sign to recalibrate); waiting behind prefill the estimate still holds,
+    or an idle engine, is not."""
+    settings = Settings(ttft_model="vllm-cpu-tiny")
+    fleet = FleetState(sim_fleet(["127.0.0.1:1", "127.0.0.1:2"]))
+    now = [10.0]
+    load = LoadAccounting(fleet, settings, clock=lambda: now[0])
+    monitor = FleetMonitor(fleet, BlockIndex(100), settings, load)
+    load.sent(0, 25_000)
+    busy = EngineStats(engine="vllm", running=1, waiting=2, kv_usage=0.5)
+    monitor.apply(0, busy)  # waiting behind what the estimate holds: priced
+    assert fleet.load[0].underpriced == 0
+    now[0] += 60.0  # far past the model's prefill: the estimate has drained
+    monitor.apply(0, busy)
+    monitor.apply(0, busy)
+    monitor.apply(1, EngineStats(engine="vllm", running=0, waiting=0, kv_usage=0.0))
+    assert (fleet.load[0].underpriced, fleet.load[1].underpriced) == (2, 0)
+    telemetry = Telemetry(settings, fleet, BlockIndex(100), monitor, process_metrics=False)
+    text = generate_latest(telemetry.registry).decode()
+    pod = fleet.pods[0]
+    series = f'ace_pod_underpriced_waits_total{{destination="{pod.destination}",pod="{pod.id}"}}'
+    assert f"{series} 2.0" in text

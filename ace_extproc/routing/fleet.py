@@ -56,6 +56,9 @@ class PodLoad:
     unseen: deque[tuple[float, float]] = field(default_factory=deque)
     # Its LoRA adapter slots (vllm:lora_requests_info, and the picks since: lora.py)
     lora: Adapters = field(default_factory=Adapters)
+    # Scrapes that found requests waiting where the estimate had no prefill queued:
+    # the pod slower than its TTFT model says (load.py).
+    underpriced: int = 0
 
 
 class FleetState:

@@ -22,7 +22,10 @@ idle machine read 0 running for 0.13-0.28 s after a 30K-token prompt was sent
 prompt's queued prefill, so a short request went to the pod about to prefill it (the
 real-pod runs' third slowest request, 4.3 s behind a 25K-token document with the other
 pod idle). So a pick stays counted until its modelled TTFT has passed, plus
-``UNSEEN_MS`` for the hop there. The other replicas' placements count too
+``UNSEEN_MS`` for the hop there. The estimate is only as good as the model's
+calibration: a scrape that finds requests waiting on a pod the estimate calls free is
+counted, so an operator sees a fleet slower than its model
+(``ace_pod_underpriced_waits_total``). The other replicas' placements count too
 (``routing/replicas.py``).
 
 LoRA adapters are counted the same way (``lora.py``): a pick of adapter A marks A
@@ -92,7 +95,7 @@ class LoadAccounting:
             ttft = self.model_of(slot)
             work = ttft.prefill_work_ms(uncached, cached)
             load.queued_prefill_ms += work
-            speed = self._speeds.get(self.fleet.pods[slot].destination, self._speed)
+            speed = self._speed_of(slot)
             now = self.clock()
             seen_by = now + (ttft.ttft_ms(uncached, cached) / speed + UNSEEN_MS) / 1000
             _on_their_way(load.unseen, now).append((seen_by, work))
@@ -112,10 +115,15 @@ class LoadAccounting:
         (picks since are added on top). An idle engine has no prefill left: whatever the
         estimate still holds (a pod faster than its model, prompts more cached than
         believed) is dropped; a busy one keeps it, its running requests may still be
-        prefilling; picks it may not count yet keep theirs. ``lora``: its adapter
-        slots, where it runs LoRA; ``base_model``: the model it serves without an
-        adapter."""
+        prefilling; picks it may not count yet keep theirs. Requests waiting where the
+        estimate has drained to nothing are counted (``underpriced``): the pod is
+        slower than its model, or its prompts longer than the router counts them, and
+        a request sent there now would wait though priced as starting at once.
+        ``lora``: its adapter slots, where it runs LoRA; ``base_model``: the model it
+        serves without an adapter."""
         load = self.fleet.load[slot]
+        if waiting and self.active and self._queued_now(slot) <= 0.0:
+            load.underpriced += 1
         load.running, load.waiting = running, waiting
         if kv_usage is not None:
             load.kv_usage = kv_usage
@@ -128,6 +136,16 @@ class LoadAccounting:
             load.inflight = len(unseen)
             load.queued_prefill_ms = min(load.queued_prefill_ms, sum(w for _, w in unseen))
             load.lora.idle()
+
+    def _queued_now(self, slot: int) -> float:
+        """The pod's queued prefill as ``drain`` would leave it now (not drained: the
+        picks drain the fleet, at their own pace)."""
+        elapsed_ms = max(0.0, (self.clock() - self._drained_at) * 1000)
+        return max(0.0, self.fleet.load[slot].queued_prefill_ms - elapsed_ms * self._speed_of(slot))
+
+    def _speed_of(self, slot: int) -> float:
+        """Milliseconds of its model's prefill the pod does per millisecond."""
+        return self._speeds.get(self.fleet.pods[slot].destination, self._speed)
 
     def drain(self, now: float | None = None) -> None:
         """Let the queued prefill drain for the time since it was last looked at;
