@@ -113,3 +113,39 @@ def test_short_requests_avoid_the_pod_of_a_long_prompt_its_gauges_do_not_count_y
 
         long_pod, short_pods = ace.run(scenario())
     assert long_pod not in short_pods, (long_pod, short_pods)
+
+
+def test_requests_waiting_on_a_pod_the_router_prices_as_free_are_counted(
+    pods: Pods, loop: asyncio.AbstractEventLoop
+) -> None:
+    """A pod busier than the router's estimate says (as one slower than its TTFT model
+    is): a long prompt sent to pod-0 directly, past the router, and short ones behind it
+    wait in its engine (vLLM's chunked prefill gives the long one each step's token
+    budget), while the router's queued-prefill estimate for it is empty. Its scrapes
+    count that (``ace_pod_underpriced_waits_total``); idle pod-1 counts nothing."""
+    long_body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": document("underpriced", repeats=1500)}],
+        "max_tokens": 2,
+    }
+    with front(pods, loop) as ace:
+
+        async def scenario() -> tuple[float, float]:
+            pod = pods.urls[0]
+            long = asyncio.ensure_future(post(pod, "/v1/chat/completions", long_body))
+            await asyncio.sleep(0.5)  # tokenized, and prefilling
+            shorts = []
+            for i in range(3):
+                msgs = [{"role": "user", "content": f"{i}: a short one. " * 20}]
+                body = {"model": "tiny", "messages": msgs, "max_tokens": 2}
+                shorts.append(asyncio.ensure_future(post(pod, "/v1/chat/completions", body)))
+            answers = await asyncio.gather(long, *shorts)
+            assert all(status == 200 for status, _, _ in answers)
+            text = await get_text(ace.metrics_url)
+            return (
+                metric(text, "ace_pod_underpriced_waits_total", pod="pod-0"),
+                metric(text, "ace_pod_underpriced_waits_total", pod="pod-1"),
+            )
+
+        busy, idle = ace.run(scenario())
+    assert busy >= 1 and idle == 0, (busy, idle)
