@@ -460,8 +460,8 @@ class Telemetry(Collector):
             "ace_pod_underpriced_waits",
             "Scrapes that found requests waiting in the engine while the router's "
             "queued-prefill estimate for the pod was empty: the pod is slower than its "
-            "TTFT model (or its prompts longer than the router counts them). Calibrate "
-            "the model or set prefill_tokens_per_s.",
+            "TTFT model, or its prompts longer than the router counts them (a full batch, "
+            "max_num_seqs, counts too). Calibrate the model or set prefill_tokens_per_s.",
             labels=pl,
         )
         capacity = GaugeMetricFamily(
@@ -544,8 +544,7 @@ class Telemetry(Collector):
                     family.add_metric(labels, value)
         for (dest, state), n in sorted(counts.items()):
             by_state.add_metric([dest, state], n)
-        yield from (by_state, up, running, waiting, inflight, kv, queued, underpriced)
-        yield capacity
+        yield from (by_state, up, running, waiting, inflight, kv, queued, underpriced, capacity)
         yield from (e_prompt, e_cached, e_queries, e_hits, e_rate)
 
     def _index_families(self, index: BlockIndex) -> Iterator[Metric]:
