@@ -468,6 +468,16 @@ class RouterBase(Section, frozen=True):
             ge=0,
         ),
     ] = 0.0
+    learn_pace: Annotated[
+        bool,
+        _doc(
+            "Learn how much slower or faster than its TTFT model each pod runs from the "
+            "TTFT histogram it reports (vllm: or sglang:time_to_first_token_seconds), and, "
+            "past 1.5x either way, price its prefill and drain its queue at that pace "
+            "(ace_pod_prefill_pace). Off: every pod runs as the model (and "
+            "prefill_tokens_per_s) says."
+        ),
+    ] = True
     policy: Annotated[
         str,
         _doc(

@@ -370,8 +370,10 @@ class Processor:
             self.sharing.note(
                 pick.pod.key, hashes.blocks, ctx.tenant, ctx.session, prompt_tokens - saved
             )
-        # The estimate the trace header and the metrics report, computed once.
+        # The estimate the trace header and the metrics report, computed once; the time
+        # saved at the pod's pace (a pod twice as slow as its model saves twice as long).
         speedup, saved_ms = self.ttft[destination.id].gain(prompt_tokens, saved)
+        saved_ms *= self.fleet.load[pick.slot].pace
         outcome = Outcome(
             mode,
             pick.action,

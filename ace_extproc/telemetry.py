@@ -464,6 +464,14 @@ class Telemetry(Collector):
             "max_num_seqs, counts too). Calibrate the model or set prefill_tokens_per_s.",
             labels=pl,
         )
+        pace = GaugeMetricFamily(
+            "ace_pod_prefill_pace",
+            "How many times its TTFT model's time the pod takes, learned from the TTFT it "
+            "reports (router.learn_pace). Past 1.5x either way its queue drains, and its "
+            "prefill and queue prices grow, by it; within, it is priced as modelled. 1: not "
+            "learned (no TTFT histogram, learn_pace off).",
+            labels=pl,
+        )
         capacity = GaugeMetricFamily(
             "ace_pod_kv_capacity_tokens", "The engine's KV cache size in tokens.", labels=pl
         )
@@ -528,6 +536,7 @@ class Telemetry(Collector):
                 kv.add_metric(labels, load.kv_usage)
                 queued.add_metric(labels, load.queued_prefill_ms / 1000)
                 underpriced.add_metric(labels, load.underpriced)
+                pace.add_metric(labels, load.pace_learned)
             if slot < len(capacities) and capacities[slot] is not None:
                 capacity.add_metric(labels, float(capacities[slot] or 0))
             stats = _stats(monitor, slot) if monitor is not None else None
@@ -544,7 +553,8 @@ class Telemetry(Collector):
                     family.add_metric(labels, value)
         for (dest, state), n in sorted(counts.items()):
             by_state.add_metric([dest, state], n)
-        yield from (by_state, up, running, waiting, inflight, kv, queued, underpriced, capacity)
+        families = (by_state, up, running, waiting, inflight, kv, queued, underpriced, pace)
+        yield from (*families, capacity)
         yield from (e_prompt, e_cached, e_queries, e_hits, e_rate)
 
     def _index_families(self, index: BlockIndex) -> Iterator[Metric]:

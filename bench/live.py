@@ -30,6 +30,8 @@ Routers, each started in front of cold pods:
   gie_lora  GIE's LoRA-affinity filter before its default scorers (bench/baselines), run
             as ace-extproc's policy (``router.policy: module:Class``): GIE's endpoint
             picker is Go and does not run here, its algorithm does
+  ace_fixed_pace  ace with ``router.learn_pace: false``: every pod priced as its TTFT
+            model says, however slow it runs (an A/B of the learned pace)
 A peer that is not installed is skipped, with the reason in the table and the JSON. A
 router named twice runs twice, its second turn reported as ``NAME#2`` (``--routers
 ace,ace_precise,ace``): an A/A check of how far two turns of one router differ.
@@ -110,7 +112,11 @@ from bench.workloads.base import Workload
 
 # Another router's algorithm from bench/baselines, run as ace-extproc's policy.
 POLICY_ROUTERS = {"gie_lora": "bench.baselines.gie_lora:GIELoraPicker"}
-ROUTERS = ("ace", "ace_precise", "envoy_rr", *peers.PEERS, *POLICY_ROUTERS)
+# ace-extproc with router settings changed: an A/B of one setting, the rest the same.
+SETTINGS_ROUTERS: dict[str, dict[str, Any]] = {
+    "ace_fixed_pace": {"learn_pace": False},  # every pod priced as its TTFT model says
+}
+ROUTERS = ("ace", "ace_precise", "envoy_rr", *peers.PEERS, *POLICY_ROUTERS, *SETTINGS_ROUTERS)
 # Also accepted: ace_xN (N ace-extproc servers behind one Envoy, each learning only from
 # what it routes), ace_xN_shared (the same sharing placements through a redis-server),
 # and ace_precise_xN (N servers, each following the pods' KV events).
@@ -126,7 +132,7 @@ class AceVariant:
 
 def ace_variant(name: str) -> AceVariant | None:
     """How an ace router name runs ace-extproc, else None (a peer)."""
-    if name in POLICY_ROUTERS:
+    if name in POLICY_ROUTERS or name in SETTINGS_ROUTERS:
         return AceVariant()
     m = _ACE.fullmatch(name)
     if m is None:
@@ -146,6 +152,7 @@ COUNTERS = {
 SIMULATED_AS = {
     "ace": "ace",
     "ace_precise": "ace",
+    "ace_fixed_pace": "ace",
     "envoy_rr": "round_robin",
     "sglang": "sglang_cache_aware",
     "vllm": "vllm_cache_aware",
@@ -505,6 +512,18 @@ def _series(router_metrics: str) -> dict[str, float]:
     return out
 
 
+def paces(router_metrics: str) -> dict[str, float]:
+    """Each pod's pace as the router learned it by the end (``ace_pod_prefill_pace``,
+    ``routing/pace.py``): pod id -> times its TTFT model's time."""
+    out = {}
+    for series, value in _series(router_metrics).items():
+        if series.startswith("ace_pod_prefill_pace{"):
+            pod = re.search(r'pod="([^"]*)"', series)
+            if pod is not None:
+                out[pod.group(1)] = round(value, 3)
+    return out
+
+
 def guess(router_metrics: str) -> dict[str, float]:
     """How far a precise router's approximate index was from the pods' events
     (``precise_routing.py``), from its /metrics: the first replica's alone."""
@@ -718,6 +737,7 @@ async def run_router(
     )
     if name in POLICY_ROUTERS:
         stack_options.router["policy"] = POLICY_ROUTERS[name]
+    stack_options.router.update(SETTINGS_ROUTERS.get(name, {}))
     variant = ace_variant(name)
     if real is not None:
         await real.reset_prefix_caches()
@@ -769,6 +789,7 @@ async def run_router(
             router_text = await _text(f"http://{stack_options.metrics}/metrics")
             envoy_text = await _text(f"http://{stack_options.admin}/stats?filter=ext_proc")
             run.summary["undecided"] = undecided(router_text, envoy_text)
+            run.summary["pace"] = paces(router_text)
             if variant.precise:
                 run.summary["guess"] = guess(router_text)
     except (StackError, aiohttp.ClientError, OSError) as exc:

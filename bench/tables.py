@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         print(targets(reports))
         print()
     lives = [json.loads(path.read_text()) for path in sorted(folder.glob("live-*.json"))]
+    lives = [live for live in lives if "workload" in live]  # not bench.pool_runs' pools
     if lives:
         print(live_summary(lives))
         print()

@@ -127,6 +127,14 @@ def test_a_pod_slower_than_its_model_fires_where_requests_keep_waiting() -> None
     assert not more and labels["pod"] == fleet.state.pods[1].id and value == 10.0
 
 
+def test_a_pace_far_off_the_model_fires_for_that_pod_only() -> None:
+    fleet = Fleet()
+    fleet.state.load[0].pace_learned = 1.7  # somewhat slower: routing allows for it, quietly
+    fleet.state.load[1].pace_learned = 3.2
+    (labels, value), *more = fired("AcePodOffItsModel", fleet.scrape())
+    assert not more and labels["pod"] == fleet.state.pods[1].id and value == 3.2
+
+
 def test_reuse_below_the_estimate_fires_when_the_engines_disagree() -> None:
     agreeing, disagreeing = Fleet(), Fleet()
     for fleet in (agreeing, disagreeing):

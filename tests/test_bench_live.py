@@ -261,6 +261,10 @@ def test_live_smoke_through_every_installed_router(tmp_path: Path) -> None:
     ace = runs[0].summary
     assert ace is not None
     assert ace["undecided"] == {}  # scraped from the router and Envoy: every one decided
+    # The simulated pods run as their model says, on the clock the router was told: the
+    # paces learned from their TTFT histograms stay near 1 (a clock mismatch, 100x).
+    assert set(ace["pace"]) == {"pod-0", "pod-1"}
+    assert all(0.5 <= pace <= 2.0 for pace in ace["pace"].values()), ace["pace"]
     # Every later turn extends a prefix ace-extproc has placed: all of them hit.
     assert ace["hit_ratio"] >= 6 / 9 and ace["cached_share"] > 0.5
 
@@ -469,6 +473,42 @@ def test_a_router_named_twice_runs_twice_its_second_turn_apart(
     runs = asyncio.run(live._each([], ["ace", "ace_precise", "ace", "ace"], options, print, None))
     assert ran == ["ace", "ace_precise", "ace", "ace"]  # each turn runs the router named
     assert [r.name for r in runs] == ["ace", "ace_precise", "ace#2", "ace#3"]
+
+
+def test_paces_are_read_per_pod_from_the_routers_metrics() -> None:
+    text = (
+        "# HELP ace_pod_prefill_pace How many times its TTFT model's time the pod takes.\n"
+        'ace_pod_prefill_pace{destination="sim",pod="pod-0"} 2.5\n'
+        'ace_pod_prefill_pace{destination="sim",pod="pod-1"} 0.8\n'
+        'ace_pod_queued_prefill_seconds{destination="sim",pod="pod-0"} 3.0\n'
+    )
+    assert live.paces(text) == {"pod-0": 2.5, "pod-1": 0.8}
+
+
+def test_a_settings_router_runs_ace_extproc_with_that_setting_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ace_fixed_pace`` is ace-extproc, one server, with ``router.learn_pace: false``
+    on top of the run's own router settings; plain ``ace`` keeps the default."""
+    started: list[Any] = []
+
+    class Started(Exception):
+        pass
+
+    def fake_stack(options: Any) -> Any:
+        started.append(options)
+        raise Started
+
+    monkeypatch.setattr(live, "Stack", fake_stack)
+    options = live.LiveOptions(router=(("min_match", 0.2),))
+    for name in ("ace_fixed_pace", "ace"):
+        with pytest.raises(Started):
+            asyncio.run(live.run_router(name, [], options))
+    fixed, plain = started
+    assert fixed.router == {"min_match": 0.2, "learn_pace": False}
+    assert plain.router == {"min_match": 0.2}
+    assert (fixed.ext_proc_replicas, fixed.share, fixed.precise) == (1, False, False)
+    assert live.SIMULATED_AS["ace_fixed_pace"] == "ace"
 
 
 async def _serve(path: str, handler: Any) -> tuple[Any, str]:

@@ -33,6 +33,21 @@ def test_a_warm_pod_wins_while_its_queue_is_cheaper_than_the_prefill_it_saves() 
     assert again.matched_blocks == 32
 
 
+@pytest.mark.parametrize(("pace", "stays"), [(1.0, True), (2.0, True), (4.0, False)])
+def test_a_warm_pod_slower_than_its_model_is_priced_at_its_pace(pace: float, stays: bool) -> None:
+    """The warm pod of the test above, with the same queue, learned to take ``pace``
+    times its model's time (``routing/pace.py``): its queue and the rest of its prefill
+    cost that much more, so at 4x a cold pod that runs as modelled starts sooner."""
+    fleet, _, picker = setup()
+    first = picker.pick(request(), fleet.available)
+    assert first is not None
+    fleet.load[first.slot].queued_prefill_ms = 40.0
+    fleet.load[first.slot].pace = pace
+    again = picker.pick(request(), fleet.available)
+    assert again is not None and (again.slot == first.slot) is stays
+    assert again.action == ("hit" if stays else "spill")
+
+
 def test_a_saturated_warm_pod_spills_and_the_prefix_is_replicated() -> None:
     fleet, index, picker = setup()
     first = picker.pick(request(), fleet.available)

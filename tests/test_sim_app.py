@@ -19,7 +19,13 @@ import aiohttp
 import pytest
 
 from ace_extproc.latency import DEFAULT_MODEL, get_model
-from ace_extproc.sim.app import SimConfig, SimServer, add_arguments, config_from_args
+from ace_extproc.sim.app import (
+    TTFT_FIELD,
+    SimConfig,
+    SimServer,
+    add_arguments,
+    config_from_args,
+)
 from ace_extproc.sim.protocol import filler_text
 from ace_extproc.sim.tokenizer import encode, render_chat
 
@@ -235,10 +241,10 @@ def test_completions_string_batch_and_token_ids() -> None:
 
 def test_metrics_move_by_the_right_amounts() -> None:
     async def main() -> None:
-        async with pod() as (_, s):
+        async with pod(time_scale=0.001) as (_, s):
             before = await metrics(s)
             body = {"messages": conversation(1), "max_tokens": 5}
-            await post(s, "/v1/chat/completions", body)
+            first = await post(s, "/v1/chat/completions", body)
             second = await post(s, "/v1/chat/completions", body)
             after = await metrics(s)
             async with s.get("/metrics") as resp:
@@ -258,7 +264,11 @@ def test_metrics_move_by_the_right_amounts() -> None:
         assert delta("vllm:prompt_tokens_cached_total") == cached
         assert delta("vllm:generation_tokens_total") == 10
         assert delta("vllm:time_to_first_token_seconds_count") == 2
-        assert delta("vllm:time_to_first_token_seconds_sum") > 0
+        # Wall-clock seconds, as vLLM's: the simulated TTFTs on the pods' clock.
+        simulated_s = (first[TTFT_FIELD] + second[TTFT_FIELD]) / 1000
+        assert delta("vllm:time_to_first_token_seconds_sum") == pytest.approx(
+            0.001 * simulated_s, rel=0.01
+        )
         assert delta("vllm:num_requests_running") == 0
         assert after['vllm:kv_cache_usage_perc{engine="0",model_name="sim-llama"}'] == 0.0
         # Label names sorted, as vLLM 0.32 writes them; its five finish reasons.

@@ -57,6 +57,24 @@ def test_a_lone_request_gets_the_model_ttft() -> None:
     asyncio.run(main())
 
 
+def test_the_ttft_histogram_is_wall_clock_as_vllms_is() -> None:
+    """On a pods' clock of 0.01 a request's simulated TTFT passes in a hundredth of the
+    time, and the histogram a router learns pods' pace from says so."""
+
+    async def main() -> None:
+        engine = make(time_scale=0.01)
+        async with engine.generate(list(range(1000)), max_tokens=1) as req:
+            pass
+        assert engine.stats.ttft.count == 1
+        assert engine.stats.ttft.sum == pytest.approx(req.ttft_s * 0.01)
+        instant = make(time_scale=0.0)
+        async with instant.generate(list(range(1000)), max_tokens=1):
+            pass
+        assert instant.stats.ttft.sum == 0.0
+
+    asyncio.run(main())
+
+
 def test_concurrent_prefills_batch_and_later_ones_wait() -> None:
     async def main() -> None:
         engine = make(max_num_batched_tokens=1000)

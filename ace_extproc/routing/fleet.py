@@ -59,6 +59,11 @@ class PodLoad:
     # Scrapes that found requests waiting where the estimate had no prefill queued:
     # the pod slower than its TTFT model says (load.py).
     underpriced: int = 0
+    # How many times its model's time the pod takes, learned from the TTFT the engine
+    # reports (pace.py), and the pace routing uses: that, or 1 within the model's own
+    # error. Its queue drains, and its prefill and queue prices grow, by ``pace``.
+    pace_learned: float = 1.0
+    pace: float = 1.0
 
 
 class FleetState:

@@ -25,8 +25,9 @@ pod idle). So a pick stays counted until its modelled TTFT has passed, plus
 ``UNSEEN_MS`` for the hop there. The estimate is only as good as the model's
 calibration: a scrape that finds requests waiting on a pod the estimate calls free is
 counted, so an operator sees a fleet slower than its model
-(``ace_pod_underpriced_waits_total``). The other replicas' placements count too
-(``routing/replicas.py``).
+(``ace_pod_underpriced_waits_total``), and each pod's pace is learned from the TTFT
+its engine reports (``pace.py``): far enough from 1, its queue drains at that pace.
+The other replicas' placements count too (``routing/replicas.py``).
 
 LoRA adapters are counted the same way (``lora.py``): a pick of adapter A marks A
 loaded and in use on the pod until the next scrape of ``vllm:lora_requests_info`` says
@@ -41,8 +42,10 @@ from collections.abc import Callable
 
 from ace_extproc.config import Settings, ttft_models
 from ace_extproc.latency import TTFTModel, get_model
-from ace_extproc.routing.fleet import FleetState
+from ace_extproc.routing.fleet import ADDED, FleetState
+from ace_extproc.routing.lora import DEFAULT_LOAD_MS
 from ace_extproc.routing.metrics_text import LoraInfo
+from ace_extproc.routing.pace import PaceLearner, priced
 
 # The queued-prefill estimate drains at most this often.
 DRAIN_EVERY_MS = 1.0
@@ -74,6 +77,12 @@ class LoadAccounting:
         self._speeds = {dest: model.speed(rate) for dest, model in self._models.items()}
         self._speed = self._default.speed(rate)
         self._drained_at = clock()
+        self.pace = PaceLearner(settings.learn_pace)
+        fleet.on_change.append(self._fleet_changed)
+
+    def _fleet_changed(self, slot: int, change: str) -> None:
+        if change == ADDED:  # a new process in the slot (its PodLoad is new): learn afresh
+            self.pace.forget(slot)
 
     def use_clock(self, clock: Callable[[], float]) -> None:
         """Count and drain on ``clock`` from now (the fleet simulation's, whose scrapes
@@ -94,13 +103,21 @@ class LoadAccounting:
             load.inflight += 1
             ttft = self.model_of(slot)
             work = ttft.prefill_work_ms(uncached, cached)
+            ahead = load.queued_prefill_ms
             load.queued_prefill_ms += work
-            speed = self._speed_of(slot)
+            speed = self._model_speed_of(slot)
             now = self.clock()
-            seen_by = now + (ttft.ttft_ms(uncached, cached) / speed + UNSEEN_MS) / 1000
+            alone_ms = ttft.ttft_ms(uncached, cached) / speed
+            seen_by = now + (alone_ms * load.pace + UNSEEN_MS) / 1000
             _on_their_way(load.unseen, now).append((seen_by, work))
+            adapter_ms = 0.0
             if model is not None and load.lora.max_lora:
+                # Its adapter's load, where the pod has to (as LoraCost prices it): part
+                # of the TTFT the engine will report.
+                adapter_ms = load.lora.cost_ms(model, DEFAULT_LOAD_MS, ttft.decode_ms()) / speed
                 load.lora.picked(model)
+            # Its TTFT as the model says (pace.py learns how far the engine's is from it).
+            self.pace.predicted(slot, now, alone_ms + adapter_ms + ahead / speed)
 
     def observed(
         self,
@@ -110,6 +127,7 @@ class LoadAccounting:
         kv_usage: float | None,
         lora: LoraInfo | None = None,
         base_model: str | None = None,
+        first_tokens: tuple[float, float] | None = None,
     ) -> None:
         """A scrape's figures for the pod: they replace the estimate's in-flight count
         (picks since are added on top). An idle engine has no prefill left: whatever the
@@ -120,10 +138,16 @@ class LoadAccounting:
         slower than its model, or its prompts longer than the router counts them, and
         a request sent there now would wait though priced as starting at once.
         ``lora``: its adapter slots, where it runs LoRA; ``base_model``: the model it
-        serves without an adapter."""
+        serves without an adapter; ``first_tokens``: its TTFT histogram's count and
+        sum (seconds), which teach the pod's pace (``pace.py``)."""
         load = self.fleet.load[slot]
         if waiting and self.active and self._queued_now(slot) <= 0.0:
             load.underpriced += 1
+        if first_tokens is not None and self.active:
+            count, total_s = first_tokens
+            idle = running == 0 and waiting == 0
+            learned = self.pace.observed(slot, self.clock(), count, total_s, idle)
+            load.pace_learned, load.pace = learned, priced(learned)
         load.running, load.waiting = running, waiting
         if kv_usage is not None:
             load.kv_usage = kv_usage
@@ -144,7 +168,11 @@ class LoadAccounting:
         return max(0.0, self.fleet.load[slot].queued_prefill_ms - elapsed_ms * self._speed_of(slot))
 
     def _speed_of(self, slot: int) -> float:
-        """Milliseconds of its model's prefill the pod does per millisecond."""
+        """Milliseconds of its model's prefill the pod does per millisecond, at its pace."""
+        return self._model_speed_of(slot) / self.fleet.load[slot].pace
+
+    def _model_speed_of(self, slot: int) -> float:
+        """The same as the model (and ``prefill_tokens_per_s``) says."""
         return self._speeds.get(self.fleet.pods[slot].destination, self._speed)
 
     def drain(self, now: float | None = None) -> None:
@@ -166,7 +194,7 @@ class LoadAccounting:
         pods = self.fleet.pods
         for slot, load in enumerate(self.fleet.load):
             if load.queued_prefill_ms:
-                done = elapsed_ms * speeds.get(pods[slot].destination, default)
+                done = elapsed_ms * speeds.get(pods[slot].destination, default) / load.pace
                 load.queued_prefill_ms = max(0.0, load.queued_prefill_ms - done)
 
 

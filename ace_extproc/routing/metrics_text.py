@@ -46,6 +46,10 @@ _VLLM = {
     b"vllm:prompt_tokens_cached_total": "cached_prompt_tokens",
     b"vllm:cache_config_info": "cache_config",
     b"vllm:lora_requests_info": "lora_info",
+    # The TTFT histogram's count and sum: each first token, from the request's arrival
+    # (queue included), what the router's pace learns from (pace.py).
+    b"vllm:time_to_first_token_seconds_count": "first_tokens",
+    b"vllm:time_to_first_token_seconds_sum": "first_token_s",
 }
 _SGLANG = {
     b"sglang:num_running_reqs": "running",
@@ -55,6 +59,8 @@ _SGLANG = {
     b"sglang:prompt_tokens_total": "prompt_tokens",
     b"sglang:cached_tokens_total": "cache_hits",  # also its cached_prompt_tokens
     b"sglang:max_total_num_tokens": "capacity",
+    b"sglang:time_to_first_token_seconds_count": "first_tokens",
+    b"sglang:time_to_first_token_seconds_sum": "first_token_s",
 }
 # prometheus-client's process collector: a new value means a new process.
 _PROCESS = {b"process_start_time_seconds": "start_time"}
@@ -121,12 +127,22 @@ class EngineStats:
     start_time: float | None = None  # process_start_time_seconds, where exposed
     model_name: str | None = None  # the served model (the model_name label), where given
     lora: LoraInfo | None = None  # vllm:lora_requests_info: only with --enable-lora
+    # The TTFT histogram: first tokens so far and their summed TTFT (seconds).
+    first_tokens: float | None = None
+    first_token_s: float | None = None
     reason: str = ""  # why some of the text was not used ("" when all was)
 
     @property
     def usable(self) -> bool:
         """Whether the scrape says anything about the pod's load."""
         return self.running is not None or self.waiting is not None or self.kv_usage is not None
+
+    @property
+    def ttft_counters(self) -> tuple[float, float] | None:
+        """The TTFT histogram's (count, sum in seconds), where the text has both."""
+        if self.first_tokens is None or self.first_token_s is None:
+            return None
+        return self.first_tokens, self.first_token_s
 
     def counters(self) -> dict[str, float]:
         found = {
@@ -222,6 +238,8 @@ def parse(text: bytes | str) -> EngineStats:
         start_time=start,
         model_name=model_name,
         lora=lora,
+        first_tokens=total("first_tokens"),
+        first_token_s=total("first_token_s"),
         reason="; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""),
     )
 

@@ -302,7 +302,15 @@ class FleetMonitor:
         load = self.fleet.load[slot]
         running = stats.running if stats.running is not None else load.running
         waiting = stats.waiting if stats.waiting is not None else load.waiting
-        self.load.observed(slot, running, waiting, stats.kv_usage, stats.lora, stats.model_name)
+        self.load.observed(
+            slot,
+            running,
+            waiting,
+            stats.kv_usage,
+            stats.lora,
+            stats.model_name,
+            stats.ttft_counters,
+        )
         if st.last is not None:  # down or not: a restart while down empties it too
             why = metrics_text.restarted(st.last, stats)
             if why is not None:

@@ -7,10 +7,10 @@ Unlike GIE's weighted sum of unrelated scores, every scorer here speaks one unit
 milliseconds it adds to this request's time to first token on a pod, so their sum is
 a price (weights stay, to tune one against the others). The default scorers, from the
 calibrated TTFT model: this request's own prefill of the tokens the pod does not hold
-warm (``PrefillCost``), what its new blocks would evict from a full pod
-(``EvictionCost``), the prefill already queued there (``QueueCost``), and loading
-the LoRA adapter the request names where the pod has not loaded it (``LoraCost``,
-``lora.py``: 0 for the base model). A warm pod
+warm (``PrefillCost``) and the prefill already queued there (``QueueCost``), both at
+the pod's learned pace (``pace.py``), what its new blocks would evict from a full pod
+(``EvictionCost``), and loading the LoRA adapter the request names where the pod has
+not loaded it (``LoraCost``, ``lora.py``: 0 for the base model). A warm pod
 wins while its queue costs less than the prefill it saves; when it saturates, the
 request spills to the cheapest other pod, which warms up too (the hot prefix is
 replicated). Warming that pod is priced as shared by the requests expected on the
@@ -38,7 +38,7 @@ from typing import Protocol
 from ace_extproc.latency import TTFTModel
 from ace_extproc.request import continues
 from ace_extproc.routing import rendezvous
-from ace_extproc.routing.fleet import RETIRED, FleetState
+from ace_extproc.routing.fleet import RETIRED, FleetState, PodLoad
 from ace_extproc.routing.index import BlockIndex
 from ace_extproc.routing.lora import LoraCost
 from ace_extproc.routing.picker import Pick, RoutingRequest
@@ -109,8 +109,9 @@ class NotSaturated:
 
 @dataclass(frozen=True, slots=True)
 class PrefillCost:
-    """This request's prefill past the blocks the pod holds warm. What a pod holding
-    less than the deepest match would prefill beyond it warms that pod, and the
+    """This request's prefill past the blocks the pod holds warm, at the pod's pace
+    (``pace.py``: a pod twice as slow as its model prefills twice as long). What a pod
+    holding less than the deepest match would prefill beyond it warms that pod, and the
     requests that follow it there share that (``Candidates.prefix_per_s``): a hot
     prefix is replicated once its pods queue more than its share, not only once they
     queue more than a whole cold prefill (issue 27: 90% of requests on one system
@@ -121,15 +122,16 @@ class PrefillCost:
         model = c.model
         cold = model.prefill_ms(tokens)  # most pods hold none of the prompt
         if not depths:
-            return [cold] * len(c.slots)
+            load = c.fleet.load
+            return [cold * load[slot].pace for slot in c.slots]
         tpb = c.tokens_per_block
         warm = {
             slot: model.prefill_ms(tokens - (cached := min(int(depth * tpb), tokens - 1)), cached)
             for slot, depth in depths.items()
             if depth
         }
-        get = warm.get
-        prices = [get(slot, cold) for slot in c.slots]
+        get, load = warm.get, c.fleet.load
+        prices = [get(slot, cold) * load[slot].pace for slot in c.slots]
         if c.prefix_per_s:
             prices = self._shared(c, prices)
         return prices
@@ -143,12 +145,17 @@ class PrefillCost:
         deepest = max([get(slot, 0) for slot in c.slots])
         if not deepest:
             return prices
-        queued = min(load[slot].queued_prefill_ms for slot in c.slots if get(slot, 0) == deepest)
+        queued = min(_waited(load[slot]) for slot in c.slots if get(slot, 0) == deepest)
         best, per_ms = min(prices), c.prefix_per_s / 1000
         return [
-            best + (p - best) / (1.0 + per_ms * max(0.0, queued - load[slot].queued_prefill_ms))
+            best + (p - best) / (1.0 + per_ms * max(0.0, queued - _waited(load[slot])))
             for p, slot in zip(prices, c.slots, strict=True)
         ]
+
+
+def _waited(load: PodLoad) -> float:
+    """The pod's queued prefill at its pace (``pace.py``): how long the queue lasts."""
+    return load.queued_prefill_ms * load.pace
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,11 +192,11 @@ class QueueCost:
     """The prefill already queued on the pod, ahead of this request: milliseconds of
     the pod's TTFT model, each request sent priced as this one is, long prompts' extra
     attention cost included (``load.py``: picks since the last scrape, corrected by
-    each scrape)."""
+    each scrape), at the pod's pace: how long it lasts there."""
 
     def __call__(self, c: Candidates) -> list[float]:
         load = c.fleet.load
-        return [load[slot].queued_prefill_ms for slot in c.slots]
+        return [_waited(load[slot]) for slot in c.slots]
 
 
 # ------------------------------------------------------------------ picker

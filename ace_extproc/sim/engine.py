@@ -355,7 +355,9 @@ class Engine:
         stats.prompt_tokens += req.num_tokens
         stats.cached_prompt_tokens += req.cached_tokens
         stats.generation_tokens += req.n
-        stats.ttft.observe(req.ttft_s)
+        # vLLM's histogram is wall-clock: the simulated seconds on the pods' clock (0: the
+        # pods answer at once). The simulated TTFT itself is in the answer's usage.
+        stats.ttft.observe(req.ttft_s * self.time_scale)
 
     def _next_batch(self) -> list[tuple[EngineRequest, asyncio.Future[None]]]:
         batch: list[tuple[EngineRequest, asyncio.Future[None]]] = []

@@ -112,6 +112,9 @@ class SimPod:
         # (t_step), so busy time counts a pod decoding one request as fully busy.
         self.work_s = 0.0
         self.evictions = 0
+        # vllm:time_to_first_token_seconds' count and sum (from arrival, queue included).
+        self.first_tokens = 0
+        self.first_token_s = 0.0
         self.plan: StepPlan | None = None
         self.epoch = 0
         self.wake_pending = False  # the runner has a wake-up queued for this idle pod
@@ -163,6 +166,8 @@ class SimPod:
             if job.prefilled >= job.uncached:
                 done_prefill = True
                 job.first_token_s = now
+                self.first_tokens += 1
+                self.first_token_s += now - job.arrival_s
                 if job.output_tokens <= 1:
                     self._finish(job, now)
                 else:  # one token per step from the next step on

@@ -98,7 +98,13 @@ def simulate(
         rejected=sim.rejected,
         rerouted=sim.rerouted,
         replicas=replicas,
-        extra={"scrapes": sim.scrapes, **sim.precise_stats(), **sim.lora_stats()},
+        extra={
+            "scrapes": sim.scrapes,
+            # Each pod's pace as the first replica learned it by the end (pace.py).
+            "pace": [round(load.pace_learned, 3) for load in sim.procs[0].fleet.load],
+            **sim.precise_stats(),
+            **sim.lora_stats(),
+        },
     )
 
 
@@ -144,6 +150,7 @@ class _Run:
                 ttft_model=settings.ttft_model,
                 probe_interval_s=0,
                 precise=Precise(speculate=settings.speculate),
+                learn_pace=settings.learn_pace,
             ),
         )
         # No monitor (probe_interval_s 0): the simulation scrapes the pods itself.
@@ -181,7 +188,7 @@ class _Run:
             SimPod(
                 slot,
                 shared if shared is not None else self._new_cache(1),
-                self.model,
+                settings.pod_model(slot),
                 self,
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 max_num_seqs=settings.max_num_seqs,
@@ -376,8 +383,9 @@ class _Run:
                 if lora is None
                 else LoraInfo(lora.max_loras, tuple(lora.running), tuple(lora.waiting))
             )
+            ttft = (pod.first_tokens, pod.first_token_s)
             for proc in views:
-                proc.load.observed(pod.slot, pod.running, len(pod.waiting), kv, info, base)
+                proc.load.observed(pod.slot, pod.running, len(pod.waiting), kv, info, base, ttft)
 
     # -- replicas sharing placements ----------------------------------------------------
     def share(self, delay_s: float) -> None:

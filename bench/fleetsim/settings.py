@@ -48,6 +48,12 @@ class SimSettings:
     # Model time to load an adapter into a slot (ace_extproc.sim.lora): the router's
     # estimate (routing/lora.py's DEFAULT_LOAD_MS) unless set otherwise.
     lora_load_ms: float = DEFAULT_LOAD_MS
+    # Pods slower (or faster) than the TTFT model the router prices them by: pod i's
+    # prefill and steps take ``pod_slowdown[i % len]`` times the model's (another GPU
+    # generation in the pool, a throttled or shared host). Empty: as modelled.
+    pod_slowdown: tuple[float, ...] = ()
+    # The router's ``router.learn_pace``: learn each pod's pace from the TTFT it reports.
+    learn_pace: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_gpu_blocks < 1:
@@ -65,6 +71,19 @@ class SimSettings:
         if self.max_loras < 0 or not self.lora_load_ms >= 0:
             raise ValueError("max_loras and lora_load_ms must not be negative")
         latency.get_model(self.ttft_model)  # raises on an unknown name
+        if not all(0 < f < 1000 for f in self.pod_slowdown):
+            raise ValueError("pod_slowdown: factors must be positive")
+
+    def pod_model(self, slot: int) -> latency.TTFTModel:
+        """The TTFT model pod ``slot`` really runs: the router's, its compute slowed by
+        its ``pod_slowdown`` (the API server's share is the same)."""
+        model = latency.get_model(self.ttft_model)
+        if not self.pod_slowdown:
+            return model
+        f = self.pod_slowdown[slot % len(self.pod_slowdown)]
+        return replace(
+            model, a_ms=model.a_ms * f, b_ms=model.b_ms * f, t_step_ms=model.t_step_ms * f
+        )
 
 
 def for_workload(settings: SimSettings, workload: Workload) -> SimSettings:

@@ -1,12 +1,15 @@
 """What ace-extproc learns from the real engines' /metrics: the KV cache size that
-bounds its index, and the load it did not send itself."""
+bounds its index, the load it did not send itself, and each pod's pace."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 
+from ace_extproc import vllm_pods
+from ace_extproc.latency import get_model
 from ace_extproc.vllm_pods import Pods
 from tests.engines.conftest import KV_BLOCKS, document, front, get_text, metric, post, usage
 
@@ -149,3 +152,75 @@ def test_requests_waiting_on_a_pod_the_router_prices_as_free_are_counted(
 
         busy, idle = ace.run(scenario())
     assert busy >= 1 and idle == 0, (busy, idle)
+
+
+def test_each_pods_pace_is_learned_from_the_engines_ttft_histogram(
+    pods: Pods, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Cold prompts sent one at a time through the router: each pod's pace moves from 1
+    toward the ratio of the mean TTFT its engine reports (vllm:time_to_first_token_seconds,
+    read from the engine directly here) to the mean the router predicted (the TTFT model
+    at the prompt tokens it counted), and not past it; a pod that served nothing keeps 1."""
+    model = get_model(vllm_pods.TTFT_MODEL)
+    with front(pods, loop) as ace:
+
+        async def scenario() -> dict[str, tuple[float, float]]:
+            await _scraped(ace.metrics_url)
+            before = [await get_text(f"{url}/metrics") for url in pods.urls]
+            for i in range(8):
+                msgs = [{"role": "user", "content": document(f"pace {i}", repeats=150)}]
+                body = {"model": "tiny", "messages": msgs, "max_tokens": 2}
+                status, _, _ = await post(ace.url, "/v1/chat/completions", body)
+                assert status == 200
+            await asyncio.sleep(0.5)  # a few scrapes
+            after = [await get_text(f"{url}/metrics") for url in pods.urls]
+            text = await get_text(ace.metrics_url)
+            out = {}
+            for n, pod in enumerate(("pod-0", "pod-1")):
+                try:
+                    picks = metric(text, "ace_picks_total", pod=pod)
+                except KeyError:  # never picked
+                    picks = 0.0
+                pace = metric(text, "ace_pod_prefill_pace", pod=pod)
+                if not picks:
+                    out[pod] = (pace, 1.0)
+                    continue
+                counted = metric(text, "ace_estimated_prompt_tokens_total", pod=pod) / picks
+                first = [_ttft(t) for t in (before[n], after[n])]
+                served = first[1][0] - first[0][0]
+                assert served == picks  # every first token counted, none other
+                reported_ms = (first[1][1] - first[0][1]) / served * 1000
+                out[pod] = (pace, reported_ms / model.ttft_ms(round(counted)))
+            return out
+
+        paces = ace.run(scenario())
+    assert any(ratio != 1.0 for _, ratio in paces.values())  # some pod served
+    for pod, (pace, ratio) in paces.items():
+        if ratio == 1.0:
+            assert pace == 1.0, pod
+        elif abs(math.log(ratio)) > 0.1:
+            # Moved toward the ratio, a part of the way, never past it.
+            assert 0 < math.log(pace) / math.log(ratio) <= 1.0, (pod, pace, ratio)
+        else:
+            assert abs(math.log(pace)) <= 0.1, (pod, pace, ratio)
+
+
+async def _scraped(metrics_url: str) -> None:
+    """Once the router has scraped the pods (their KV size is its first news of them)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            metric(await get_text(metrics_url), "ace_pod_kv_capacity_tokens", pod="pod-1")
+            metric(await get_text(metrics_url), "ace_pod_kv_capacity_tokens", pod="pod-0")
+            return
+        except KeyError:
+            assert time.monotonic() < deadline, "the pods were never scraped"
+            await asyncio.sleep(0.2)
+
+
+def _ttft(engine_metrics: str) -> tuple[float, float]:
+    """The engine's TTFT histogram: first tokens so far and their summed seconds."""
+    return (
+        metric(engine_metrics, "vllm:time_to_first_token_seconds_count"),
+        metric(engine_metrics, "vllm:time_to_first_token_seconds_sum"),
+    )
