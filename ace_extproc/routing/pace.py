@@ -43,14 +43,16 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-# The pace stays within these: a pod more than 8x off its model is mis-configured (the
-# wrong model named), not slow, and its alert (AcePodOffItsModel) says so.
+# The pace stays within these: a pod more than 8x off its model has the wrong model
+# named, or prompts the router counts far short (no tokenizer: the real-engine tier's
+# CPU pods reached the bound on a busy machine), and its alert (AcePodOffItsModel) says
+# so; a bound keeps one bad window from pricing a pod out of the fleet.
 MIN_PACE, MAX_PACE = 0.125, 8.0
 # Within this factor of 1 a learned pace is the model's own error (the CPU pods' fit is
 # within 10% RMS, the GPU models are fitted to public figures, and the decode steps of
 # a busy batch are left out): routing prices such a pod as the model says. Pods that run
-# as modelled learned paces up to 1.31 in the fleet simulation (bench.pace_sim), under
-# load; priced by them at 1.25, hot-prefix's short requests waited longer at the median.
+# as modelled learn paces up to 1.25 in the fleet simulation under load (bench.pace_sim);
+# with a band of 1.25, hot-prefix's short requests waited longer at the median.
 BAND = 1.5
 # A window's ratio counts at most this much toward the pace (its log), and a window of
 # n first tokens moves it by n / (n + WEIGHT_N) of the way, at most half: one request's
