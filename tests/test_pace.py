@@ -14,7 +14,15 @@ from ace_extproc.routing import BlockIndex, FleetState
 from ace_extproc.routing.load import LoadAccounting
 from ace_extproc.routing.metrics_text import EngineStats, parse
 from ace_extproc.routing.monitor import FleetMonitor
-from ace_extproc.routing.pace import BAND, EXPIRE_S, MAX_PACE, MIN_PACE, PaceLearner, priced
+from ace_extproc.routing.pace import (
+    BAND,
+    EXPIRE_S,
+    MAX_PACE,
+    MIN_PACE,
+    WEIGHT_N,
+    PaceLearner,
+    priced,
+)
 from ace_extproc.telemetry import Telemetry
 from bench import workloads
 from bench.baselines import resolve
@@ -69,7 +77,10 @@ def test_the_first_scrape_and_a_restart_teach_nothing() -> None:
     # A restart: the counters went back; what was open was for the old process.
     assert learner.observed(0, 2.0, 3.0, 2.0, idle=False) == 1.0
     assert learner.observed(0, 3.0, 4.0, 2.5, idle=False) == 1.0  # nothing open
-    assert learner.windows(0) == 0
+    # Nothing was learned: the next window moves the pace from 1 by one window's step.
+    learner.predicted(0, 3.0, 100.0)
+    moved = learner.observed(0, 4.0, 5.0, 2.8, idle=False)  # 300 ms against 100
+    assert moved == pytest.approx(math.exp(math.log(3.0) / (1 + WEIGHT_N)))
 
 
 def test_predictions_never_answered_expire() -> None:

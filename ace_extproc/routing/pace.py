@@ -74,7 +74,6 @@ class PodPace:
     count: float | None = None  # the engine's first tokens so far, at the last scrape
     total_s: float = 0.0  # and their TTFT, summed
     learned: float = 1.0
-    windows: int = 0  # scrape windows that moved the pace
 
 
 def priced(learned: float) -> float:
@@ -134,15 +133,9 @@ class PaceLearner:
         ratio = (spent_s * 1000 / new) / (predicted_ms / matched)
         step = max(-MAX_STEP, min(MAX_STEP, math.log(ratio / pod.learned)))
         weight = min(0.5, matched / (matched + WEIGHT_N))
-        pod.windows += 1
         pod.learned = max(MIN_PACE, min(MAX_PACE, pod.learned * math.exp(weight * step)))
         return pod.learned
 
     def forget(self, slot: int) -> None:
         """The slot's pod is gone (or replaced): its predictions and counters go too."""
         self._pods.pop(slot, None)
-
-    def windows(self, slot: int) -> int:
-        """How many scrape windows have moved the pod's pace."""
-        pod = self._pods.get(slot)
-        return 0 if pod is None else pod.windows

@@ -72,7 +72,7 @@ class SimSettings:
             raise ValueError("max_loras and lora_load_ms must not be negative")
         latency.get_model(self.ttft_model)  # raises on an unknown name
         if not all(0 < f < 1000 for f in self.pod_slowdown):
-            raise ValueError("pod_slowdown: factors must be positive")
+            raise ValueError("pod_slowdown: factors must be between 0 and 1000")
 
     def pod_model(self, slot: int) -> latency.TTFTModel:
         """The TTFT model pod ``slot`` really runs: the router's, its compute slowed by
