@@ -97,6 +97,20 @@ def test_an_adapter_costs_nothing_loaded_a_load_with_a_slot_free_more_when_all_a
     assert cost(view, "d") == DEFAULT_LOAD_MS and cost(view, "c") == 0.0
 
 
+def test_a_pick_that_waits_for_a_slot_is_predicted_as_unknown_to_the_pace() -> None:
+    """The pace learns the pod's speed from its requests' TTFT; a wait for a slot lasts
+    as long as other adapters' answers, so such a pick's TTFT is not predicted."""
+    fleet, load = fleet_and_load(1)
+    load.observed(0, 2, 0, 0.0, LoraInfo(2, ("a", "b")), BASE)
+    view = fleet.load[0].lora
+    assert view.waits_for_slot("c") and not view.waits_for_slot("a")
+    assert not view.waits_for_slot(BASE)
+    load.sent(0, 100, 0, "a")
+    load.sent(0, 100, 0, "c")
+    predicted = [model_ms for _, model_ms in load.pace._pods[0].open]
+    assert predicted[0] is not None and predicted[0] > 0 and predicted[1] is None
+
+
 def fleet_and_load(pods: int = 4) -> tuple[FleetState, LoadAccounting]:
     fleet = FleetState(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(pods)]))
     return fleet, LoadAccounting(fleet, Settings(), clock=lambda: 0.0)

@@ -104,6 +104,20 @@ def test_an_idle_pod_keeps_only_the_predictions_just_sent() -> None:
     assert learner.observed(0, 5.5, 1.0, 0.1, idle=False) == 1.0
 
 
+def test_a_window_with_a_wait_the_model_cannot_see_teaches_nothing() -> None:
+    """A request that waited for a LoRA adapter's slot waited as long as another
+    adapter's answers took, not at the pod's pace: its window is matched (the next one
+    lines up) and passed over."""
+    learner = PaceLearner()
+    learner.observed(0, 0.0, 0.0, 0.0, idle=False)
+    learner.predicted(0, 0.0, 100.0)
+    learner.predicted(0, 0.0, None)  # waited for a slot: 3 s, say
+    assert learner.observed(0, 1.0, 2.0, 3.1, idle=False) == 1.0
+    learner.predicted(0, 1.0, 100.0)  # the next window is its own: 300 ms against 100
+    moved = learner.observed(0, 2.0, 3.0, 3.4, idle=False)
+    assert moved == pytest.approx(math.exp(math.log(3.0) / (1 + WEIGHT_N)))
+
+
 def test_learning_off_keeps_every_pod_at_its_model() -> None:
     learner = PaceLearner(enabled=False)
     learner.observed(0, 0.0, 0.0, 0.0, idle=False)

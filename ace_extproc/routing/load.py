@@ -110,14 +110,18 @@ class LoadAccounting:
             alone_ms = ttft.ttft_ms(uncached, cached) / speed
             seen_by = now + (alone_ms * load.pace + UNSEEN_MS) / 1000
             _on_their_way(load.unseen, now).append((seen_by, work))
-            adapter_ms = 0.0
-            if model is not None and load.lora.max_lora:
-                # Its adapter's load, where the pod has to (as LoraCost prices it): part
-                # of the TTFT the engine will report.
-                adapter_ms = load.lora.cost_ms(model, DEFAULT_LOAD_MS, ttft.decode_ms()) / speed
-                load.lora.picked(model)
             # Its TTFT as the model says (pace.py learns how far the engine's is from it).
-            self.pace.predicted(slot, now, alone_ms + adapter_ms + ahead / speed)
+            model_ms = alone_ms + ahead / speed
+            predicted_ms: float | None = model_ms
+            if model is not None and load.lora.max_lora:
+                # Its adapter's load, where the pod has to (as LoraCost prices it), is
+                # part of the TTFT the engine will report; a wait for a slot is not at
+                # the pod's pace (pace.py), and such a request teaches none.
+                adapter_ms = load.lora.cost_ms(model, DEFAULT_LOAD_MS, 0.0) / speed
+                waits = load.lora.waits_for_slot(model)
+                predicted_ms = None if waits else model_ms + adapter_ms
+                load.lora.picked(model)
+            self.pace.predicted(slot, now, predicted_ms)
 
     def observed(
         self,

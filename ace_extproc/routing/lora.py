@@ -88,10 +88,15 @@ class Adapters:
         the wait for a slot where every slot's adapter is in use."""
         if not self.is_adapter(model) or model in self.loaded:
             return 0.0
-        # vLLM runs at most max_lora distinct adapters at once: with that many others
-        # in use, this one waits for one of them to have no request left.
-        others = len(self.in_use) - (model in self.in_use)
-        return load_ms + busy_ms if others >= self.max_lora else load_ms
+        return load_ms + busy_ms if self.waits_for_slot(model) else load_ms
+
+    def waits_for_slot(self, model: str) -> bool:
+        """Whether a request for ``model`` waits here for a slot: it is not loaded, and
+        vLLM runs at most ``max_lora`` distinct adapters at once, so with that many
+        others in use it waits for one of them to have no request left."""
+        if not self.is_adapter(model) or model in self.loaded:
+            return False
+        return len(self.in_use) - (model in self.in_use) >= self.max_lora
 
     def _touch(self, name: str) -> None:
         loaded = self.loaded
