@@ -32,6 +32,8 @@ Routers, each started in front of cold pods:
             picker is Go and does not run here, its algorithm does
   ace_fixed_pace  ace with ``router.learn_pace: false``: every pod priced as its TTFT
             model says, however slow it runs (an A/B of the learned pace)
+  ace_scrape_1s  ace reading each pod's ``/metrics`` every second, not every 0.1 s
+            (what the scrapes cost engines that share the router's cores)
 A peer that is not installed is skipped, with the reason in the table and the JSON. A
 router named twice runs twice, its second turn reported as ``NAME#2`` (``--routers
 ace,ace_precise,ace``): an A/A check of how far two turns of one router differ.
@@ -115,6 +117,9 @@ POLICY_ROUTERS = {"gie_lora": "bench.baselines.gie_lora:GIELoraPicker"}
 # ace-extproc with router settings changed: an A/B of one setting, the rest the same.
 SETTINGS_ROUTERS: dict[str, dict[str, Any]] = {
     "ace_fixed_pace": {"learn_pace": False},  # every pod priced as its TTFT model says
+    # each pod's /metrics read every second, not every 0.1 s: what the scrapes cost the
+    # engines' API servers where they share the router's cores (the CPU pods here)
+    "ace_scrape_1s": {"scrape_interval_s": 1.0},
 }
 ROUTERS = ("ace", "ace_precise", "envoy_rr", *peers.PEERS, *POLICY_ROUTERS, *SETTINGS_ROUTERS)
 # Also accepted: ace_xN (N ace-extproc servers behind one Envoy, each learning only from
@@ -153,6 +158,7 @@ SIMULATED_AS = {
     "ace": "ace",
     "ace_precise": "ace",
     "ace_fixed_pace": "ace",
+    "ace_scrape_1s": "ace",
     "envoy_rr": "round_robin",
     "sglang": "sglang_cache_aware",
     "vllm": "vllm_cache_aware",
