@@ -117,9 +117,10 @@ class LoadAccounting:
                 # Its adapter's load, where the pod has to (as LoraCost prices it), is
                 # part of the TTFT the engine will report; a wait for a slot is not at
                 # the pod's pace (pace.py), and such a request teaches none.
-                adapter_ms = load.lora.cost_ms(model, DEFAULT_LOAD_MS, 0.0) / speed
-                waits = load.lora.waits_for_slot(model)
-                predicted_ms = None if waits else model_ms + adapter_ms
+                if load.lora.waits_for_slot(model):
+                    predicted_ms = None
+                else:
+                    predicted_ms = model_ms + load.lora.cost_ms(model, DEFAULT_LOAD_MS, 0.0) / speed
                 load.lora.picked(model)
             self.pace.predicted(slot, now, predicted_ms)
 
