@@ -262,8 +262,8 @@ class Stack:
         return proc
 
     async def _start_pods(self, fleet: config_mod.Fleet) -> None:
-        for pod in fleet.pods:
-            await self._spawn_pod(pod)
+        for i, pod in enumerate(fleet.pods):
+            await self._spawn_pod(pod, i, len(fleet.pods))
         timeout = self.options.startup_timeout_s
         if self.options.vllm is not None:
             timeout = max(timeout, self.options.engine_startup_timeout_s)
@@ -285,14 +285,16 @@ class Stack:
             destinations.append(replace(d, pods=pods, tokenizer=tokenizer))
         return replace(fleet, destinations=tuple(destinations))
 
-    async def _spawn_pod(self, pod: config_mod.Pod) -> None:
+    async def _spawn_pod(self, pod: config_mod.Pod, index: int, count: int) -> None:
+        """Start pod ``index`` of the ``count`` this stack runs (a real one computes on
+        its own share of the cores)."""
         vllm = self.options.vllm
         events_port = int(pod.kv_events.rpartition(":")[2]) if pod.kv_events else None
         if vllm is not None:
             if events_port is not None:
                 vllm = replace(vllm, kv_events=True)
             argv = vllm.argv(pod.host, pod.port, events_port)
-            await self._spawn(pod.id, *argv, env=vllm.environment())
+            await self._spawn(pod.id, *argv, env=vllm.environment(index, count))
             return
         events = []
         if events_port is not None:
@@ -521,8 +523,9 @@ class Stack:
             raise StackError("the redis-server is not started again (its data is gone)")
         else:
             assert self.config is not None
-            pod = next(p for p in self.config.fleet.pods if p.id == name)
-            await self._spawn_pod(pod)
+            pods = self.config.fleet.pods
+            index = next(i for i, p in enumerate(pods) if p.id == name)
+            await self._spawn_pod(pods[index], index, len(pods))
 
     def _log_tail(self, name: str, size: int) -> str:
         try:

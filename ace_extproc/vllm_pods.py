@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import aiohttp
 
@@ -187,6 +188,12 @@ class VllmOptions:
     # (otherwise the OS starves every other process for up to seconds at a time while
     # they prefill, and a starved sidecar misses Envoy's message_timeout).
     niceness: int = 0
+    # "split": each pod's compute threads on a share of the machine's cores of its own,
+    # as each pod has its own accelerator in production; "shared": every pod's threads
+    # on every core (vLLM's "nobind"). Shared, two pods decoding at once on two cores
+    # were 2.8x slower a token than one alone (split: 1.3x; bench.engine_cores), which
+    # made any router that keeps both pods busy look slow (docs/engines.md).
+    cores: Literal["split", "shared"] = "split"
 
     @classmethod
     def find(cls, **overrides: object) -> VllmOptions:
@@ -242,10 +249,11 @@ class VllmOptions:
             argv += ["--kv-events-config", json.dumps(events)]
         return [*argv, *self.extra_args]
 
-    def environment(self) -> dict[str, str]:
+    def environment(self, pod: int = 0, pods: int = 1) -> dict[str, str]:
+        """The environment of pod ``pod`` of ``pods`` started on this machine."""
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # two cores shared by every pod
+            "VLLM_CPU_OMP_THREADS_BIND": self._cores(pod, pods),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
@@ -254,6 +262,23 @@ class VllmOptions:
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         return {**env, **self.env}
+
+    def _cores(self, pod: int, pods: int) -> str:
+        """``VLLM_CPU_OMP_THREADS_BIND`` for one pod: a list of its own cores, or
+        "nobind" where they are shared (asked for, or fewer cores than pods)."""
+        if self.cores not in ("split", "shared"):
+            raise ValueError(f"cores must be 'split' or 'shared', not {self.cores!r}")
+        return split_cores(pod, pods, sorted(os.sched_getaffinity(0)), self.cores == "split")
+
+
+def split_cores(pod: int, pods: int, cores: Sequence[int], split: bool = True) -> str:
+    """Pod ``pod``'s equal share of ``cores`` as vLLM's CPU list ("0,1"), the remainder
+    left to the last pod; "nobind" when not split or there are fewer cores than pods."""
+    if not split or not 0 <= pod < pods or len(cores) < pods:
+        return "nobind"
+    share = len(cores) // pods
+    mine = cores[pod * share : len(cores) if pod == pods - 1 else (pod + 1) * share]
+    return ",".join(map(str, mine))
 
 
 async def reset_prefix_cache(
@@ -319,7 +344,7 @@ class Pods:
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
                 stdin=asyncio.subprocess.DEVNULL,
-                env={**os.environ, **self.options.environment()},
+                env={**os.environ, **self.options.environment(i, len(self.ports))},
                 preexec_fn=functools.partial(_in_child, self.options.niceness),
                 start_new_session=True,
             )

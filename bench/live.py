@@ -95,7 +95,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import aiohttp
 import msgspec
@@ -184,6 +184,7 @@ class LiveOptions:
     engine: str = "sim"  # or "vllm": real servers (vllm_pods.py)
     kv_blocks: int | None = None  # real servers' KV cache in blocks (None: 1 GiB)
     engine_nice: int = 0  # real servers' niceness (vllm_pods.VllmOptions.niceness)
+    engine_cores: Literal["split", "shared"] = "split"  # vllm_pods.VllmOptions.cores
     clear_cache_at: tuple[float, ...] = ()  # seconds into the replay (``clear_caches``)
     foreign_load: tuple[int, float] | None = None  # (tokens, every s): ``foreign_load``
 
@@ -831,6 +832,7 @@ async def run_all(
         dev_mode=True,
         kv_events=True,
         niceness=options.engine_nice,
+        cores=options.engine_cores,
         **lora,
     )
     progress(f"starting {options.pods} vLLM servers (logs in {workdir})")
@@ -1167,6 +1169,14 @@ def parser() -> argparse.ArgumentParser:
         "the OS starves every process for seconds at a time while they prefill)",
     )
     ap.add_argument(
+        "--engine-cores",
+        choices=("split", "shared"),
+        default="split",
+        help="real vLLM servers: each on a share of the cores of its own, as each pod has "
+        "its own accelerator in production (default), or all on every core (before "
+        "2026-12-07: two pods busy at once then ran 2-10x slower a token)",
+    )
+    ap.add_argument(
         "--clear-cache-at",
         type=_seconds,
         default=(),
@@ -1213,6 +1223,7 @@ def main(argv: list[str] | None = None) -> int:
         engine=args.engine,
         kv_blocks=args.kv_blocks,
         engine_nice=args.engine_nice,
+        engine_cores=args.engine_cores,
         clear_cache_at=args.clear_cache_at,
         foreign_load=args.foreign_load,
     )
