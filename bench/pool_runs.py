@@ -9,6 +9,9 @@ two routers' turns of one run. Pooling the records (``--records FILE`` of each r
 JSON lines, gzipped or not) of runs of one command gives each percentile several times
 the requests. Per router: answered requests, the engines' cached share, TTFT p50, p90,
 p95 and p99; and each figure against ``--baseline``'s, as a ratio (below 1: lower).
+Also the mean time from first token to last (decoding, which the engines' contention
+for cores sets, not the placement), and TTFT p50 by the prompt tokens the engine had to
+prefill (under 100, 1K, 4K, over): a fixed cost on the request path shows in every group.
 Also per router of ours, its broken promises: requests its trace calls a hit whose
 engine served less than half the tokens it promised (``saved_prefill_tokens``), and the
 tokens short. Then how many requests each router sent to the same pod as the baseline,
@@ -31,6 +34,10 @@ from bench import record
 from bench.overhead import percentile
 
 QUANTILES = (0.50, 0.90, 0.95, 0.99)
+# Upper bounds of the uncached-token groups whose TTFT p50 is compared: a fixed cost on
+# the request path shows in every group alike, a worse placement in the long ones.
+UNCACHED_BOUNDS = (100, 1_000, 4_000, None)
+_GROUPS = [f"under_{b}" if b else "over" for b in UNCACHED_BOUNDS]
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -56,8 +63,32 @@ def pooled(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
             figures[f"ttft_p{round(q * 100)}_ms"] = round(percentile(ttfts, q), 1)
         short = [s for s in map(_short, ok) if s]
         figures["short_hits"], figures["short_hit_tokens"] = len(short), sum(short)
+        # Time from the first token to the last: decoding, which no placement changes
+        # but the engines' contention for the machine's cores does.
+        streams = [
+            r["latency_ms"] - r["ttft_ms"]
+            for r in ok
+            if r["ttft_ms"] is not None and r.get("latency_ms") is not None
+        ]
+        figures["after_first_token_mean_ms"] = (
+            round(statistics.fmean(streams), 1) if streams else 0.0
+        )
+        for bound, group in _by_uncached(ok).items():
+            figures[f"ttft_p50_uncached_{bound}_ms"] = round(percentile(group, 0.5), 1)
         out[router] = figures
     return out
+
+
+def _by_uncached(ok: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
+    """TTFTs grouped by the prompt tokens the engine had to prefill ("under_100", ...)."""
+    groups: dict[str, list[float]] = {}
+    for r in ok:
+        if r["ttft_ms"] is None:
+            continue
+        uncached = (r["prompt_tokens"] or 0) - (r["cached_tokens"] or 0)
+        bound = next(b for b in UNCACHED_BOUNDS if b is None or uncached < b)
+        groups.setdefault("over" if bound is None else f"under_{bound}", []).append(r["ttft_ms"])
+    return groups
 
 
 def _short(r: dict[str, Any]) -> int:
@@ -134,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     print("hits served less than half the tokens promised: requests, tokens short")
     for router, f in routers.items():
         print(f"  {router:<14}{f['short_hits']:>6.0f}{f['short_hit_tokens']:>9.0f}")
+    print("mean ms from first token to last; TTFT p50 ms by uncached prompt tokens")
+    for router, f in routers.items():
+        groups = " ".join(
+            f"{name} {f[key]:.0f}"
+            for name in _GROUPS
+            if (key := f"ttft_p50_uncached_{name}_ms") in f
+        )
+        print(f"  {router:<14}{f['after_first_token_mean_ms']:>8.0f}   {groups}")
     pods = same_pod(runs, args.baseline)
     for router, (same, total) in pods.items():
         print(f"{router}: {same} of {total} requests on {args.baseline}'s pod")

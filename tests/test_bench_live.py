@@ -621,3 +621,28 @@ def test_foreign_load_takes_tokens_at_seconds_and_refuses_the_rest() -> None:
     for bad in ("8000", "x@2", "8000@0", "-5@1", "@"):
         with pytest.raises(SystemExit):
             ap.parse_args(["--workload", "seed800", "--foreign-load", bad])
+
+
+def test_pool_runs_separates_decoding_and_groups_ttft_by_what_was_prefilled() -> None:
+    from bench import pool_runs
+
+    def rec(ttft: float, latency: float, prompt: int, cached: int) -> dict[str, Any]:
+        return {"router": "ace", "index": 0, "pod": "pod-0", "error": None, "ttft_ms": ttft,
+                "latency_ms": latency, "prompt_tokens": prompt, "cached_tokens": cached,
+                "family": "chat"}  # fmt: skip
+
+    run = [
+        rec(10, 110, 5000, 4950),  # 50 uncached: under 100
+        rec(30, 230, 900, 0),  # under 1,000
+        rec(50, 350, 3000, 0),  # under 4,000
+        rec(400, 1000, 20_000, 10_000),  # over
+    ]
+    f = pool_runs.pooled(run)["ace"]
+    assert f["after_first_token_mean_ms"] == pytest.approx((100 + 200 + 300 + 600) / 4)
+    groups = {k: v for k, v in f.items() if k.startswith("ttft_p50_uncached_")}
+    assert groups == {
+        "ttft_p50_uncached_under_100_ms": 10,
+        "ttft_p50_uncached_under_1000_ms": 30,
+        "ttft_p50_uncached_under_4000_ms": 50,
+        "ttft_p50_uncached_over_ms": 400,
+    }
