@@ -537,6 +537,16 @@ class RouterBase(Section, frozen=True):
     ] = ""
     share_channel: Annotated[Text, _doc("The pub/sub channel.")] = "ace-extproc:placements"
     scrape_interval_s: Annotated[float, _doc("Seconds between scrapes of pods' /metrics.")] = 0.1
+    scrape_max_engine_share: Annotated[
+        float,
+        _doc(
+            "The most of a pod's API server time one replica's scrapes may take: after a "
+            "scrape that took T seconds the pod is next read T / share later (at most ten "
+            "scrape intervals). 0: every scrape_interval_s whatever it costs.",
+            ge=0,
+            le=1,
+        ),
+    ] = 0.05
     probe_interval_s: Annotated[float, _doc("Seconds between probes of pods' /health.")] = 1.0
     probe_timeout_s: Annotated[float, _doc("A probe's or a scrape's answer, at most.")] = 0.5
     monitor_max_requests_per_s: Annotated[

@@ -475,6 +475,23 @@ class Telemetry(Collector):
         capacity = GaugeMetricFamily(
             "ace_pod_kv_capacity_tokens", "The engine's KV cache size in tokens.", labels=pl
         )
+        scrape_s = GaugeMetricFamily(
+            "ace_pod_scrape_seconds",
+            "How long the pod's last /metrics scrape took (a timed-out one: until it gave up).",
+            labels=pl,
+        )
+        scrape_gap = GaugeMetricFamily(
+            "ace_pod_scrape_interval_seconds",
+            "Seconds from the pod's last scrape to its next: scrape_interval_s, or more "
+            "where its scrapes are slow (scrape_max_engine_share).",
+            labels=pl,
+        )
+        scrapes = CounterMetricFamily(
+            "ace_pod_scrapes",
+            "Scrapes of the pod's /metrics answered or timed out (not those that could "
+            "not connect).",
+            labels=pl,
+        )
         e_prompt = CounterMetricFamily(
             "ace_engine_prompt_tokens",
             "Prompt tokens the engine processed (vllm:prompt_tokens_total, "
@@ -539,6 +556,11 @@ class Telemetry(Collector):
                 pace.add_metric(labels, load.pace_learned)
             if slot < len(capacities) and capacities[slot] is not None:
                 capacity.add_metric(labels, float(capacities[slot] or 0))
+            timing = _scrape_timing(monitor, slot) if monitor is not None else None
+            if timing is not None:
+                scrape_s.add_metric(labels, timing[0])
+                scrape_gap.add_metric(labels, timing[1])
+                scrapes.add_metric(labels, timing[2])
             stats = _stats(monitor, slot) if monitor is not None else None
             if stats is None:
                 continue
@@ -554,7 +576,7 @@ class Telemetry(Collector):
         for (dest, state), n in sorted(counts.items()):
             by_state.add_metric([dest, state], n)
         families = (by_state, up, running, waiting, inflight, kv, queued, underpriced, pace)
-        yield from (*families, capacity)
+        yield from (*families, capacity, scrape_s, scrape_gap, scrapes)
         yield from (e_prompt, e_cached, e_queries, e_hits, e_rate)
 
     def _index_families(self, index: BlockIndex) -> Iterator[Metric]:
@@ -676,6 +698,13 @@ def _is_down(monitor: FleetMonitor, slot: int) -> bool:
         return monitor.is_down(slot)
     except IndexError:  # a slot added since the monitor last followed the fleet
         return False
+
+
+def _scrape_timing(monitor: FleetMonitor, slot: int) -> tuple[float, float, int] | None:
+    try:
+        return monitor.scrape_timing(slot)
+    except IndexError:
+        return None
 
 
 def _stats(monitor: FleetMonitor, slot: int) -> Any:

@@ -34,6 +34,8 @@ Routers, each started in front of cold pods:
             model says, however slow it runs (an A/B of the learned pace)
   ace_scrape_1s  ace reading each pod's ``/metrics`` every second, not every 0.1 s
             (what the scrapes cost engines that share the router's cores)
+  ace_scrape_fixed  ace reading each pod's ``/metrics`` every 0.1 s however slowly it
+            answers (``scrape_max_engine_share: 0``, the default before 2026-12-07)
 A peer that is not installed is skipped, with the reason in the table and the JSON. A
 router named twice runs twice, its second turn reported as ``NAME#2`` (``--routers
 ace,ace_precise,ace``): an A/A check of how far two turns of one router differ.
@@ -119,7 +121,9 @@ SETTINGS_ROUTERS: dict[str, dict[str, Any]] = {
     "ace_fixed_pace": {"learn_pace": False},  # every pod priced as its TTFT model says
     # each pod's /metrics read every second, not every 0.1 s: what the scrapes cost the
     # engines' API servers where they share the router's cores (the CPU pods here)
-    "ace_scrape_1s": {"scrape_interval_s": 1.0},
+    "ace_scrape_1s": {"scrape_interval_s": 1.0, "scrape_max_engine_share": 0.0},
+    # every 0.1 s however slowly a pod answers: the default before the share bound
+    "ace_scrape_fixed": {"scrape_max_engine_share": 0.0},
 }
 ROUTERS = ("ace", "ace_precise", "envoy_rr", *peers.PEERS, *POLICY_ROUTERS, *SETTINGS_ROUTERS)
 # Also accepted: ace_xN (N ace-extproc servers behind one Envoy, each learning only from
@@ -159,6 +163,7 @@ SIMULATED_AS = {
     "ace_precise": "ace",
     "ace_fixed_pace": "ace",
     "ace_scrape_1s": "ace",
+    "ace_scrape_fixed": "ace",
     "envoy_rr": "round_robin",
     "sglang": "sglang_cache_aware",
     "vllm": "vllm_cache_aware",
@@ -531,6 +536,25 @@ def paces(router_metrics: str) -> dict[str, float]:
     return out
 
 
+def scrape_gaps(before: str, after: str, wall_s: float) -> dict[str, float]:
+    """Each pod's mean seconds between scrapes over the replay, from the router's
+    ``ace_pod_scrapes_total`` before and after it: pod id -> seconds."""
+    counts = [
+        {
+            pod.group(1): value
+            for series, value in _series(text).items()
+            if series.startswith("ace_pod_scrapes_total{")
+            and (pod := re.search(r'pod="([^"]*)"', series)) is not None
+        }
+        for text in (before, after)
+    ]
+    return {
+        pod: round(wall_s / (n - counts[0].get(pod, 0.0)), 3)
+        for pod, n in counts[1].items()
+        if n > counts[0].get(pod, 0.0)
+    }
+
+
 def guess(router_metrics: str) -> dict[str, float]:
     """How far a precise router's approximate index was from the pods' events
     (``precise_routing.py``), from its /metrics: the first replica's alone."""
@@ -761,6 +785,9 @@ async def run_router(
     try:
         url, *pod_urls = await _start(name, stack, ports, options, real)
         before = await scrape(pod_urls)
+        router_before = (
+            "" if variant is None else await _text(f"http://{stack_options.metrics}/metrics")
+        )
         cpu_before = process_cpu(stack)
         clears = asyncio.create_task(clear_caches(pod_urls, options.clear_cache_at))
         if options.foreign_load is not None:
@@ -797,6 +824,7 @@ async def run_router(
             envoy_text = await _text(f"http://{stack_options.admin}/stats?filter=ext_proc")
             run.summary["undecided"] = undecided(router_text, envoy_text)
             run.summary["pace"] = paces(router_text)
+            run.summary["scrape_gap_s"] = scrape_gaps(router_before, router_text, wall)
             if variant.precise:
                 run.summary["guess"] = guess(router_text)
     except (StackError, aiohttp.ClientError, OSError) as exc:
@@ -982,6 +1010,7 @@ def format_table(runs: Sequence[RouterRun], predicted: dict[str, Any] | None = N
     for key, title in (
         ("cpu_ms_per_request", "CPU a request on this machine, ms (the engines share its cores)"),
         ("undecided", "requests that went on undecided (router bypasses; Envoy failing open)"),
+        ("scrape_gap_s", "seconds between the router's scrapes of each pod, mean over the replay"),
     ):
         shown = [run for run in runs if run.summary and run.summary.get(key)]
         if shown:

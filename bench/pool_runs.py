@@ -1,6 +1,6 @@
 """Several ``bench.live`` runs' per-request records, pooled per router.
 
-    python -m bench.pool_runs RECORDS... [--baseline ace] [--out FILE]
+    python -m bench.pool_runs RECORDS... [--baseline ace] [--same [RUN:]NAME=AS] [--out FILE]
 
 One run of 300 requests has its TTFT p99 set by its three slowest requests; on the
 real-engine tier those are the first requests of new 25K-token documents, which every
@@ -44,6 +44,11 @@ def read(path: Path) -> list[dict[str, Any]]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def renamed(record: dict[str, Any], renames: dict[str, str]) -> dict[str, Any]:
+    router = record["router"]
+    return {**record, "router": renames[router]} if router in renames else record
 
 
 def pooled(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -145,8 +150,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("records", nargs="+", type=Path)
     ap.add_argument("--baseline", default="ace")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--same",
+        action="append",
+        default=[],
+        metavar="[RUN:]NAME=AS",
+        help="pool router NAME's records as AS's, in the RUN-th records file (from 1) or "
+        "in all: one configuration named differently in different runs (a setting's "
+        "old default, say); repeatable",
+    )
     args = ap.parse_args(argv)
-    runs = [read(path) for path in args.records]
+    renames: list[dict[str, str]] = [{} for _ in args.records]
+    for spec in args.same:
+        run, _, pair = spec.rpartition(":")
+        name, eq, as_ = pair.partition("=")
+        if not (eq and name and as_) or (
+            run and not (run.isdigit() and 1 <= int(run) <= len(renames))
+        ):
+            ap.error(f"--same {spec!r}: expected [RUN:]NAME=AS, RUN from 1 to {len(renames)}")
+        for i in [int(run) - 1] if run else range(len(renames)):
+            renames[i][name] = as_
+    runs = [
+        [renamed(r, names) for r in read(path)]
+        for path, names in zip(args.records, renames, strict=True)
+    ]
     records = [r for run in runs for r in run]
     routers = pooled(records)
     alike = paired(runs, args.baseline)

@@ -269,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the pods simulated: the default fleet's, or the real-engine tier's CPU vLLM "
         "(its blocks, KV, TTFT model: the shape of bench.live --engine vllm)",
     )
+    ap.add_argument(
+        "--scrape-interval",
+        type=float,
+        help="seconds between the router's reads of the pods' figures (default 0.1; "
+        "ace-extproc reads a pod whose scrapes are slow up to ten times less often)",
+    )
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument(
         "--replicas",
@@ -283,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         "each reaching the others this many ms later",
     )
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-plots", action="store_true", help="write the JSON only")
     args = ap.parse_args(argv)
 
     if args.share_ms is not None and (args.share_ms < 0 or args.replicas < 2):
@@ -312,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = SimSettings() if args.engines == "sim" else cpu_vllm()
     if args.num_gpu_blocks:
         settings = replace(settings, num_gpu_blocks=args.num_gpu_blocks)
+    if args.scrape_interval is not None:
+        if not args.scrape_interval > 0:
+            print("error: --scrape-interval must be positive", file=sys.stderr)
+            return 2
+        settings = replace(settings, scrape_interval_s=args.scrape_interval)
     settings = for_workload(settings, workload)  # e.g. --enable-lora for adapters
 
     report: dict[str, Any] = {
@@ -361,9 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     shape = "" if args.pods == 8 and not args.num_gpu_blocks else f"-{args.pods}pods"
     shape += "-cpu-vllm" if args.engines == "cpu-vllm" else ""
     shape += f"-{args.num_gpu_blocks}blocks" if args.num_gpu_blocks else ""
+    shape += (
+        f"-scrape{round(args.scrape_interval * 1000)}ms" if args.scrape_interval is not None else ""
+    )
     stem = out / f"report-{_slug(workload.name)}{shape}"
     path = stem.with_suffix(".json")
-    report["plots"] = plot(report, stem)
+    report["plots"] = [] if args.no_plots else plot(report, stem)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"\nwrote {path}" + "".join(f", {p}" for p in report["plots"]))
     return 0

@@ -10,12 +10,19 @@ served a few requests (so its histograms have samples), this reads ``/metrics``
 process: the engine core is another), the wall time a read, the exposition's size, and
 the share of one core the router's default interval would take from the pod. Twice: the
 pod idle, and with requests decoding (``--busy`` streams at once, each 1,000 tokens out).
+
+Then what a client feels: the render holds the API server's event loop, which streams
+every request's tokens (prometheus-client's ASGI app renders synchronously). ``--busy``
+streams decode ``--itl-tokens`` tokens each while ``/metrics`` is read every 1, 0.3, 0.1
+and 0.05 s, or not at all, the regimes interleaved over ``--itl-rounds`` rounds; the
+gaps between a stream's chunks at the client are reported per regime.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import tempfile
 import time
@@ -33,7 +40,14 @@ from bench.overhead import cpu_s
 OUT = Path("bench/results/scrape-cost.json")
 
 
-async def _stream(http: aiohttp.ClientSession, url: str, model: str, tag: str, out: int) -> None:
+# Seconds between the reads of /metrics while the streams decode (None: no reads).
+ITL_INTERVALS: tuple[float | None, ...] = (None, 1.0, 0.3, 0.1, 0.05)
+
+
+async def _stream(
+    http: aiohttp.ClientSession, url: str, model: str, tag: str, out: int
+) -> list[float]:
+    """Stream a chat of ``out`` tokens; its gaps between chunks as received, ms."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": f"{tag} tell me a long story"}],
@@ -41,9 +55,66 @@ async def _stream(http: aiohttp.ClientSession, url: str, model: str, tag: str, o
         "ignore_eos": True,
         "stream": True,
     }
+    gaps: list[float] = []
+    last: float | None = None
     async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
-        async for _ in resp.content:
-            pass
+        async for line in resp.content:
+            if not line.startswith(b"data:"):
+                continue  # the blank line after each event
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append((now - last) * 1000)
+            last = now
+    return gaps
+
+
+async def _read_every(
+    http: aiohttp.ClientSession, url: str, interval: float, stop: asyncio.Event
+) -> int:
+    reads = 0
+    while not stop.is_set():
+        async with http.get(f"{url}/metrics") as resp:
+            await resp.read()
+        reads += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+    return reads
+
+
+async def _itl(
+    http: aiohttp.ClientSession, url: str, model: str, streams: int, tokens: int, rounds: int
+) -> list[dict[str, Any]]:
+    gaps: dict[float | None, list[float]] = {i: [] for i in ITL_INTERVALS}
+    reads: dict[float | None, int] = dict.fromkeys(ITL_INTERVALS, 0)
+    for r in range(rounds):
+        for interval in ITL_INTERVALS:
+            stop = asyncio.Event()
+            reader = (
+                asyncio.ensure_future(_read_every(http, url, interval, stop))
+                if interval is not None
+                else None
+            )
+            tags = (f"itl {r} {interval} {i}" for i in range(streams))
+            for one in await asyncio.gather(*(_stream(http, url, model, t, tokens) for t in tags)):
+                gaps[interval] += one
+            stop.set()
+            if reader is not None:
+                reads[interval] += await reader
+    out = []
+    for interval, g in gaps.items():
+        g.sort()
+        out.append(
+            {
+                "read_every_s": interval,
+                "reads": reads[interval],
+                "gaps": len(g),
+                "gap_ms_p50": round(g[len(g) // 2], 2),
+                "gap_ms_p99": round(g[int(0.99 * (len(g) - 1))], 2),
+                "gap_ms_p999": round(g[int(0.999 * (len(g) - 1))], 2),
+                "gap_ms_mean": round(statistics.fmean(g), 2),
+            }
+        )
+    return out
 
 
 async def _reads(http: aiohttp.ClientSession, url: str, pid: int, n: int) -> dict[str, Any]:
@@ -65,7 +136,7 @@ async def _reads(http: aiohttp.ClientSession, url: str, pid: int, n: int) -> dic
     }
 
 
-async def run(scrapes: int, busy: int) -> dict[str, Any]:
+async def run(scrapes: int, busy: int, itl_tokens: int, itl_rounds: int) -> dict[str, Any]:
     options = VllmOptions.find()
     model = options.served_names[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,17 +153,28 @@ async def run(scrapes: int, busy: int) -> dict[str, Any]:
             for task in load:
                 task.cancel()
             await asyncio.gather(*load, return_exceptions=True)
-    return {"scrapes": scrapes, "busy_streams": busy, "idle": idle, "decoding": loaded}
+            itl = await _itl(http, url, model, busy, itl_tokens, itl_rounds) if itl_rounds else []
+    return {
+        "scrapes": scrapes,
+        "busy_streams": busy,
+        "idle": idle,
+        "decoding": loaded,
+        "itl_tokens": itl_tokens,
+        "itl_rounds": itl_rounds,
+        "chunk_gaps": itl,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scrapes", type=int, default=300)
     ap.add_argument("--busy", type=int, default=8, help="streams decoding in the second part")
+    ap.add_argument("--itl-tokens", type=int, default=1000, help="tokens a stream, each regime")
+    ap.add_argument("--itl-rounds", type=int, default=4, help="rounds of every regime (0: none)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     try:
-        doc = asyncio.run(run(args.scrapes, args.busy))
+        doc = asyncio.run(run(args.scrapes, args.busy, args.itl_tokens, args.itl_rounds))
     except EnginesMissing as exc:
         print(f"{exc}")
         return 2
@@ -105,6 +187,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<10}{r['bytes']:>8}{r['cpu_ms_per_read']:>8.2f}{r['wall_ms_p50']:>10.1f}"
             f"{r['wall_ms_p99']:>10.1f}{r['core_share_at_default_interval']:>14.1%}"
         )
+    if doc["chunk_gaps"]:
+        print(f"\n{args.busy} streams decoding: gaps between a stream's chunks at the client")
+        print(
+            f"{'read every':<12}{'reads':>7}{'gaps':>8}{'p50 ms':>8}{'p99 ms':>8}{'p99.9 ms':>10}"
+        )
+        for g in doc["chunk_gaps"]:
+            every = "never" if g["read_every_s"] is None else f"{g['read_every_s']:g} s"
+            print(
+                f"{every:<12}{g['reads']:>7}{g['gaps']:>8}{g['gap_ms_p50']:>8.1f}"
+                f"{g['gap_ms_p99']:>8.1f}{g['gap_ms_p999']:>10.1f}"
+            )
     record.write(args.out, {"command": record.command("bench.scrape_cost", argv), **doc})
     return 0
 

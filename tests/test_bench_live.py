@@ -432,6 +432,17 @@ def test_pool_runs_pools_each_routers_records(tmp_path: Path) -> None:
     out = tmp_path / "pooled.json"
     assert pool_runs.main([str(one), str(two), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["routers"] == routers
+    # One configuration named differently in two runs pools as one router: in every
+    # run, or in the one named.
+    assert pool_runs.main([str(one), str(two), "--out", str(out), "--same", "ace=ace_precise"]) == 0
+    both = json.loads(out.read_text())["routers"]
+    assert list(both) == ["ace_precise"] and both["ace_precise"]["requests"] == 4
+    assert pool_runs.main([str(one), str(two), "--out", str(out), "--same", "2:ace=new"]) == 0
+    counts = {k: v["requests"] for k, v in json.loads(out.read_text())["routers"].items()}
+    assert counts == {"ace": 1, "ace_precise": 2, "new": 1}
+    for bad in ("ace", "3:ace=x", "x:ace=y", "ace="):
+        with pytest.raises(SystemExit):
+            pool_runs.main([str(one), str(two), "--same", bad])
 
 
 def test_pool_runs_counts_broken_promises_and_shared_pods() -> None:
@@ -483,6 +494,22 @@ def test_paces_are_read_per_pod_from_the_routers_metrics() -> None:
         'ace_pod_queued_prefill_seconds{destination="sim",pod="pod-0"} 3.0\n'
     )
     assert live.paces(text) == {"pod-0": 2.5, "pod-1": 0.8}
+
+
+def test_scrape_gaps_are_the_replay_s_wall_over_the_scrapes_it_saw() -> None:
+    def text(a: int, b: int) -> str:
+        return (
+            f'ace_pod_scrapes_total{{destination="sim",pod="pod-0"}} {a}\n'
+            f'ace_pod_scrapes_total{{destination="sim",pod="pod-1"}} {b}\n'
+            'ace_pod_scrape_seconds{destination="sim",pod="pod-0"} 0.005\n'
+        )
+
+    # 100 s of replay: pod-0 read 1,000 times (0.1 s), pod-1 40 (2.5 s); a pod not read
+    # during the replay has no mean.
+    gaps = live.scrape_gaps(text(7, 3), text(1007, 43), 100.0)
+    assert gaps == {"pod-0": 0.1, "pod-1": 2.5}
+    assert live.scrape_gaps(text(7, 3), text(7, 4), 10.0) == {"pod-1": 10.0}
+    assert live.scrape_gaps("", text(10, 0), 5.0) == {"pod-0": 0.5}
 
 
 def test_a_settings_router_runs_ace_extproc_with_that_setting_changed(

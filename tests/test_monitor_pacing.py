@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -117,3 +118,82 @@ def test_a_destination_s_key_goes_with_its_probes_and_scrapes() -> None:
     assert scrapes > 0 and up
     scrapes, up = asyncio.run(watch(keyed=False))
     assert scrapes == 0 and not up
+
+
+def _two_pods(fast_port: int, slow_port: int) -> FleetState:
+    members = (
+        Pod("d", "fast", "127.0.0.1", fast_port),
+        Pod("d", "slow", "127.0.0.1", slow_port),
+    )
+    base = f"http://127.0.0.1:{fast_port}"
+    return FleetState(Fleet((Destination("d", "vllm", base, members),)))
+
+
+async def _scrapes_in(settings: Settings, slow_s: float, seconds: float) -> tuple[int, int, Any]:
+    """Scrapes of a pod answering at once and of one answering after ``slow_s``, in
+    ``seconds``; and the slow pod's ``scrape_timing``."""
+    counts = {"fast": 0, "slow": 0}
+
+    def answer(name: str, delay: float) -> Any:
+        async def metrics(request: web.Request) -> web.Response:
+            counts[name] += 1
+            await asyncio.sleep(delay)
+            return web.Response(body=METRICS, content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        return app
+
+    async with serving(answer("fast", 0)) as fast, serving(answer("slow", slow_s)) as slow:
+        monitor = FleetMonitor(_two_pods(fast, slow), BlockIndex(10), settings)
+        await monitor.start()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            await monitor.stop()
+        return counts["fast"], counts["slow"], monitor.scrape_timing(1)
+
+
+def test_a_pod_whose_scrapes_are_slow_is_read_less_often() -> None:
+    """A scrape that takes 60 ms at a share of 0.25 puts the next 240 ms later (the
+    pod's server rendering for at most a quarter of the time); the pod that answers
+    at once is still read every interval. With the share off, the slow pod is read as
+    often as its answers allow (each 60 ms one in flight skips a round)."""
+    base = {"scrape_interval_s": 0.05, "probe_interval_s": 0.0, "monitor_max_requests_per_s": 0}
+    bounded = Settings(**base, scrape_max_engine_share=0.25)  # type: ignore[arg-type]
+    fast, slow, timing = asyncio.run(_scrapes_in(bounded, 0.06, 2.0))
+    assert fast >= 25, fast  # ~40: every 50 ms
+    assert 3 <= slow <= 10, slow  # ~7: every 250-300 ms (whole rounds)
+    took, gap, _ = timing
+    assert took >= 0.06 and gap == pytest.approx(min(took / 0.25, 0.5))
+    unbounded = Settings(**base, scrape_max_engine_share=0.0)  # type: ignore[arg-type]
+    _, every_other_round, timing = asyncio.run(_scrapes_in(unbounded, 0.06, 2.0))
+    assert every_other_round >= 2 * slow, (every_other_round, slow)  # ~20
+    assert timing[1] == pytest.approx(0.05)
+
+
+def test_a_slow_pod_is_still_read_every_ten_intervals() -> None:
+    """However slow the answers, or timed out, the gap stays within ten intervals:
+    between scrapes the router's figures only count its own picks."""
+    settings = Settings(
+        scrape_interval_s=0.05,
+        probe_interval_s=0.0,
+        probe_timeout_s=0.1,
+        monitor_max_requests_per_s=0,
+        scrape_max_engine_share=0.001,  # 60 ms would want a minute
+    )
+    _, slow, timing = asyncio.run(_scrapes_in(settings, 0.06, 2.0))
+    assert 3 <= slow <= 5, slow  # every 0.5 s
+    assert timing[1] == pytest.approx(0.5)
+    _, slow, timing = asyncio.run(_scrapes_in(settings, 0.3, 2.0))  # times out at 0.1 s
+    assert 3 <= slow <= 5, slow
+    assert timing[:2] == (pytest.approx(0.1, abs=0.05), pytest.approx(0.5))
+    assert slow - 1 <= timing[2] <= slow  # the last one may have been cut short
+
+
+def test_the_share_setting_is_checked() -> None:
+    assert parse_settings({}).scrape_max_engine_share == 0.05
+    assert parse_settings({"scrape_max_engine_share": 0}).scrape_max_engine_share == 0.0
+    for bad in (-0.1, 1.5, "a little"):
+        with pytest.raises(ConfigError, match=r"router\.scrape_max_engine_share"):
+            parse_settings({"scrape_max_engine_share": bad})

@@ -189,6 +189,20 @@ def test_engine_figures_per_pod_come_from_the_monitor(fx: Fixture) -> None:
     assert v("ace_pod_kv_capacity_tokens", **pod) == 16 * 1024
 
 
+def test_each_pods_scrapes_are_timed(fx: Fixture) -> None:
+    pod = {"destination": "sim", "pod": "pod-1"}
+    assert ("ace_pod_scrapes_total", tuple(sorted(pod.items()))) not in fx.samples()
+    share = fx.monitor.settings.scrape_max_engine_share
+    interval = fx.monitor.settings.scrape_interval_s
+    fx.monitor.answered(1, 0.0, 0.001, 0.001)  # cheap: the interval
+    fx.monitor.answered(1, 1.0, 0.2 * interval * share, 0.2 * interval * share)
+    assert fx.value("ace_pod_scrape_interval_seconds", **pod) == pytest.approx(interval)
+    fx.monitor.answered(1, 2.0, 3 * interval * share, 3 * interval * share)  # 3 intervals
+    assert fx.value("ace_pod_scrapes_total", **pod) == 3
+    assert fx.value("ace_pod_scrape_seconds", **pod) == pytest.approx(3 * interval * share)
+    assert fx.value("ace_pod_scrape_interval_seconds", **pod) == pytest.approx(3 * interval)
+
+
 def test_sglang_cached_tokens_are_its_cached_prompt_tokens() -> None:
     s = parse("sglang:num_running_reqs 1\nsglang:cached_tokens_total 70\n")
     assert s.cached_prompt_tokens == 70 == s.cache_hits

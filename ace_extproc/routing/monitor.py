@@ -12,6 +12,12 @@ Two loops on the server's event loop share one keep-alive ``aiohttp`` session:
   num_gpu_blocks, or ``sglang:max_total_num_tokens``) bounds that pod's index.
   A counter going backwards (or a new process start time) is an engine restart:
   its cache is empty, so its index is dropped.
+  A pod whose scrapes are slow is read less often: its API server renders the
+  exposition synchronously, on the event loop that also streams its tokens (3.6-5.2 ms
+  of CPU for a real vLLM's 56 KB, ``python -m bench.scrape_cost``), and a slow answer
+  is that loop busy. After a scrape that took T seconds, the pod is not read again
+  for T / ``scrape_max_engine_share``, at most ``SCRAPE_BACKOFF`` intervals, so one
+  replica's reads take at most that share of the pod's server.
 * **probe**: every ``probe_interval_s``, ``GET /health`` within ``probe_timeout_s``.
   ``unhealthy_after`` consecutive failures take a pod out of ``fleet.available``;
   ``healthy_after`` consecutive successes bring it back. Its index is kept if its
@@ -46,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import ssl
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -70,6 +77,10 @@ log = logging.getLogger("ace_extproc.monitor")
 _METRICS_HEADERS = {"Accept": "text/plain", "Accept-Encoding": "identity"}
 # Far above a real exposition (~100-300 KB); parsing runs on the serving loop.
 MAX_METRICS_BYTES = 16 * 1024 * 1024
+# A slow pod's scrapes are at most this many scrape intervals apart: between them the
+# load figures are the replica's own accounting, which only counts picks, not the
+# requests the engine finished.
+SCRAPE_BACKOFF = 10
 
 
 @dataclass(slots=True)
@@ -79,6 +90,10 @@ class _PodState:
     down: bool = False
     last: EngineStats | None = None  # the previous good scrape: restart detection
     complaint: str = ""  # the last scrape problem logged, so each is logged once
+    scrape_s: float | None = None  # how long the last scrape took to answer (or time out)
+    scrapes_answered: int = 0  # answered or timed out: those that spaced the next
+    scrape_gap_s: float = 0.0  # from the start of the last scrape to the next one
+    next_scrape: float = 0.0  # loop time before which the pod is not read again
 
 
 class FleetMonitor:
@@ -205,7 +220,12 @@ class FleetMonitor:
                 step = period / len(watched) if watched else period
                 for slot in watched or (-1,):  # none watched: wait a period all the same
                     key = (kind, slot)
-                    if slot >= 0 and key not in self._busy and self.fleet.is_member(slot):
+                    if (
+                        slot >= 0
+                        and key not in self._busy
+                        and self.fleet.is_member(slot)
+                        and (kind != "scrape" or self._state[slot].next_scrape <= clock.time())
+                    ):
                         task = asyncio.create_task(work(slot), name=f"ace-{kind}-{slot}")
                         self._busy[key] = task
                         task.add_done_callback(functools.partial(self._done, key))
@@ -259,6 +279,8 @@ class FleetMonitor:
         if session is None:
             return
         pod = self.fleet.pods[slot]
+        clock = asyncio.get_running_loop()
+        started = clock.time()
         try:
             url = pod.base_url + "/metrics"
             name = self._server_name(pod)
@@ -269,12 +291,18 @@ class FleetMonitor:
                 body = await resp.read() if size <= MAX_METRICS_BYTES else b""
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             if isinstance(exc, TimeoutError) and not isinstance(exc, ConnectionTimeoutError):
-                return  # connected but slow, not gone: no figures this round (above)
+                # Connected but slow, not gone: no figures this round (above), and the
+                # longest wait before the next.
+                if self.fleet.pods[slot] is pod:
+                    self.answered(slot, started, clock.time() - started, math.inf)
+                return
             if self.fleet.pods[slot] is pod:
                 self._failed(slot, f"/metrics: {_describe(exc)}")
             return
         if self.fleet.pods[slot] is not pod:
             return  # as in _probe: the figures are another process's
+        took = clock.time() - started
+        self.answered(slot, started, took, took)
         if status >= 500:
             self._failed(slot, f"/metrics answered {status}")
             return
@@ -285,6 +313,22 @@ class FleetMonitor:
             self._complain(slot, f"/metrics is {size} bytes; not read")
             return
         self.apply(slot, metrics_text.parse(body))
+
+    def answered(self, slot: int, started: float, took: float, cost: float) -> None:
+        """Space the pod's next scrape by what this one cost its server (``cost``
+        seconds of its time; infinite: it did not answer in time). Public, as ``apply``,
+        so that it can be fed directly."""
+        st = self._state[slot]
+        s = self.settings
+        st.scrape_s = took
+        st.scrapes_answered += 1
+        interval = s.scrape_interval_s * self.stretch()
+        share = s.scrape_max_engine_share
+        wanted = cost / share if share > 0 else 0.0
+        st.scrape_gap_s = min(max(interval, wanted), SCRAPE_BACKOFF * interval)
+        # Within an interval: the loop's own beat (a gate at started + interval would
+        # fall just after the next round's visit and skip it).
+        st.next_scrape = started + st.scrape_gap_s if wanted > interval else 0.0
 
     # ------------------------------------------------------------- bookkeeping
 
@@ -378,6 +422,14 @@ class FleetMonitor:
 
     def is_down(self, slot: int) -> bool:
         return self._state[slot].down
+
+    def scrape_timing(self, slot: int) -> tuple[float, float, int] | None:
+        """The pod's last scrape: (seconds it took, seconds from its start to the
+        next, scrapes so far); None before the first answer."""
+        st = self._state[slot]
+        if st.scrape_s is None:
+            return None
+        return st.scrape_s, st.scrape_gap_s, st.scrapes_answered
 
     def stats(self, slot: int) -> EngineStats | None:
         """The pod's last good scrape (None before the first, or since it came back)."""
