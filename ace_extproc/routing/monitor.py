@@ -13,7 +13,7 @@ Two loops on the server's event loop share one keep-alive ``aiohttp`` session:
   A counter going backwards (or a new process start time) is an engine restart:
   its cache is empty, so its index is dropped.
   A pod whose scrapes are slow is read less often: its API server renders the
-  exposition synchronously, on the event loop that also streams its tokens (3.6-5.2 ms
+  exposition synchronously, on the event loop that also streams its tokens (3.6-4.6 ms
   of CPU for a real vLLM's 56 KB, ``python -m bench.scrape_cost``), and a slow answer
   is that loop busy. After a scrape that took T seconds, the pod is not read again
   for T / ``scrape_max_engine_share``, at most ``SCRAPE_BACKOFF`` intervals, so one
