@@ -524,34 +524,35 @@ def _series(router_metrics: str) -> dict[str, float]:
     return out
 
 
+def _per_pod(router_metrics: str, family: str) -> dict[str, float]:
+    """One of the router's per-pod series: pod id -> value."""
+    out = {}
+    for series, value in _series(router_metrics).items():
+        if series.startswith(family + "{"):
+            pod = re.search(r'pod="([^"]*)"', series)
+            if pod is not None:
+                out[pod.group(1)] = value
+    return out
+
+
 def paces(router_metrics: str) -> dict[str, float]:
     """Each pod's pace as the router learned it by the end (``ace_pod_prefill_pace``,
     ``routing/pace.py``): pod id -> times its TTFT model's time."""
-    out = {}
-    for series, value in _series(router_metrics).items():
-        if series.startswith("ace_pod_prefill_pace{"):
-            pod = re.search(r'pod="([^"]*)"', series)
-            if pod is not None:
-                out[pod.group(1)] = round(value, 3)
-    return out
+    return {
+        pod: round(value, 3)
+        for pod, value in _per_pod(router_metrics, "ace_pod_prefill_pace").items()
+    }
 
 
 def scrape_gaps(before: str, after: str, wall_s: float) -> dict[str, float]:
     """Each pod's mean seconds between scrapes over the replay, from the router's
     ``ace_pod_scrapes_total`` before and after it: pod id -> seconds."""
-    counts = [
-        {
-            pod.group(1): value
-            for series, value in _series(text).items()
-            if series.startswith("ace_pod_scrapes_total{")
-            and (pod := re.search(r'pod="([^"]*)"', series)) is not None
-        }
-        for text in (before, after)
-    ]
+    first = _per_pod(before, "ace_pod_scrapes_total")
+    last = _per_pod(after, "ace_pod_scrapes_total")
     return {
-        pod: round(wall_s / (n - counts[0].get(pod, 0.0)), 3)
-        for pod, n in counts[1].items()
-        if n > counts[0].get(pod, 0.0)
+        pod: round(wall_s / (n - first.get(pod, 0.0)), 3)
+        for pod, n in last.items()
+        if n > first.get(pod, 0.0)
     }
 
 
