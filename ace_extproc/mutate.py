@@ -143,6 +143,8 @@ def metadata(outcome: Outcome) -> list[tuple[str, str | float]]:
         fields.append(("pod", outcome.would_pick.key))
     if outcome.store_tenant:  # the observe filter remembers the answer's id (observe.py)
         fields.append(("store_tenant", outcome.store_tenant))
+    if outcome.lora_pick:  # its answer frees the adapter (observe.py)
+        fields.append(("lora_pick", float(outcome.lora_pick)))
     return fields
 
 

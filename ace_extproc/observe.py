@@ -14,6 +14,8 @@ the status, Envoy's response flags and how many attempts the router made. From i
   outlier detector (``routing/outlier.py``) decides what the failures mean.
 * **the ledger's counts**: responses, failures and the router's estimate of the
   prefill it saved, per mode and per pod (``Ledger``).
+* **LoRA adapters in use**: the answer to a pinned request for an adapter frees it in
+  the router's view of the pod (``routing/lora.py``) before the next scrape would.
 
 **An observe-only ext_proc filter**, only with ``usage_capture`` (only it can read a
 response body): Envoy's observability mode sends it each response without waiting for
@@ -146,6 +148,7 @@ class Observation:
     store_tenant: str = ""
     stored: StoredId | None = None
     remembered: bool = False  # its id has been noted (as soon as it could be)
+    lora_pick: int = 0  # its pick of a LoRA adapter on the pinned pod (0: none)
 
     def estimated_in_engine_tokens(self) -> int:
         """``saved_tokens`` scaled to the engine's count of the prompt (Totals)."""
@@ -165,6 +168,7 @@ class Observation:
             int(f["prompt_tokens"].number_value) if "prompt_tokens" in f else 0
         )
         self.store_tenant = f["store_tenant"].string_value if "store_tenant" in f else ""
+        self.lora_pick = int(f["lora_pick"].number_value) if "lora_pick" in f else 0
 
     def on_headers(self, msg: ProcessingRequest) -> None:
         ace = msg.metadata_context.filter_metadata.get("ace")
@@ -265,6 +269,9 @@ class Observer:
             away = (answered is not None and obs.attempts != 1) or (faulted and answered is None)
             if pinned is not None and pinned != answered and away:
                 outliers.failure(pinned, 0)
+        if obs.lora_pick and pinned is not None:
+            # Its adapter, counted on the pinned pod, is freed there (routing/lora.py).
+            fleet.load[pinned].lora.answered(obs.lora_pick)
         pod_key = fleet.pods[answered].key if answered is not None else None
         self.ledger.add(obs, pod_key)
 

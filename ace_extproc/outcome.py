@@ -41,6 +41,9 @@ class Outcome:
     # previous_response_id (routing/homes.py's results; "" where it named none).
     store_tenant: str = ""
     previous_response: str = ""
+    # The number of its pick of a LoRA adapter on the pinned pod (0: none): its answer
+    # frees the adapter's slot in the router's view (routing/lora.py).
+    lora_pick: int = 0
 
     @property
     def trace(self) -> str:

@@ -364,8 +364,9 @@ class Processor:
         if self.placements is not None:
             self.placements.note(hashes.prefix_key, pick.slot)
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
+        lora_pick = 0
         if mode is Mode.PROD:  # shadow's pick is not sent there: only scrapes say its load
-            self.load.sent(pick.slot, prompt_tokens - saved, saved, parsed.model)
+            lora_pick = self.load.sent(pick.slot, prompt_tokens - saved, saved, parsed.model)
         if self.sharing is not None:  # queued for the other replicas; no I/O here
             self.sharing.note(
                 pick.pod.key, hashes.blocks, ctx.tenant, ctx.session, prompt_tokens - saved
@@ -391,6 +392,7 @@ class Processor:
         rewrite_ns = 0
         if mode is Mode.PROD:
             outcome.pod = pick.pod
+            outcome.lora_pick = lora_pick
             if outcome.store_tenant and self.homes is not None:
                 self.homes.expect(ctx.tenant)
             outcome.upstream_auth = self._upstream_auth.get(destination.id)
@@ -458,9 +460,12 @@ class Processor:
         engine puts after the stored conversation, not a prefix of anything."""
         mode = ctx.mode
         pod = self.fleet.pods[home.slot]
-        # The turn's own tokens are prefilled there; its stored history, cached or not,
-        # is the engine's to count (the router never saw it): no estimate of reuse.
-        self.load.sent(home.slot, prompt_tokens, 0, parsed.model)
+        # The turn's own tokens are prefilled there (shadow's turn is not sent there);
+        # its stored history, cached or not, is the engine's to count (the router never
+        # saw it): no estimate of reuse.
+        lora_pick = 0
+        if mode is Mode.PROD:
+            lora_pick = self.load.sent(home.slot, prompt_tokens, 0, parsed.model)
         outcome = Outcome(
             mode,
             "previous_response",
@@ -474,6 +479,7 @@ class Processor:
         if mode is not Mode.PROD:
             return self._seal(ctx, outcome, body, parsed, destination)
         outcome.pod = pod
+        outcome.lora_pick = lora_pick
         if outcome.store_tenant and self.homes is not None:
             self.homes.expect(ctx.tenant)
         outcome.upstream_auth = self._upstream_auth.get(pod.destination)

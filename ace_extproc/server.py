@@ -328,6 +328,7 @@ class _Stream:
             obs.saved_tokens = outcome.saved_tokens
             obs.estimated_prompt_tokens = outcome.prompt_tokens
             obs.store_tenant = outcome.store_tenant
+            obs.lora_pick = outcome.lora_pick
         obs.upstream = epp.served(msg)
         for h in msg.response_headers.headers.headers:
             if h.key == ":status":

@@ -475,6 +475,19 @@ class Telemetry(Collector):
         capacity = GaugeMetricFamily(
             "ace_pod_kv_capacity_tokens", "The engine's KV cache size in tokens.", labels=pl
         )
+        lora_slots = GaugeMetricFamily(
+            "ace_pod_lora_slots",
+            "The pod's LoRA adapter slots (max_lora of vllm:lora_requests_info); only pods "
+            "that run LoRA.",
+            labels=pl,
+        )
+        adapters = GaugeMetricFamily(
+            "ace_pod_lora_adapters",
+            "LoRA adapters this replica believes the pod has loaded, and in use (the last "
+            "scrape's running and waiting, plus picks since, less those Envoy reports "
+            "answered).",
+            labels=[*pl, "state"],
+        )
         scrape_s = GaugeMetricFamily(
             "ace_pod_scrape_seconds",
             "How long the pod's last /metrics scrape took (a timed-out one: until it gave up).",
@@ -554,6 +567,11 @@ class Telemetry(Collector):
                 queued.add_metric(labels, load.queued_prefill_ms / 1000)
                 underpriced.add_metric(labels, load.underpriced)
                 pace.add_metric(labels, load.pace_learned)
+                lora = load.lora
+                if lora.max_lora:
+                    lora_slots.add_metric(labels, lora.max_lora)
+                    adapters.add_metric([*labels, "loaded"], len(lora.loaded))
+                    adapters.add_metric([*labels, "in_use"], len(lora.in_use))
             if slot < len(capacities) and capacities[slot] is not None:
                 capacity.add_metric(labels, float(capacities[slot] or 0))
             timing = _scrape_timing(monitor, slot) if monitor is not None else None
@@ -576,7 +594,7 @@ class Telemetry(Collector):
         for (dest, state), n in sorted(counts.items()):
             by_state.add_metric([dest, state], n)
         families = (by_state, up, running, waiting, inflight, kv, queued, underpriced, pace)
-        yield from (*families, capacity, scrape_s, scrape_gap, scrapes)
+        yield from (*families, capacity, scrape_s, scrape_gap, scrapes, lora_slots, adapters)
         yield from (e_prompt, e_cached, e_queries, e_hits, e_rate)
 
     def _index_families(self, index: BlockIndex) -> Iterator[Metric]:

@@ -269,12 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the pods simulated: the default fleet's, or the real-engine tier's CPU vLLM "
         "(its blocks, KV, TTFT model: the shape of bench.live --engine vllm)",
     )
-    ap.add_argument(
-        "--scrape-interval",
-        type=float,
-        help="seconds between the router's reads of the pods' figures (default 0.1; "
-        "ace-extproc reads a pod whose scrapes are slow up to ten times less often)",
-    )
+    add_router_view_options(ap)
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument(
         "--replicas",
@@ -319,11 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = SimSettings() if args.engines == "sim" else cpu_vllm()
     if args.num_gpu_blocks:
         settings = replace(settings, num_gpu_blocks=args.num_gpu_blocks)
-    if args.scrape_interval is not None:
-        if not args.scrape_interval > 0:
-            print("error: --scrape-interval must be positive", file=sys.stderr)
-            return 2
-        settings = replace(settings, scrape_interval_s=args.scrape_interval)
+    settings = router_view(ap, args, settings)
     settings = for_workload(settings, workload)  # e.g. --enable-lora for adapters
 
     report: dict[str, Any] = {
@@ -376,12 +367,42 @@ def main(argv: list[str] | None = None) -> int:
     shape += (
         f"-scrape{round(args.scrape_interval * 1000)}ms" if args.scrape_interval is not None else ""
     )
+    shape += "-no-access-log" if args.no_access_log else ""
     stem = out / f"report-{_slug(workload.name)}{shape}"
     path = stem.with_suffix(".json")
     report["plots"] = [] if args.no_plots else plot(report, stem)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"\nwrote {path}" + "".join(f", {p}" for p in report["plots"]))
     return 0
+
+
+def add_router_view_options(ap: argparse.ArgumentParser) -> None:
+    """What the simulated router learns of the pods, and when (``router_view``)."""
+    ap.add_argument(
+        "--scrape-interval",
+        type=float,
+        help="seconds between the router's reads of the pods' figures (default 0.1; "
+        "ace-extproc reads a pod whose scrapes are slow up to ten times less often)",
+    )
+    ap.add_argument(
+        "--no-access-log",
+        action="store_true",
+        help="the router is not told when a request is answered (a gateway without "
+        "Envoy's access log): only the scrapes say so",
+    )
+
+
+def router_view(
+    ap: argparse.ArgumentParser, args: argparse.Namespace, settings: SimSettings
+) -> SimSettings:
+    """``settings`` with ``add_router_view_options``' options applied."""
+    if args.scrape_interval is not None:
+        if not args.scrape_interval > 0:
+            ap.error("--scrape-interval must be positive")
+        settings = replace(settings, scrape_interval_s=args.scrape_interval)
+    if args.no_access_log:
+        settings = replace(settings, access_log_s=None)
+    return settings
 
 
 def _slug(name: str) -> str:

@@ -3,7 +3,8 @@ and by how much one seed's luck moves each of them.
 
     python -m bench.seeds --workload seed800 [--seeds 0,1,2,3] [--pods 4]
                           [--num-gpu-blocks 8192] [--policies ace,sglang_cache_aware]
-                          [--replicas 1] [--out bench/results/seeds-<workload>.json]
+                          [--replicas 1] [--scrape-interval 0.1] [--no-access-log]
+                          [--out bench/results/seeds-<workload>.json]
 
 One seed places a few dozen conversations on a few pods, so whether two of them collide
 on one pod's cache is partly luck, and a single run can favour any policy by a point or
@@ -22,7 +23,7 @@ from typing import Any
 from bench import record, workloads
 from bench.baselines import resolve
 from bench.fleetsim import SimSettings
-from bench.report import run_policy
+from bench.report import add_router_view_options, router_view, run_policy
 
 FIGURES = ("prefill_saved_ratio", "ttft_p50_ms", "ttft_p99_ms", "imbalance")
 
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, help="replay only the first N requests")
     ap.add_argument("--policies", default="ace,sglang_cache_aware,gie_scorers,session_hash")
     ap.add_argument("--replicas", type=int, default=1)
+    add_router_view_options(ap)
     ap.add_argument("--out", help="default: bench/results/seeds-<workload>[-<pods>pods].json")
     args = ap.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = SimSettings()
     if args.num_gpu_blocks:
         settings = replace(settings, num_gpu_blocks=args.num_gpu_blocks)
+    settings = router_view(ap, args, settings)
 
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
     for seed in args.seeds:
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.workload}, {args.pods} pods"
         + (f" x {args.num_gpu_blocks} blocks" if args.num_gpu_blocks else "")
         + (f", {args.replicas} replicas" if args.replicas > 1 else "")
+        + (f", scrapes {settings.scrape_interval_s} s apart" if args.scrape_interval else "")
+        + (", no access log" if args.no_access_log else "")
         + f", seeds {','.join(map(str, args.seeds))}"
     )
     print(f"{'policy':<20}{'prefill saved % by seed':<34}{'mean':>7}{'p99 ms mean':>13}{'imb':>6}")
@@ -90,12 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         imb = statistics.fmean(r["imbalance"] for r in rs)
         print(f"{p:<20}{cells:<34}{statistics.fmean(saved):>7.1f}{p99:>13.0f}{imb:>6.2f}")
     shape = f"-{args.pods}pods" if args.pods != 8 or args.num_gpu_blocks else ""
+    shape += f"-scrape{round(settings.scrape_interval_s * 1000)}ms" if args.scrape_interval else ""
+    shape += "-no-access-log" if args.no_access_log else ""
     doc = {
         "command": record.command("bench.seeds", argv),
         "workload": args.workload,
         "pods": args.pods,
         "num_gpu_blocks": settings.num_gpu_blocks,
         "replicas": args.replicas,
+        "scrape_interval_s": settings.scrape_interval_s,
+        "access_log_s": settings.access_log_s,
         "seeds": args.seeds,
         "policies": runs,
     }

@@ -60,7 +60,8 @@ class _Sharing:
 
 def exported_names() -> tuple[set[str], set[str]]:
     """(sample names, family names) of a real exposition with every family populated:
-    tenant labels on, a scraped pod, an index entry, decisions of every kind."""
+    tenant labels on, a scraped pod (running a LoRA adapter), an index entry, decisions
+    of every kind."""
     tenants = TenantConfig(key_digests={b"a" * 32: "acme"})
     settings = Settings(metrics_tenant_label=True, tenants=tenants)
     fleet = FleetState(sim_fleet(["127.0.0.1:9001", "127.0.0.1:9002"]))
@@ -75,6 +76,7 @@ def exported_names() -> tuple[set[str], set[str]]:
             "vllm:prefix_cache_hits_total 5\nvllm:prompt_tokens_total 10\n"
             "vllm:prompt_tokens_cached_total 5\n"
             'vllm:cache_config_info{block_size="16",num_gpu_blocks="8"} 1\n'
+            'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a"} 1.7e9\n'
         ),
     )
     monitor.answered(0, 0.0, 0.005, 0.005)  # a scrape that took 5 ms

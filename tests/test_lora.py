@@ -10,7 +10,7 @@ from ace_extproc.latency import DECODE_STEPS, get_model
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, metrics_text, policies
 from ace_extproc.routing.load import LoadAccounting
-from ace_extproc.routing.lora import DEFAULT_LOAD_MS, Adapters, LoraCost
+from ace_extproc.routing.lora import DEFAULT_LOAD_MS, OPEN_FOR_S, Adapters, LoraCost
 from ace_extproc.routing.metrics_text import LoraInfo
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.routing.pipeline import DEFAULT_SCORERS
@@ -127,7 +127,11 @@ def test_a_scrape_feeds_each_pods_adapters_and_picks_count_until_the_next() -> N
     assert view.reported == {"sql-lora", "chat", "legal"}  # what the engine said
     load.sent(1, 100, 0, "math")  # a pod that showed no LoRA: nothing to count
     assert not fleet.load[1].lora.loaded
-    # An idle engine's gauge keeps its last sample: the idle counts say nothing runs.
+    # An idle engine's gauge keeps its last sample: the idle counts say nothing runs,
+    # but the pick the engine cannot show yet (its modelled TTFT and UNSEEN_MS).
+    load.observed(0, 0, 0, 0.0, LoraInfo(4, ("chat",)), BASE)
+    assert view.in_use == {"math"} and "chat" in view.loaded
+    load.clock = lambda: 1.0
     load.observed(0, 0, 0, 0.0, LoraInfo(4, ("chat",)), BASE)
     assert not view.in_use and "chat" in view.loaded
 
@@ -142,6 +146,84 @@ def test_a_scrapes_adapters_are_believed_loaded_in_the_engines_order() -> None:
     view.idle()
     view.picked("d")  # a fourth adapter evicts the least recently used idle one
     assert list(view.loaded) == ["a", "b", "d"]
+
+
+def test_an_answer_frees_its_adapter_once_no_pick_of_it_is_open() -> None:
+    view = Adapters()
+    view.scraped(BASE, 2, ())
+    assert view.picked(BASE) == 0  # the base model: nothing to answer
+    a1, a2, b = view.picked("a"), view.picked("a"), view.picked("b")
+    assert len({a1, a2, b}) == 3 and 0 not in {a1, a2, b}
+    assert view.waits_for_slot("c")  # both slots in use
+    view.answered(a1)
+    assert "a" in view.in_use  # its second request still runs
+    view.answered(a2)
+    assert view.in_use == {"b"} and not view.waits_for_slot("c")
+    assert list(view.loaded) == ["a", "b"]  # still in its slot until another needs it
+    view.answered(a2)  # an answer told twice, or another pod's: nothing more
+    view.answered(12345)
+    assert view.in_use == {"b"}
+
+
+def test_an_answer_leaves_an_adapter_in_use_where_others_requests_use_it() -> None:
+    """A scrape showed "a" in use while this router had no request for it (another
+    replica's or gateway's): the answer to this router's own frees nothing."""
+    view = Adapters()
+    view.scraped(BASE, 2, ("a",))
+    number = view.picked("a")
+    view.answered(number)
+    assert view.in_use == {"a"}
+    # Showed in use again with this router's pick open: its answer frees it.
+    number = view.picked("a")
+    view.scraped(BASE, 2, ("a",))
+    view.answered(number)
+    assert not view.in_use
+
+
+def test_a_scrape_keeps_the_picks_it_cannot_show_yet_and_settles_the_rest() -> None:
+    """The engine's gauges show a request only once its API server has read it: a
+    scrape before then keeps the pick's adapter in use. One after, showing the adapter
+    unused, says it was answered: its late answer then frees nothing newer."""
+    view = Adapters()
+    view.scraped(BASE, 2, (), now=0.0)
+    early = view.picked("a", seen_by=1.0)
+    view.scraped(BASE, 2, (), now=0.5)  # too soon to show it
+    assert view.in_use == {"a"} and view.ours["a"] == 1
+    view.scraped(BASE, 2, (), now=1.5)  # could show it and does not: answered
+    assert not view.in_use and not view.picks
+    late = view.picked("a", seen_by=3.0)
+    view.answered(early)  # the first request's answer, reported after the scrape
+    assert view.in_use == {"a"}
+    view.scraped(BASE, 2, ("a",), now=4.0)  # shown running: kept
+    view.idle(now=4.5)  # the engine idle: every pick it could show was answered
+    assert not view.in_use and not view.picks
+    view.answered(late)
+    assert not view.in_use
+    # A pick whose answer never comes (no access log) is let go after OPEN_FOR_S.
+    view.picked("b", seen_by=5.0)
+    view.scraped(BASE, 2, ("b",), now=6.0)
+    assert view.picks
+    view.scraped(BASE, 2, ("b",), now=6.0 + OPEN_FOR_S)
+    assert not view.picks and view.in_use == {"b"}  # the engine's word remains
+
+
+def test_an_answer_reported_by_envoy_frees_the_adapter_on_the_pinned_pod() -> None:
+    """The routing decision's metadata carries the pick's number; the access log's
+    entry brings it back (observe.py)."""
+    from ace_extproc.observe import Observation, Observer
+    from ace_extproc.routing.outlier import OutlierDetector
+
+    fleet, load = fleet_and_load(2)
+    load.observed(1, 0, 0, 0.0, LoraInfo(2), BASE)
+    number = load.sent(1, 100, 0, "a")
+    assert number and load.sent(0, 100, 0, "a") == 0  # pod 0 runs no LoRA
+    assert fleet.load[1].lora.in_use == {"a"}
+    observer = Observer(fleet, OutlierDetector(fleet, Settings().passive_health))
+    pod = fleet.pods[1].key
+    observer.record(Observation("shadow", "hit", "", pod, status=200, lora_pick=number))
+    assert fleet.load[1].lora.in_use == {"a"}  # not pinned: not this router's to free
+    observer.record(Observation("prod", "hit", pod, pod, status=200, lora_pick=number))
+    assert not fleet.load[1].lora.in_use
 
 
 def test_the_scorer_is_zero_for_the_base_model_and_without_lora() -> None:

@@ -380,12 +380,17 @@ def test_a_continuation_whose_pod_is_gone_is_refused_saying_why():
     assert shadow.trace.endswith(",previous_response=lost")
 
 
-def test_shadow_reports_the_pin_without_pinning():
-    p = make(mode=Mode.SHADOW)
+@pytest.mark.parametrize("mode", [Mode.PROD, Mode.SHADOW])
+def test_shadow_reports_the_pin_without_pinning(mode):
+    """Shadow says where the turn would go, and neither pins it nor counts it there
+    (Envoy sends it elsewhere); production does both."""
+    p = make(mode=mode)
+    p.load.active = True  # as where the monitor runs
     p.homes.remember("anon", "resp_1", p.fleet.pods[3].key)
     out = run(p, headers(RESPONSES), responses_body(input="more", previous_response_id="resp_1"))
-    assert out.action == "previous_response" and out.pod is None
-    assert out.would_pick == p.fleet.pods[3]
+    assert out.action == "previous_response" and out.would_pick == p.fleet.pods[3]
+    assert out.pod == (p.fleet.pods[3] if mode is Mode.PROD else None)
+    assert p.fleet.load[3].inflight == (1 if mode is Mode.PROD else 0)
 
 
 def test_a_tenant_cannot_pin_to_another_tenant_s_response():

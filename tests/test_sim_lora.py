@@ -175,3 +175,28 @@ def test_fleet_simulation_pods_load_adapters_and_key_their_blocks_apart() -> Non
     plain = Workload("plain", "", requests[:1])
     base = simulate(plain, resolve("ace"), pods=1, settings=settings, progress=False)
     assert base.records[0].ttft_s == pytest.approx(cold) and "lora_loads" not in base.extra
+
+
+@pytest.mark.parametrize("access_log", [True, False], ids=["access-log", "scrapes-only"])
+def test_the_fleet_simulations_router_hears_of_answers_as_envoys_access_log_says(
+    access_log: bool,
+) -> None:
+    """Each answer to a pinned request reaches the router's production observer
+    ``access_log_s`` after it: with it, the adapter is free again before any scrape;
+    without it (a gateway with no access log), only the next scrape would free it."""
+    from ace_extproc.routing import FleetState
+
+    fleets: list[FleetState] = []
+
+    def ace(fleet: FleetState, index: Any) -> Any:
+        fleets.append(fleet)
+        return resolve("ace")(fleet, index)
+
+    requests = [chat("sql", "a short question " * 20, 0.0), chat("sql", "another " * 20, 0.5)]
+    settings = SimSettings(scrape_interval_s=100.0, access_log_s=0.1 if access_log else None)
+    workload = Workload("lora-answers", "", requests, max_loras=1)
+    result = simulate(workload, ace, pods=1, settings=settings, progress=False)
+    assert len(result.records) == 2 and result.duration_s < 100.0  # one scrape, at the start
+    view = fleets[0].load[0].lora
+    assert "sql" in view.loaded
+    assert (view.in_use, len(view.picks)) == ((set(), 0) if access_log else ({"sql"}, 2))

@@ -30,8 +30,10 @@ its engine reports (``pace.py``): far enough from 1, its queue drains at that pa
 The other replicas' placements count too (``routing/replicas.py``).
 
 LoRA adapters are counted the same way (``lora.py``): a pick of adapter A marks A
-loaded and in use on the pod until the next scrape of ``vllm:lora_requests_info`` says
-what is.
+loaded and in use on the pod; the answers Envoy reports to this router's requests for A
+free it (``observe.py``), and each scrape of ``vllm:lora_requests_info`` says what is,
+the picks it cannot show yet kept. (The in-flight count waits for the scrape: an answer
+reported after a scrape that no longer counted its request would be taken off twice.)
 """
 
 from __future__ import annotations
@@ -94,10 +96,12 @@ class LoadAccounting:
         """The TTFT model that prices the pod's prefill (its destination's)."""
         return self._models.get(self.fleet.pods[slot].destination, self._default)
 
-    def sent(self, slot: int, uncached: int, cached: int = 0, model: str | None = None) -> None:
+    def sent(self, slot: int, uncached: int, cached: int = 0, model: str | None = None) -> int:
         """A request went to ``slot`` with ``uncached`` prompt tokens past the ``cached``
         ones the pod holds warm: its prefill joins the pod's queue, and the adapter
-        ``model`` names, if it names one there, is loaded there now."""
+        ``model`` names, if it names one there, is loaded there now. Returns the
+        adapter's pick number, for its answer to free (``lora.py``); 0 for none."""
+        lora_pick = 0
         if self.active:
             load = self.fleet.load[slot]
             load.inflight += 1
@@ -121,8 +125,9 @@ class LoadAccounting:
                     predicted_ms = None
                 else:
                     predicted_ms = model_ms + load.lora.cost_ms(model, DEFAULT_LOAD_MS, 0.0) / speed
-                load.lora.picked(model)
+                lora_pick = load.lora.picked(model, seen_by)
             self.pace.predicted(slot, now, predicted_ms)
+        return lora_pick
 
     def observed(
         self,
@@ -157,14 +162,15 @@ class LoadAccounting:
         if kv_usage is not None:
             load.kv_usage = kv_usage
         load.inflight = running + waiting
+        now = self.clock()
         if lora is not None:
-            load.lora.scraped(base_model, lora.max_lora, lora.in_use)
+            load.lora.scraped(base_model, lora.max_lora, lora.in_use, now)
         if running == 0 and waiting == 0:
-            unseen = _on_their_way(load.unseen, self.clock())
+            unseen = _on_their_way(load.unseen, now)
             # Picks on their way stay queued, at most as much as they added.
             load.inflight = len(unseen)
             load.queued_prefill_ms = min(load.queued_prefill_ms, sum(w for _, w in unseen))
-            load.lora.idle()
+            load.lora.idle(now)
 
     def _queued_now(self, slot: int) -> float:
         """The pod's queued prefill as ``drain`` would leave it now (not drained: the

@@ -14,8 +14,15 @@ The router's view of a pod (``Adapters``), kept by ``load.py``:
   ``max_lora`` and the adapters in use, those of the running and waiting requests;
   the pod's base model is the scrape's ``model_name`` label. A pod that has not
   shown the series has no adapters here: every request costs 0 there;
-- between scrapes, each pick of adapter A on the pod marks A loaded and in use, as
-  the picks count in flight between scrapes;
+- each pick of adapter A on the pod marks A loaded and in use. The mark outlives a
+  scrape that cannot show the request yet (the engine's gauges lag a request by its
+  API server's read and tokenization, ``load.UNSEEN_MS``);
+- each answer Envoy reports (its access log, ``observe.py``, which carries the pick's
+  number) frees A once this router has no pick of it open on the pod, unless the last
+  scrape showed A in use by requests not this router's (another replica's or
+  gateway's). Without the access log, only the next scrape frees it, so adapter routing
+  then depends on how often the pods are read (the fleet simulation's lora-mix at reads
+  1 s apart: TTFT p99 2.2x);
 - an adapter that was in use stays believed loaded after its requests finish (vLLM
   keeps it in its slot until another needs the slot), the least recently used
   forgotten first, ``max_lora`` at most.
@@ -27,7 +34,8 @@ in vLLM, whose block hashes include the adapter.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -40,6 +48,11 @@ if TYPE_CHECKING:
 # MLP's too: ~400 MB); read from local disk at 1-2 GB/s, parsed and copied to the GPU,
 # that is tens to a few hundred ms (less from vLLM's CPU cache, --max-cpu-loras).
 DEFAULT_LOAD_MS = 100.0
+# How long a pick of an adapter stays open without its answer: past it, only the
+# scrapes say whether the adapter is in use (answers lost, or no access log).
+OPEN_FOR_S = 60.0
+# Pick numbers, unique in the process (a pod's slot may be reused by a new pod).
+_pick_numbers = itertools.count(1)
 
 
 @dataclass(slots=True)
@@ -52,34 +65,87 @@ class Adapters:
     loaded: OrderedDict[str, None] = field(default_factory=OrderedDict)  # LRU first
     # The last scrape's adapters in use, as the engine said them (no picks since).
     reported: frozenset[str] = frozenset()
+    # This router's picks of adapters on the pod not yet answered: pick number ->
+    # (adapter, monotonic seconds by which the engine's gauges must show it); oldest first.
+    picks: dict[int, tuple[str, float]] = field(default_factory=dict)
+    ours: Counter[str] = field(default_factory=Counter)  # the picks, per adapter
+    # Adapters the last scrape showed in use with none of this router's picks open.
+    others: frozenset[str] = frozenset()
 
     def is_adapter(self, model: str) -> bool:
         """Whether ``model`` names an adapter on this pod (it runs LoRA, and that is not
         its base model)."""
         return self.max_lora > 0 and self.base is not None and model != self.base
 
-    def scraped(self, base: str | None, max_lora: int, in_use: Iterable[str]) -> None:
-        """A scrape's word: the adapters in use now replace those believed in use (the
-        picks since the last scrape are in it, or finished)."""
+    def scraped(
+        self, base: str | None, max_lora: int, in_use: Iterable[str], now: float = 0.0
+    ) -> None:
+        """A scrape's word at ``now``: the adapters in use are those it shows, and those
+        of picks it cannot show yet. A pick it could show, of an adapter it shows
+        unused, has been answered."""
         self.base, self.max_lora = base, max(0, max_lora)
         names = tuple(in_use)  # touched in the engine's order, not a set's (hash-seeded)
         self.reported = frozenset(names)
-        self.in_use = set(names)
-        for name in names:
+        young = self._settle(now, self.reported)
+        self.others = frozenset(n for n in names if not self.ours[n])
+        self.in_use = set(names) | young
+        for name in (*names, *sorted(young)):
             self._touch(name)
         self._trim()
 
-    def idle(self) -> None:
-        """The engine runs and queues nothing: no adapter is in use (vLLM leaves the
-        gauge's last sample as it was when the engine went idle)."""
-        self.in_use.clear()
+    def idle(self, now: float = 0.0) -> None:
+        """The engine runs and queues nothing at ``now``: no adapter is in use but those
+        of picks it cannot show yet (vLLM leaves the gauge's last sample as it was when
+        the engine went idle)."""
+        self.in_use = self._settle(now, frozenset())
+        self.others = frozenset()
 
-    def picked(self, model: str) -> None:
-        """A request for ``model`` went to the pod: its adapter is loaded there now."""
-        if self.is_adapter(model):
-            self.in_use.add(model)
-            self._touch(model)
-            self._trim()
+    def picked(self, model: str, seen_by: float = 0.0) -> int:
+        """A request for ``model`` went to the pod: its adapter is loaded there now, and
+        in use at least until ``seen_by`` (the clock's seconds), when the engine's gauges
+        must show it (by default, at once: the next scrape). Returns the pick's number,
+        for its answer (``answered``); 0 where ``model`` is no adapter here."""
+        if not self.is_adapter(model):
+            return 0
+        number = next(_pick_numbers)
+        self.picks[number] = (model, seen_by)
+        self.ours[model] += 1
+        self.in_use.add(model)
+        self._touch(model)
+        self._trim()
+        return number
+
+    def answered(self, number: int) -> None:
+        """Pick ``number`` has been answered: with no pick of its adapter left, the
+        adapter is no longer in use, unless others' requests were using it. A pick
+        already settled by a scrape, or not this pod's, changes nothing."""
+        pick = self.picks.pop(number, None)
+        if pick is None:
+            return
+        model = pick[0]
+        self._forget(model)
+        if not self.ours[model] and model not in self.others:
+            self.in_use.discard(model)
+
+    def _settle(self, now: float, shown: frozenset[str]) -> set[str]:
+        """Closes the picks a scrape at ``now`` showing ``shown`` in use says were
+        answered (it could show them, and does not show their adapter), and those older
+        than ``OPEN_FOR_S`` (their answers lost, or no access log); returns the adapters
+        of the picks the engine may not show yet."""
+        young: set[str] = set()
+        for number, (model, seen_by) in list(self.picks.items()):
+            if seen_by > now:
+                young.add(model)
+            elif model not in shown or seen_by < now - OPEN_FOR_S:
+                del self.picks[number]
+                self._forget(model)
+        return young
+
+    def _forget(self, model: str) -> None:
+        ours = self.ours
+        ours[model] -= 1
+        if ours[model] <= 0:
+            del ours[model]
 
     def cost_ms(self, model: str, load_ms: float, busy_ms: float) -> float:
         """Milliseconds ``model`` adds to a request's TTFT here: 0 for the base model

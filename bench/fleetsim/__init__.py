@@ -69,8 +69,10 @@ flight and its prefill, priced by the TTFT model, to the pod's queue, which drai
 in simulated time; every ``scrape_interval_s`` each pod's ``running``, ``waiting``
 and ``kv_usage`` (blocks referenced / capacity) correct it, as a ``/metrics``
 scrape does (in flight becomes running + waiting; an idle pod has no queue).
-Between scrapes the router does not see requests finish, nor how long a prefill
-really took.
+Between scrapes the router does not see how long a prefill really took; it learns
+that a request it pinned has finished ``access_log_s`` (0.1 s) after it has, as
+Envoy's access log reports it (the production ``Observer.record``; ``None``: no
+access log, only the scrapes say so).
 
 **Fleet events** (``workload.events``, ``workload.initially_absent``): ``remove``
 marks the pod unavailable and drops it from the index; its requests not yet

@@ -15,6 +15,7 @@ from ace_extproc.app import App, build
 from ace_extproc.config import Config, Fleet, Mode, Settings, TenantConfig, default_fleet
 from ace_extproc.fleet_file import Precise
 from ace_extproc.latency import get_model
+from ace_extproc.observe import Observation
 from ace_extproc.routing.kv_wire import Cleared, Event, Removed, Stored
 from ace_extproc.routing.metrics_text import LoraInfo
 from ace_extproc.routing.policies import PolicyFactory
@@ -30,11 +31,12 @@ from bench.fleetsim.settings import SimSettings, for_workload
 from bench.workloads.base import FleetEvent, Request, Workload
 
 # Event kinds, in the order they run when simultaneous: steps end (freeing blocks)
-# and the KV events due then reach the router, before the fleet changes, before new
-# requests arrive, before routed ones land, before an idle pod starts (so all
-# requests landing at one instant share a step), and last, a placement shared between
-# replicas is learned (a request arriving at that same instant has not seen it).
-_STEP_END, _KV_EVENTS, _FLEET, _ARRIVAL, _ENTER, _WAKE, _SHARED = 0, 1, 2, 3, 4, 5, 6
+# and the KV events and access log entries due then reach the router, before the
+# fleet changes, before new requests arrive, before routed ones land, before an idle
+# pod starts (so all requests landing at one instant share a step), and last, a
+# placement shared between replicas is learned (a request arriving at that same
+# instant has not seen it).
+_STEP_END, _KV_EVENTS, _ANSWERED, _FLEET, _ARRIVAL, _ENTER, _WAKE, _SHARED = range(8)
 _UNBOUNDED_BLOCKS = 1 << 60
 # A diagnostic's view of each pick: the request's index, the pod chosen, and the prompt
 # tokens each pod holds cached for it at that moment (-1: not in the fleet).
@@ -215,6 +217,8 @@ class _Run:
         self.records: list[RequestRecord] = []
         # request index -> (action, would_pick, the router's estimate of saved tokens)
         self.actions: dict[int, tuple[str, int, int]] = {}
+        # request index -> (replica, what its access log entry will say): pinned ones.
+        self.answers: dict[int, tuple[int, Observation]] = {}
         self.bypassed = self.rejected = self.rerouted = 0
         self.fallback_rr = 0
         self.watch: Watch | None = None
@@ -336,6 +340,12 @@ class _Run:
         interval = self.settings.scrape_interval_s
         while heap:
             at, kind, _, payload = heapq.heappop(heap)
+            if kind == _ANSWERED:
+                # The router's report of an answer changes no pod: applied in its turn,
+                # it neither makes a scrape due nor moves the clock a scrape reads.
+                replica, obs = payload
+                self.procs[replica].observer.record(obs)
+                continue
             if at >= self.next_scrape:
                 # Pods change only at events, so their state now is their state at
                 # the scrape instant(s) since the last event.
@@ -438,6 +448,11 @@ class _Run:
         )
         if outcome.pod is not None:
             slot = self.slot_of[outcome.pod.key]
+            if self.settings.access_log_s is not None:
+                # What Envoy's access log will report of it (observe.py), once answered.
+                obs = Observation(outcome.mode, outcome.action, outcome.pod.key)
+                obs.lora_pick = outcome.lora_pick
+                self.answers[index] = (replica, obs)
         else:
             self.bypassed += 1
             fallback = self._fallback(proc)
@@ -565,6 +580,10 @@ class _Run:
         slot = job.slot
         r = self.workload.requests[job.index]
         action, would, estimated = self.actions.pop(job.index, ("", -1, 0))
+        answer = self.answers.pop(job.index, None)
+        if answer is not None and self.settings.access_log_s is not None:
+            answer[1].status = 200
+            self.push(now + self.settings.access_log_s, _ANSWERED, answer)
         self.records.append(
             RequestRecord(
                 arrival_s=r.arrival_s,

@@ -27,6 +27,10 @@ class SimSettings:
     # long, and decode tokens add no work of their own.
     tpot_ms: float | None = None
     scrape_interval_s: float = 0.1  # how often the router's PodLoad view is refreshed
+    # How long after a request is answered Envoy's access log reports it to the router
+    # (observe.py; Envoy flushes the log every 0.1 s). None: no access log, as in a
+    # gateway that does not send one (only the scrapes say a request has finished).
+    access_log_s: float | None = 0.1
     pooled_cache: bool = False  # bound: all pods share ONE cache of pods x capacity
     unbounded_cache: bool = False  # bound: caches never evict (nor refuse admission)
     # Precise routing: the pods publish KV events (BlockStored as prefill chunks commit
@@ -64,6 +68,8 @@ class SimSettings:
             raise ValueError("tpot_ms must be positive (or None)")
         if self.scrape_interval_s <= 0:
             raise ValueError("scrape_interval_s must be positive")
+        if self.access_log_s is not None and self.access_log_s < 0:
+            raise ValueError("access_log_s must be >= 0 (or None)")
         if self.event_delay_s < 0:
             raise ValueError("event_delay_s must be >= 0")
         if self.kv_events and self.pooled_cache:
