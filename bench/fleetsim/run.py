@@ -394,8 +394,11 @@ class _Run:
                 else LoraInfo(lora.max_loras, tuple(lora.running), tuple(lora.waiting))
             )
             ttft = (pod.first_tokens, pod.first_token_s)
+            answers = (pod.answers, pod.answer_s)
             for proc in views:
-                proc.load.observed(pod.slot, pod.running, len(pod.waiting), kv, info, base, ttft)
+                proc.load.observed(
+                    pod.slot, pod.running, len(pod.waiting), kv, info, base, ttft, answers
+                )
 
     # -- replicas sharing placements ----------------------------------------------------
     def share(self, delay_s: float) -> None:
