@@ -124,18 +124,6 @@ SETTINGS_ROUTERS: dict[str, dict[str, Any]] = {
     "ace_scrape_1s": {"scrape_interval_s": 1.0, "scrape_max_engine_share": 0.0},
     # every 0.1 s however slowly a pod answers: the default before the share bound
     "ace_scrape_fixed": {"scrape_max_engine_share": 0.0},
-    # a wait for a LoRA adapter's slot priced as the real-engine tier's TTFT model's
-    # decode (225 ms), not each pod's answer time as its engine reports it
-    "ace_lora_busy_modelled": {
-        "pipeline": {
-            "scorers": [
-                {"name": "prefill"},
-                {"name": "eviction"},
-                {"name": "queue"},
-                {"name": "lora", "args": {"busy_ms": 225.0}},
-            ]
-        }
-    },
 }
 ROUTERS = ("ace", "ace_precise", "envoy_rr", *peers.PEERS, *POLICY_ROUTERS, *SETTINGS_ROUTERS)
 # Also accepted: ace_xN (N ace-extproc servers behind one Envoy, each learning only from
@@ -176,7 +164,6 @@ SIMULATED_AS = {
     "ace_fixed_pace": "ace",
     "ace_scrape_1s": "ace",
     "ace_scrape_fixed": "ace",
-    "ace_lora_busy_modelled": "ace",
     "envoy_rr": "round_robin",
     "sglang": "sglang_cache_aware",
     "vllm": "vllm_cache_aware",

@@ -254,24 +254,6 @@ def test_the_scorer_is_zero_for_the_base_model_and_without_lora() -> None:
     assert prices("b", LoraCost(busy_ms=500.0), "vllm-cpu-tiny")[0] == DEFAULT_LOAD_MS + 500.0
 
 
-def test_a_busy_slot_is_priced_by_each_pods_answer_time_once_its_engine_reports_it() -> None:
-    """The wait for a slot lasts about one answer there: the pod's answer time as its
-    engine's request-latency histogram says (answer_time.py); before it has, the TTFT
-    model's decode; a busy_ms set in the pipeline, as set."""
-    from ace_extproc.routing.pipeline import Candidates
-
-    fleet, load = fleet_and_load(2)
-    for slot in (0, 1):
-        load.observed(slot, 1, 0, 0.1, LoraInfo(1, ("a",)), BASE)  # its one slot busy
-    fleet.load[1].answer_ms = 6000.0  # learned: a busy CPU pod's answers
-    picker = policies.cost_policy(Settings())(fleet, BlockIndex(10_000))
-    r = RoutingRequest(hash_prompt(PROMPT, None, 512, 1), PROMPT, 4096, "t", "b")
-    c = Candidates(r, (0, 1), {}, fleet, picker.index, picker.model, 32.0, 1, -1)
-    modelled = picker.model.decode_ms()
-    assert LoraCost()(c) == [DEFAULT_LOAD_MS + modelled, DEFAULT_LOAD_MS + 6000.0]
-    assert LoraCost(busy_ms=500.0)(c) == [DEFAULT_LOAD_MS + 500.0] * 2
-
-
 def lora_fleet(pods: int, max_lora: int) -> tuple[FleetState, LoadAccounting, object]:
     fleet, load = fleet_and_load(pods)
     for slot in range(pods):

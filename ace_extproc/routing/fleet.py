@@ -64,9 +64,6 @@ class PodLoad:
     # error. Its queue drains, and its prefill and queue prices grow, by ``pace``.
     pace_learned: float = 1.0
     pace: float = 1.0
-    # How long its answers take, arrival to last token, learned from the engine's
-    # request-latency histogram (answer_time.py); None until it has reported some.
-    answer_ms: float | None = None
 
 
 class FleetState:

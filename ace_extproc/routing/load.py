@@ -44,7 +44,6 @@ from collections.abc import Callable
 
 from ace_extproc.config import Settings, ttft_models
 from ace_extproc.latency import TTFTModel, get_model
-from ace_extproc.routing.answer_time import AnswerTimes
 from ace_extproc.routing.fleet import ADDED, FleetState
 from ace_extproc.routing.lora import DEFAULT_LOAD_MS
 from ace_extproc.routing.metrics_text import LoraInfo
@@ -81,13 +80,11 @@ class LoadAccounting:
         self._speed = self._default.speed(rate)
         self._drained_at = clock()
         self.pace = PaceLearner(settings.learn_pace)
-        self.answer_times = AnswerTimes()
         fleet.on_change.append(self._fleet_changed)
 
     def _fleet_changed(self, slot: int, change: str) -> None:
         if change == ADDED:  # a new process in the slot (its PodLoad is new): learn afresh
             self.pace.forget(slot)
-            self.answer_times.forget(slot)
 
     def use_clock(self, clock: Callable[[], float]) -> None:
         """Count and drain on ``clock`` from now (the fleet simulation's, whose scrapes
@@ -141,7 +138,6 @@ class LoadAccounting:
         lora: LoraInfo | None = None,
         base_model: str | None = None,
         first_tokens: tuple[float, float] | None = None,
-        answers: tuple[float, float] | None = None,
     ) -> None:
         """A scrape's figures for the pod: they replace the estimate's in-flight count
         (picks since are added on top). An idle engine has no prefill left: whatever the
@@ -153,8 +149,7 @@ class LoadAccounting:
         a request sent there now would wait though priced as starting at once.
         ``lora``: its adapter slots, where it runs LoRA; ``base_model``: the model it
         serves without an adapter; ``first_tokens``: its TTFT histogram's count and
-        sum (seconds), which teach the pod's pace (``pace.py``); ``answers``: its
-        request-latency histogram's, which teach its answer time (``answer_time.py``)."""
+        sum (seconds), which teach the pod's pace (``pace.py``)."""
         load = self.fleet.load[slot]
         if waiting and self.active and self._queued_now(slot) <= 0.0:
             load.underpriced += 1
@@ -163,8 +158,6 @@ class LoadAccounting:
             idle = running == 0 and waiting == 0
             learned = self.pace.observed(slot, self.clock(), count, total_s, idle)
             load.pace_learned, load.pace = learned, priced(learned)
-        if answers is not None:
-            load.answer_ms = self.answer_times.observed(slot, *answers, load.answer_ms)
         load.running, load.waiting = running, waiting
         if kv_usage is not None:
             load.kv_usage = kv_usage

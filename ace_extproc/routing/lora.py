@@ -183,10 +183,9 @@ class LoraCost:
     """A pipeline scorer: what the request's adapter costs on each pod (``Adapters``),
     0 for the base model. ``load_ms``: loading an adapter into a slot; ``busy_ms``:
     waiting for a slot when every one holds an adapter in use: until one adapter's
-    requests have all finished, about one answer's time there. Unset, each pod's answer
-    time as its engine reports it (``answer_time.py``), and until it has, the
-    destination's TTFT model's ``decode_ms`` (1,980 ms on the default 70B model, 225 ms
-    on the real-engine tier's CPU pods, which took 2-13 s an answer under load)."""
+    requests have all finished, about one answer's decode (unset: the destination's
+    TTFT model's ``decode_ms``, 1,980 ms on the default 70B model as the flat 2 s it
+    replaced, 225 ms on the real-engine tier's CPU pods)."""
 
     load_ms: float = DEFAULT_LOAD_MS
     busy_ms: float | None = None
@@ -196,13 +195,8 @@ class LoraCost:
             raise ValueError("load_ms and busy_ms must not be negative")
 
     def __call__(self, c: Candidates) -> list[float]:
-        load, model, load_ms = c.fleet.load, c.request.model, self.load_ms
-        if self.busy_ms is not None:
-            return [load[slot].lora.cost_ms(model, load_ms, self.busy_ms) for slot in c.slots]
-        modelled = c.model.decode_ms()
-        costs = []
-        for slot in c.slots:
-            pod = load[slot]
-            busy_ms = pod.answer_ms if pod.answer_ms is not None else modelled
-            costs.append(pod.lora.cost_ms(model, load_ms, busy_ms))
-        return costs
+        load, model = c.fleet.load, c.request.model
+        load_ms, busy_ms = self.load_ms, self.busy_ms
+        if busy_ms is None:
+            busy_ms = c.model.decode_ms()
+        return [load[slot].lora.cost_ms(model, load_ms, busy_ms) for slot in c.slots]

@@ -50,10 +50,6 @@ _VLLM = {
     # (queue included), what the router's pace learns from (pace.py).
     b"vllm:time_to_first_token_seconds_count": "first_tokens",
     b"vllm:time_to_first_token_seconds_sum": "first_token_s",
-    # The request-latency histogram's: each finished request, arrival to last token,
-    # what a wait for a LoRA adapter's slot is priced by (answer_time.py).
-    b"vllm:e2e_request_latency_seconds_count": "answers",
-    b"vllm:e2e_request_latency_seconds_sum": "answer_s",
 }
 _SGLANG = {
     b"sglang:num_running_reqs": "running",
@@ -65,8 +61,6 @@ _SGLANG = {
     b"sglang:max_total_num_tokens": "capacity",
     b"sglang:time_to_first_token_seconds_count": "first_tokens",
     b"sglang:time_to_first_token_seconds_sum": "first_token_s",
-    b"sglang:e2e_request_latency_seconds_count": "answers",
-    b"sglang:e2e_request_latency_seconds_sum": "answer_s",
 }
 # prometheus-client's process collector: a new value means a new process.
 _PROCESS = {b"process_start_time_seconds": "start_time"}
@@ -136,9 +130,6 @@ class EngineStats:
     # The TTFT histogram: first tokens so far and their summed TTFT (seconds).
     first_tokens: float | None = None
     first_token_s: float | None = None
-    # The request-latency histogram: answers so far and their summed latency (seconds).
-    answers: float | None = None
-    answer_s: float | None = None
     reason: str = ""  # why some of the text was not used ("" when all was)
 
     @property
@@ -152,13 +143,6 @@ class EngineStats:
         if self.first_tokens is None or self.first_token_s is None:
             return None
         return self.first_tokens, self.first_token_s
-
-    @property
-    def answer_counters(self) -> tuple[float, float] | None:
-        """The request-latency histogram's (count, sum in seconds), where it has both."""
-        if self.answers is None or self.answer_s is None:
-            return None
-        return self.answers, self.answer_s
 
     def counters(self) -> dict[str, float]:
         found = {
@@ -256,8 +240,6 @@ def parse(text: bytes | str) -> EngineStats:
         lora=lora,
         first_tokens=total("first_tokens"),
         first_token_s=total("first_token_s"),
-        answers=total("answers"),
-        answer_s=total("answer_s"),
         reason="; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""),
     )
 

@@ -354,7 +354,6 @@ class FleetMonitor:
             stats.lora,
             stats.model_name,
             stats.ttft_counters,
-            stats.answer_counters,
         )
         if st.last is not None:  # down or not: a restart while down empties it too
             why = metrics_text.restarted(st.last, stats)

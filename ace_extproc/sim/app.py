@@ -676,11 +676,6 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
         stats.ttft,
         "Histogram of time to first token in seconds.",
     )
-    out.histogram(
-        "vllm:e2e_request_latency_seconds",
-        stats.e2e,
-        "Histogram of e2e request latency in seconds.",
-    )
     out.info(
         "vllm:cache_config_info",
         {

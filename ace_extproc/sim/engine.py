@@ -48,7 +48,7 @@ from typing import Any, Protocol
 from ..latency import TTFTModel
 from .kvcache import Allocation, CacheEvents, PrefixCache, prompt_keys
 from .lora import AdapterSlots
-from .metrics import REQUEST_LATENCY_BUCKETS, Histogram
+from .metrics import Histogram
 from .tokenizer import BYTES_PER_TOKEN, encode_utf8
 
 
@@ -108,8 +108,6 @@ class EngineStats:
     generation_tokens: int = 0
     finished: dict[str, int] = dataclasses.field(default_factory=dict)
     ttft: Histogram = dataclasses.field(default_factory=Histogram)
-    # Each admitted request's wall-clock seconds from arrival to its end.
-    e2e: Histogram = dataclasses.field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
 
 
 class Engine:
@@ -245,7 +243,6 @@ class Engine:
             if req.adapter is not None and self.lora is not None:
                 self.lora.release(req.adapter)
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-            self.stats.e2e.observe(asyncio.get_running_loop().time() - req.arrival)
             self._wake()
 
     @contextlib.asynccontextmanager

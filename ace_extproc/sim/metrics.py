@@ -14,11 +14,6 @@ from collections.abc import Mapping
 # What vLLM 0.32's prometheus-client (0.26) answers a GET with; the body is the same text.
 CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
 
-# vLLM's buckets for vllm:e2e_request_latency_seconds (vllm/v1/metrics/buckets.py).
-REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
 # vLLM's buckets for vllm:time_to_first_token_seconds.
 TTFT_BUCKETS: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,

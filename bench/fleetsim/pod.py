@@ -115,9 +115,6 @@ class SimPod:
         # vllm:time_to_first_token_seconds' count and sum (from arrival, queue included).
         self.first_tokens = 0
         self.first_token_s = 0.0
-        # vllm:e2e_request_latency_seconds' count and sum (arrival to last token).
-        self.answers = 0
-        self.answer_s = 0.0
         self.plan: StepPlan | None = None
         self.epoch = 0
         self.wake_pending = False  # the runner has a wake-up queued for this idle pod
@@ -300,6 +297,4 @@ class SimPod:
         job.keys = []
         job.prompt = b""
         self.running -= 1
-        self.answers += 1
-        self.answer_s += now - job.arrival_s
         self.listener.finished(job, now)

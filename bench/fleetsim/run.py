@@ -394,11 +394,8 @@ class _Run:
                 else LoraInfo(lora.max_loras, tuple(lora.running), tuple(lora.waiting))
             )
             ttft = (pod.first_tokens, pod.first_token_s)
-            answers = (pod.answers, pod.answer_s)
             for proc in views:
-                proc.load.observed(
-                    pod.slot, pod.running, len(pod.waiting), kv, info, base, ttft, answers
-                )
+                proc.load.observed(pod.slot, pod.running, len(pod.waiting), kv, info, base, ttft)
 
     # -- replicas sharing placements ----------------------------------------------------
     def share(self, delay_s: float) -> None:
