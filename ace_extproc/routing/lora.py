@@ -68,9 +68,13 @@ class Adapters:
     # This router's picks of adapters on the pod not yet answered: pick number ->
     # (adapter, monotonic seconds by which the engine's gauges must show it); oldest first.
     picks: dict[int, tuple[str, float]] = field(default_factory=dict)
-    ours: Counter[str] = field(default_factory=Counter)  # the picks, per adapter
     # Adapters the last scrape showed in use with none of this router's picks open.
     others: frozenset[str] = frozenset()
+
+    @property
+    def ours(self) -> Counter[str]:
+        """This router's open picks, per adapter."""
+        return Counter(model for model, _ in self.picks.values())
 
     def is_adapter(self, model: str) -> bool:
         """Whether ``model`` names an adapter on this pod (it runs LoRA, and that is not
@@ -87,7 +91,8 @@ class Adapters:
         names = tuple(in_use)  # touched in the engine's order, not a set's (hash-seeded)
         self.reported = frozenset(names)
         young = self._settle(now, self.reported)
-        self.others = frozenset(n for n in names if not self.ours[n])
+        ours = self.ours
+        self.others = frozenset(n for n in names if not ours[n])
         self.in_use = set(names) | young
         for name in (*names, *sorted(young)):
             self._touch(name)
@@ -109,7 +114,6 @@ class Adapters:
             return 0
         number = next(_pick_numbers)
         self.picks[number] = (model, seen_by)
-        self.ours[model] += 1
         self.in_use.add(model)
         self._touch(model)
         self._trim()
@@ -123,8 +127,7 @@ class Adapters:
         if pick is None:
             return
         model = pick[0]
-        self._forget(model)
-        if not self.ours[model] and model not in self.others:
+        if model not in self.others and all(m != model for m, _ in self.picks.values()):
             self.in_use.discard(model)
 
     def _settle(self, now: float, shown: frozenset[str]) -> set[str]:
@@ -138,14 +141,7 @@ class Adapters:
                 young.add(model)
             elif model not in shown or seen_by < now - OPEN_FOR_S:
                 del self.picks[number]
-                self._forget(model)
         return young
-
-    def _forget(self, model: str) -> None:
-        ours = self.ours
-        ours[model] -= 1
-        if ours[model] <= 0:
-            del ours[model]
 
     def cost_ms(self, model: str, load_ms: float, busy_ms: float) -> float:
         """Milliseconds ``model`` adds to a request's TTFT here: 0 for the base model
