@@ -24,6 +24,7 @@ from bench import record, workloads
 from bench.baselines import resolve
 from bench.fleetsim import SimSettings
 from bench.report import add_router_view_options, router_view, run_policy
+from bench.workloads.base import scaled_out
 
 FIGURES = ("prefill_saved_ratio", "ttft_p50_ms", "ttft_p99_ms", "imbalance")
 
@@ -47,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, help="replay only the first N requests")
     ap.add_argument("--policies", default="ace,sglang_cache_aware,gie_scorers,session_hash")
     ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument(
+        "--late-pods",
+        type=int,
+        default=0,
+        help="this many of the pods join a third of the way through (a scale-out)",
+    )
     add_router_view_options(ap)
     ap.add_argument("--out", help="default: bench/results/seeds-<workload>[-<pods>pods].json")
     args = ap.parse_args(argv)
@@ -67,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         try:
             workload = workloads.get(args.workload, seed=seed, limit=args.limit)
+            if args.late_pods:
+                workload = scaled_out(workload, args.pods, args.late_pods)
         except (ValueError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -83,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.workload}, {args.pods} pods"
         + (f" x {args.num_gpu_blocks} blocks" if args.num_gpu_blocks else "")
         + (f", {args.replicas} replicas" if args.replicas > 1 else "")
+        + (f", {args.late_pods} joining a third of the way" if args.late_pods else "")
         + (f", scrapes {settings.scrape_interval_s} s apart" if args.scrape_interval else "")
         + (", no access log" if args.no_access_log else "")
         + f", seeds {','.join(map(str, args.seeds))}"
@@ -97,12 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     shape = f"-{args.pods}pods" if args.pods != 8 or args.num_gpu_blocks else ""
     shape += f"-scrape{round(settings.scrape_interval_s * 1000)}ms" if args.scrape_interval else ""
     shape += "-no-access-log" if args.no_access_log else ""
+    shape += f"-late{args.late_pods}" if args.late_pods else ""
     doc = {
         "command": record.command("bench.seeds", argv),
         "workload": args.workload,
         "pods": args.pods,
         "num_gpu_blocks": settings.num_gpu_blocks,
         "replicas": args.replicas,
+        "late_pods": args.late_pods,
         "scrape_interval_s": settings.scrape_interval_s,
         "access_log_s": settings.access_log_s,
         "seeds": args.seeds,

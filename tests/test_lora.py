@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from ace_extproc.config import Settings, sim_fleet
+from ace_extproc.config import Fleet, Settings, sim_fleet
 from ace_extproc.latency import DECODE_STEPS, get_model
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, metrics_text, policies
@@ -146,6 +146,43 @@ def test_a_scrapes_adapters_are_believed_loaded_in_the_engines_order() -> None:
     view.idle()
     view.picked("d")  # a fourth adapter evicts the least recently used idle one
     assert list(view.loaded) == ["a", "b", "d"]
+
+
+def test_a_pod_showing_no_adapter_series_yet_has_its_siblings_slots() -> None:
+    """vLLM samples vllm:lora_requests_info only after its first request, so a pod just
+    added or restarted shows none. Until it does, it has the slots the other pods of its
+    destination show, and the adapters of the picks sent to it (not none: every adapter
+    would look free there); one that has answered and still shows none runs no LoRA."""
+    fleet, load = fleet_and_load(3)
+    load.observed(1, 0, 0, 0.0, None, BASE, (0.0, 0.0))
+    assert fleet.load[1].lora.max_lora == 0  # no pod has shown any: nothing to assume
+    load.observed(0, 1, 0, 0.1, LoraInfo(2, ("a",)), BASE)
+    load.observed(1, 0, 0, 0.0, None, BASE, (0.0, 0.0))
+    new = fleet.load[1].lora
+    assert (new.base, new.max_lora, new.in_use, new.reported_slots) == (BASE, 2, set(), False)
+    assert new.cost_ms("a", 100.0, 1000.0) == 100.0  # a free slot: a load
+    load.sent(1, 100, 0, "a")
+    load.sent(1, 100, 0, "b")
+    assert new.in_use == {"a", "b"} and new.cost_ms("c", 100.0, 1000.0) == 1100.0
+    load.observed(1, 0, 0, 0.0, None, BASE, (0.0, 0.0))  # the picks outlive a silent scrape
+    assert new.in_use == {"a", "b"}
+    load.observed(1, 2, 0, 0.1, LoraInfo(3, ("a", "b")), BASE, (0.0, 0.0))
+    assert (new.max_lora, new.reported_slots) == (3, True)  # its own word from now on
+    load.observed(1, 0, 0, 0.0, None, BASE, (0.0, 0.0))
+    assert new.max_lora == 3
+    # Answered requests and still no series: this pod runs no LoRA.
+    load.observed(2, 0, 0, 0.0, None, BASE, (5.0, 0.2))
+    assert fleet.load[2].lora.max_lora == 0 and not fleet.load[2].lora.is_adapter("a")
+
+
+def test_a_pod_takes_no_slots_from_another_destination() -> None:
+    lora = sim_fleet(["127.0.0.1:9000"], "lora")
+    plain = sim_fleet(["127.0.0.1:9001"], "plain")
+    fleet = FleetState(Fleet(lora.destinations + plain.destinations))
+    load = LoadAccounting(fleet, Settings(), clock=lambda: 0.0)
+    load.observed(0, 1, 0, 0.1, LoraInfo(4, ("a",)), BASE)
+    load.observed(1, 0, 0, 0.0, None, BASE, (0.0, 0.0))
+    assert fleet.load[1].lora.max_lora == 0
 
 
 def test_an_answer_frees_its_adapter_once_no_pick_of_it_is_open() -> None:
@@ -356,3 +393,10 @@ def test_gie_s_lora_filter_keeps_pods_running_the_adapter_else_pods_with_a_free_
     assert gie.lora_filter(request("e"), every) == 0b010  # nobody runs it: a free slot
     assert gie.lora_filter(request("e"), 0b101) == 0  # none: no filter, all stay
     assert gie.pick(request("e"), 0b101) is not None
+    # A pod that has shown no sample yet has no slots to GIE (ours assumes its
+    # siblings'): neither affinity nor available, as pod 1 now is.
+    fleet, load = fleet_and_load(2)
+    load.observed(0, 2, 0, 0.0, LoraInfo(2, ("a", "b")), BASE)
+    load.observed(1, 0, 0, 0.0, None, BASE, (0.0, 0.0))
+    assert fleet.load[1].lora.max_lora == 2
+    assert GIELoraPicker(fleet, BlockIndex(1000)).lora_filter(request("e"), 0b11) == 0

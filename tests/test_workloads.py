@@ -18,7 +18,7 @@ from ace_extproc.sim.protocol import filler_text
 from ace_extproc.sim.tokenizer import render_chat
 from bench import workloads
 from bench.workloads import azure, mooncake, shape, stress, suite
-from bench.workloads.base import Request, TraceError, Workload
+from bench.workloads.base import Request, TraceError, Workload, scaled_out
 from bench.workloads.text import MOONCAKE_BLOCK_BYTES, block_text, blocks_prompt
 
 TRACES = workloads.traces_dir()
@@ -451,3 +451,20 @@ def test_lora_mix_names_adapters_by_popularity_each_with_its_own_prefix() -> Non
         system.setdefault(b["model"], set()).add(b["messages"][0]["content"])
     assert all(len(s) == 1 for s in system.values())
     assert len({next(iter(s)) for s in system.values()}) == len(system)
+
+
+def test_a_scaled_out_workload_has_its_last_pods_join_a_third_of_the_way() -> None:
+    base = workloads.get("lora-mix", limit=300)
+    out = scaled_out(base, 8, 2)
+    third = round(base.requests[-1].arrival_s / 3, 3)
+    assert out.initially_absent == (6, 7) and out.requests is base.requests
+    assert [(e.at_s, e.action, e.slot) for e in out.events] == [
+        (third, "add", 6),
+        (third, "add", 7),
+    ]
+    assert out.max_loras == base.max_loras
+    for bad in (0, 8):
+        with pytest.raises(ValueError, match="late pods"):
+            scaled_out(base, 8, bad)
+    with pytest.raises(ValueError, match="already adds or removes"):
+        scaled_out(workloads.get("churn"), 8, 1)

@@ -165,12 +165,29 @@ class LoadAccounting:
         now = self.clock()
         if lora is not None:
             load.lora.scraped(base_model, lora.max_lora, lora.in_use, now)
+        elif not load.lora.reported_slots:
+            # vLLM shows its adapter series only after its first request: until then a
+            # pod (new in the fleet, or restarted) has its destination's other pods'
+            # slots, and the adapters of the picks since, not none (which would price
+            # every adapter free there and send it the first burst of them all). One
+            # that has answered and still shows none runs no LoRA.
+            answered = first_tokens is not None and first_tokens[0] > 0
+            load.lora.assume(base_model, 0 if answered else self._sibling_slots(slot))
         if running == 0 and waiting == 0:
             unseen = _on_their_way(load.unseen, now)
             # Picks on their way stay queued, at most as much as they added.
             load.inflight = len(unseen)
             load.queued_prefill_ms = min(load.queued_prefill_ms, sum(w for _, w in unseen))
             load.lora.idle(now)
+
+    def _sibling_slots(self, slot: int) -> int:
+        """The adapter slots another pod of ``slot``'s destination has shown (its
+        pods run one engine configuration); 0 where none has."""
+        pods, destination = self.fleet.pods, self.fleet.pods[slot].destination
+        for other, load in enumerate(self.fleet.load):
+            if load.lora.reported_slots and pods[other].destination == destination:
+                return load.lora.max_lora
+        return 0
 
     def _queued_now(self, slot: int) -> float:
         """The pod's queued prefill as ``drain`` would leave it now (not drained: the

@@ -60,6 +60,7 @@ class Adapters:
     """The router's view of one pod's adapter slots."""
 
     max_lora: int = 0  # slots (vLLM's --max-loras); 0: LoRA off, or not scraped yet
+    reported_slots: bool = False  # max_lora is the pod's own word, not its siblings'
     base: str | None = None  # the pod's base model (the scrape's model_name label)
     in_use: set[str] = field(default_factory=set)  # running or waiting, or picked since
     loaded: OrderedDict[str, None] = field(default_factory=OrderedDict)  # LRU first
@@ -88,6 +89,7 @@ class Adapters:
         of picks it cannot show yet. A pick it could show, of an adapter it shows
         unused, has been answered."""
         self.base, self.max_lora = base, max(0, max_lora)
+        self.reported_slots = True
         names = tuple(in_use)  # touched in the engine's order, not a set's (hash-seeded)
         self.reported = frozenset(names)
         young = self._settle(now, self.reported)
@@ -97,6 +99,12 @@ class Adapters:
         for name in (*names, *sorted(young)):
             self._touch(name)
         self._trim()
+
+    def assume(self, base: str | None, max_lora: int) -> None:
+        """``max_lora`` slots serving ``base`` until the pod's own scrape says (vLLM
+        shows none before its first request); the adapters in use stay those of this
+        router's picks."""
+        self.base, self.max_lora = base, max(0, max_lora)
 
     def idle(self, now: float = 0.0) -> None:
         """The engine runs and queues nothing at ``now``: no adapter is in use but those

@@ -290,6 +290,8 @@ class Engine:
         return True
 
     async def _admit(self, req: EngineRequest) -> None:
+        if self.lora is not None:
+            self.lora.stepped()
         if not self._admit_queue and self._try_admit(req):
             return
         loop = asyncio.get_running_loop()

@@ -19,6 +19,9 @@ What vLLM does, and what is kept here:
 - ``vllm:lora_requests_info``: a gauge whose labels name the adapters of the running
   and of the waiting requests, comma-separated, and ``max_lora``; its value is the time
   the engine last saw that combination, one series per combination (``info_series``).
+  vLLM sets it from the scheduler's stats after an engine step, so an engine that has
+  had no request yet (just started, or just added to a fleet) shows no sample at all:
+  not even ``max_lora`` (``reporting``).
 
 Not modelled: the CPU-side cache of ``--max-cpu-loras`` (every load here costs the
 same, as from disk), and adapter ranks or sizes (one load time for all).
@@ -54,6 +57,7 @@ class AdapterSlots:
         self.running: dict[str, int] = {}  # admitted requests per adapter
         self.waiting: dict[str, int] = {}  # queued requests per adapter
         self.loads = 0  # adapters loaded into a slot
+        self.reporting = False  # whether the engine has had a request (the gauge has a sample)
         self.evictions = 0  # adapters dropped from a slot for another
         self._series: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._ids: dict[str, int] = {}
@@ -68,6 +72,11 @@ class AdapterSlots:
         return found
 
     # -- the scheduler ----------------------------------------------------------------
+    def stepped(self) -> None:
+        """The engine has a request (of any model): from its first step on, vLLM's
+        gauge has a sample."""
+        self.reporting = True
+
     def queued(self, adapter: str) -> None:
         """A request for ``adapter`` joined the waiting queue."""
         self.waiting[adapter] = self.waiting.get(adapter, 0) + 1
@@ -105,7 +114,10 @@ class AdapterSlots:
     # -- the metric -------------------------------------------------------------------
     def info_series(self) -> list[tuple[dict[str, str], float]]:
         """``vllm:lora_requests_info``'s samples, oldest first: the current state is
-        stamped now (vLLM stamps it at every engine step), earlier ones keep theirs."""
+        stamped now (vLLM stamps it at every engine step), earlier ones keep theirs;
+        none before the engine's first request."""
+        if not self.reporting:
+            return []
         key = (",".join(self.running), ",".join(self.waiting))
         series = self._series
         series.pop(key, None)

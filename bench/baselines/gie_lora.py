@@ -17,6 +17,9 @@ models) and ``max_lora``. For the request's model (its ``model``), the filter ke
 Then GIE's default scorers and max-score picker choose among those left
 (``gie_scorers.GIEScorerPicker``: queue, KV utilisation, prefix).
 
+A pod that has shown no sample yet (vLLM has none before its first request) has no
+slots to GIE, so it is neither "affinity" nor "available".
+
 Approximations: the adapters are what the simulation's last scrape said (every
 100 ms here; GIE scrapes every 50 ms), with no count of GIE's own picks since, as in
 GIE; GIE skips samples whose adapter labels are both empty (so an idle pod keeps its
@@ -56,7 +59,9 @@ class GIELoraPicker:
             adapters = self.fleet.load[slot].lora
             if model in adapters.reported:
                 affinity |= 1 << slot
-            elif len(adapters.reported) < adapters.max_lora:
+            elif adapters.reported_slots and len(adapters.reported) < adapters.max_lora:
+                # GIE knows a pod's slots only from its own samples (ours borrows a
+                # sibling's while a pod has shown none: lora.Adapters.assume).
                 available |= 1 << slot
         if affinity and available:
             return affinity if self._rng.random() < self.threshold else available

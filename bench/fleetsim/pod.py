@@ -126,6 +126,8 @@ class SimPod:
         request arriving at this same instant has entered, so they share the step."""
         job.enter_s = now
         self.waiting.append(job)
+        if self.lora is not None:
+            self.lora.stepped()
         if job.adapter is not None and self.lora is not None:
             self.lora.queued(job.adapter)
             # Requests skipped for their adapter do not block it: it may go at once.

@@ -390,7 +390,7 @@ class _Run:
             # vllm:lora_requests_info's newest sample: the adapters in use, the slots.
             info = (
                 None
-                if lora is None
+                if lora is None or not lora.reporting  # as vLLM: no sample before a request
                 else LoraInfo(lora.max_loras, tuple(lora.running), tuple(lora.waiting))
             )
             ttft = (pod.first_tokens, pod.first_token_s)

@@ -44,6 +44,26 @@ class Workload:
     max_loras: int = 0
 
 
+def scaled_out(workload: Workload, pods: int, late: int) -> Workload:
+    """``workload`` on ``pods`` pods of which the last ``late`` join a third of the way
+    through (a scale-out: they start with empty caches, and engines that have shown
+    nothing yet)."""
+    if not 0 < late < pods:
+        raise ValueError(f"late pods must be between 1 and {pods - 1}, got {late}")
+    if workload.events or workload.initially_absent:
+        raise ValueError(f"{workload.name} already adds or removes pods")
+    at = round(workload.requests[-1].arrival_s / 3, 3) if workload.requests else 0.0
+    slots = tuple(range(pods - late, pods))
+    return Workload(
+        name=workload.name,
+        description=f"{workload.description}; pods {slots} join at {at:g} s",
+        requests=workload.requests,
+        events=[FleetEvent(at, "add", slot) for slot in slots],
+        initially_absent=slots,
+        max_loras=workload.max_loras,
+    )
+
+
 class TraceError(ValueError):
     """A trace that cannot be replayed; the message names the file and line."""
 

@@ -144,6 +144,24 @@ def test_adapters_are_deterministic(tmp_path: Path) -> None:
     assert Path(other[0].path, "adapter_model.safetensors").read_bytes() != weights[0]
 
 
+def test_the_slots_show_from_the_first_request_of_any_model(pod: Pod) -> None:
+    """vLLM samples the gauge after an engine step: a server that has had no request
+    shows no ``max_lora`` (the router takes a sibling's until then, ``load.py``), and
+    one base-model request is enough for it to (the simulated engines do the same).
+    First in the module: the server has had no request before it."""
+    assert lora_info(pod.metrics()) == []
+    pod.chat("tiny", "hello")
+    samples: list[tuple[dict[str, str], float]] = []
+    deadline = time.monotonic() + 10
+    while not samples and time.monotonic() < deadline:
+        samples = lora_info(pod.metrics())
+        time.sleep(0.1)
+    assert samples, "no sample after a base-model request"
+    labels = samples[0][0]
+    assert labels["max_lora"] == str(MAX_LORAS)
+    assert adapters(labels["running_lora_adapters"]) == set()
+
+
 def test_lora_requests_info_names_the_running_adapters(pod: Pod) -> None:
     # The family is declared from the start, with no sample until a LoRA request runs.
     assert "# TYPE vllm:lora_requests_info gauge" in pod.metrics()
