@@ -1,6 +1,7 @@
 """LoRA adapters in the router: the engine's metric, each pod's adapter slots as the
 router sees them, and what serving an adapter costs (routing/lora.py)."""
 
+import math
 from collections import Counter
 
 import pytest
@@ -95,6 +96,48 @@ def test_an_adapter_costs_nothing_loaded_a_load_with_a_slot_free_more_when_all_a
     assert cost(view, "a") == DEFAULT_LOAD_MS + BUSY_MS  # "b" and "c" in use
     view.idle()  # an idle engine: nothing in use, both still loaded
     assert cost(view, "d") == DEFAULT_LOAD_MS and cost(view, "c") == 0.0
+
+
+def test_a_pick_that_waits_for_a_slot_is_not_loaded_until_it_has_run() -> None:
+    """Sent where every slot's adapter is in use, a request waits: its adapter is in
+    use but not loaded, so the next request for it is priced as waiting too (believed
+    loaded, it was priced free, and a fleet overloaded by a pod's scale-out piled an
+    adapter's requests onto a pod whose slots its hot adapters never gave up). Its
+    answer says it ran: loaded then. A scrape's waiting-only adapters are not loaded."""
+    view = Adapters()
+    view.scraped(BASE, 2, ["a", "b"])
+    number = view.picked("c", seen_by=1.0)
+    assert "c" in view.in_use and "c" not in view.loaded
+    assert cost(view, "c") == DEFAULT_LOAD_MS + BUSY_MS
+    view.scraped(BASE, 2, ["a", "b"], now=0.5)  # too soon to show "c": still waiting
+    assert "c" in view.in_use and "c" not in view.loaded
+    view.answered(number)
+    assert "c" in view.loaded and "c" not in view.in_use
+    # The simulated engine's waiting label lists adapters waiting for a slot.
+    view.scraped(BASE, 2, ["a", "b", "d"], running=["a", "b"])
+    assert "d" in view.in_use and "d" not in view.loaded
+
+
+def test_a_slot_held_by_a_hot_adapter_waits_longer() -> None:
+    """vLLM keeps admitting a running adapter's new requests, so its slot frees only at
+    a gap of one answer between them: (e^x - 1) / x answers, x its requests in flight
+    less one (this router's open picks); the adapters already waiting go first."""
+    view = Adapters()
+    view.scraped(BASE, 2, ["a", "b"])
+    assert view.slot_wait_answers("c") == 1.0  # shown by a scrape only: one answer
+    for _ in range(3):
+        view.picked("a")
+        view.picked("b")
+    # Three of each in flight: the first to free, after (e^2 - 1) / 2 answers.
+    assert view.slot_wait_answers("c") == pytest.approx(math.expm1(2) / 2)
+    assert cost(view, "c") == pytest.approx(DEFAULT_LOAD_MS + BUSY_MS * math.expm1(2) / 2)
+    view.picked("c")  # waits; "d" then waits behind it, for the second slot to free
+    assert view.slot_wait_answers("d") == pytest.approx(math.expm1(2) / 2)
+    view.picked("b")  # "b" hotter than "a" now: "d" waits for "b"'s gap
+    assert view.slot_wait_answers("d") == pytest.approx(math.expm1(3) / 3)
+    view.picked("d")
+    view.picked("e")  # three waiting ahead on two slots: "f" waits for a second round
+    assert view.slot_wait_answers("f") == pytest.approx(2 * math.expm1(3) / 3)
 
 
 def test_a_pick_that_waits_for_a_slot_is_predicted_as_unknown_to_the_pace() -> None:

@@ -164,7 +164,7 @@ class LoadAccounting:
         load.inflight = running + waiting
         now = self.clock()
         if lora is not None:
-            load.lora.scraped(base_model, lora.max_lora, lora.in_use, now)
+            load.lora.scraped(base_model, lora.max_lora, lora.in_use, now, lora.running)
         elif not load.lora.reported_slots:
             # vLLM shows its adapter series only after its first request: until then a
             # pod (new in the fleet, or restarted) has its destination's other pods'

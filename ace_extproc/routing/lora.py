@@ -14,8 +14,10 @@ The router's view of a pod (``Adapters``), kept by ``load.py``:
   ``max_lora`` and the adapters in use, those of the running and waiting requests;
   the pod's base model is the scrape's ``model_name`` label. A pod that has not
   shown the series has no adapters here: every request costs 0 there;
-- each pick of adapter A on the pod marks A loaded and in use. The mark outlives a
-  scrape that cannot show the request yet (the engine's gauges lag a request by its
+- each pick of adapter A on the pod marks A in use, and loaded unless every slot is
+  held by adapters in use (then the request waits for one: A is loaded once its answer
+  says it ran, or a scrape shows it running). The mark outlives a scrape that cannot
+  show the request yet (the engine's gauges lag a request by its
   API server's read and tokenization, ``load.UNSEEN_MS``);
 - each answer Envoy reports (its access log, ``observe.py``, which carries the pick's
   number) frees A once this router has no pick of it open on the pod, unless the last
@@ -35,6 +37,7 @@ in vLLM, whose block hashes include the adapter.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -67,15 +70,16 @@ class Adapters:
     # The last scrape's adapters in use, as the engine said them (no picks since).
     reported: frozenset[str] = frozenset()
     # This router's picks of adapters on the pod not yet answered: pick number ->
-    # (adapter, monotonic seconds by which the engine's gauges must show it); oldest first.
-    picks: dict[int, tuple[str, float]] = field(default_factory=dict)
+    # (adapter, monotonic seconds by which the engine's gauges must show it, whether it
+    # was sent to wait for a slot); oldest first.
+    picks: dict[int, tuple[str, float, bool]] = field(default_factory=dict)
     # Adapters the last scrape showed in use with none of this router's picks open.
     others: frozenset[str] = frozenset()
 
     @property
     def ours(self) -> Counter[str]:
         """This router's open picks, per adapter."""
-        return Counter(model for model, _ in self.picks.values())
+        return Counter(model for model, _, _ in self.picks.values())
 
     def is_adapter(self, model: str) -> bool:
         """Whether ``model`` names an adapter on this pod (it runs LoRA, and that is not
@@ -83,20 +87,27 @@ class Adapters:
         return self.max_lora > 0 and self.base is not None and model != self.base
 
     def scraped(
-        self, base: str | None, max_lora: int, in_use: Iterable[str], now: float = 0.0
+        self,
+        base: str | None,
+        max_lora: int,
+        in_use: Iterable[str],
+        now: float = 0.0,
+        running: Iterable[str] | None = None,
     ) -> None:
         """A scrape's word at ``now``: the adapters in use are those it shows, and those
         of picks it cannot show yet. A pick it could show, of an adapter it shows
-        unused, has been answered."""
+        unused, has been answered. Loaded are the adapters it shows ``running`` (by
+        default all it shows: vLLM 0.32 names only scheduled requests' adapters), and
+        those of the picks not yet shown that did not wait for a slot."""
         self.base, self.max_lora = base, max(0, max_lora)
         self.reported_slots = True
         names = tuple(in_use)  # touched in the engine's order, not a set's (hash-seeded)
         self.reported = frozenset(names)
-        young = self._settle(now, self.reported)
+        young, slotted = self._settle(now, self.reported)
         ours = self.ours
         self.others = frozenset(n for n in names if not ours[n])
         self.in_use = set(names) | young
-        for name in (*names, *sorted(young)):
+        for name in (*(names if running is None else running), *sorted(slotted)):
             self._touch(name)
         self._trim()
 
@@ -110,21 +121,25 @@ class Adapters:
         """The engine runs and queues nothing at ``now``: no adapter is in use but those
         of picks it cannot show yet (vLLM leaves the gauge's last sample as it was when
         the engine went idle)."""
-        self.in_use = self._settle(now, frozenset())
+        self.in_use = self._settle(now, frozenset())[0]
         self.others = frozenset()
 
     def picked(self, model: str, seen_by: float = 0.0) -> int:
-        """A request for ``model`` went to the pod: its adapter is loaded there now, and
-        in use at least until ``seen_by`` (the clock's seconds), when the engine's gauges
-        must show it (by default, at once: the next scrape). Returns the pick's number,
-        for its answer (``answered``); 0 where ``model`` is no adapter here."""
+        """A request for ``model`` went to the pod: its adapter is in use there at least
+        until ``seen_by`` (the clock's seconds), when the engine's gauges must show it
+        (by default, at once: the next scrape), and loaded now, unless every slot is
+        held by adapters in use: then it waits for one, and is not loaded (the next
+        request for it waits too). Returns the pick's number, for its answer
+        (``answered``); 0 where ``model`` is no adapter here."""
         if not self.is_adapter(model):
             return 0
         number = next(_pick_numbers)
-        self.picks[number] = (model, seen_by)
+        waits = self.waits_for_slot(model)
+        self.picks[number] = (model, seen_by, waits)
         self.in_use.add(model)
-        self._touch(model)
-        self._trim()
+        if not waits:
+            self._touch(model)
+            self._trim()
         return number
 
     def answered(self, number: int) -> None:
@@ -135,30 +150,57 @@ class Adapters:
         if pick is None:
             return
         model = pick[0]
-        if model not in self.others and all(m != model for m, _ in self.picks.values()):
+        if model not in self.loaded:  # it waited for its slot, and got it: it ran
+            self._touch(model)
+            self._trim()
+        if model not in self.others and all(m != model for m, _, _ in self.picks.values()):
             self.in_use.discard(model)
 
-    def _settle(self, now: float, shown: frozenset[str]) -> set[str]:
+    def _settle(self, now: float, shown: frozenset[str]) -> tuple[set[str], set[str]]:
         """Closes the picks a scrape at ``now`` showing ``shown`` in use says were
         answered (it could show them, and does not show their adapter), and those older
         than ``OPEN_FOR_S`` (their answers lost, or no access log); returns the adapters
-        of the picks the engine may not show yet."""
+        of the picks the engine may not show yet, and of those that took a slot."""
         young: set[str] = set()
-        for number, (model, seen_by) in list(self.picks.items()):
+        slotted: set[str] = set()
+        for number, (model, seen_by, waited) in list(self.picks.items()):
             if seen_by > now:
                 young.add(model)
+                if not waited:
+                    slotted.add(model)
             elif model not in shown or seen_by < now - OPEN_FOR_S:
                 del self.picks[number]
-        return young
+        return young, slotted
 
     def cost_ms(self, model: str, load_ms: float, busy_ms: float) -> float:
         """Milliseconds ``model`` adds to a request's TTFT here: 0 for the base model
         or a loaded adapter; the load where a slot is free, or held by an adapter no
         request uses (evicted: whoever needs it next pays its load then); the load and
-        the wait for a slot where every slot's adapter is in use."""
+        the wait for a slot where every slot's adapter is in use: ``busy_ms`` (one
+        answer) for a slot whose adapter's requests come seldom, longer for one whose
+        requests keep coming (``slot_wait_answers``)."""
         if not self.is_adapter(model) or model in self.loaded:
             return 0.0
-        return load_ms + busy_ms if self.waits_for_slot(model) else load_ms
+        if not self.waits_for_slot(model):
+            return load_ms
+        return load_ms + busy_ms * self.slot_wait_answers(model)
+
+    def slot_wait_answers(self, model: str) -> float:
+        """How many answers' time a request for ``model`` waits for a slot here (every
+        slot held by an adapter in use). vLLM admits a running adapter's new requests
+        while others wait, so a slot frees only at a gap of one answer (d) between its
+        adapter's requests: with them arriving at r a second, after (exp(r*d) - 1) / r
+        on average, d for an adapter asked for seldom, many d for a hot one. r*d is
+        the adapter's requests in flight (Little's law), less the one that holds the
+        slot: this router's open picks of it, one where only a scrape showed it. The
+        adapters already waiting take the first slots to free."""
+        ours, loaded = self.ours, self.loaded
+        others = [name for name in self.in_use if name != model]
+        holding = sorted(_gap_answers(ours[name] - 1) for name in others if name in loaded)
+        if not holding:
+            return 1.0
+        rounds, turn = divmod(len(others) - len(holding), len(holding))
+        return holding[turn] * (1 + rounds)
 
     def waits_for_slot(self, model: str) -> bool:
         """Whether a request for ``model`` waits here for a slot: it is not loaded, and
@@ -180,6 +222,12 @@ class Adapters:
         while len(loaded) > self.max_lora:
             idle = next((name for name in loaded if name not in self.in_use), None)
             del loaded[idle if idle is not None else next(iter(loaded))]
+
+
+def _gap_answers(rd: float) -> float:
+    """The mean wait, in answers, for a gap of one answer between requests that
+    arrive ``rd`` to an answer (a Poisson stream): (exp(rd) - 1) / rd, 1 at rd = 0."""
+    return math.expm1(rd) / rd if rd > 0 else 1.0
 
 
 @dataclass(frozen=True, slots=True)
