@@ -13,7 +13,9 @@ The router's view of a pod (``Adapters``), kept by ``load.py``:
 - each scrape of ``vllm:lora_requests_info`` (``metrics_text.LoraInfo``) gives
   ``max_lora`` and the adapters in use, those of the running and waiting requests;
   the pod's base model is the scrape's ``model_name`` label. A pod that has not
-  shown the series has no adapters here: every request costs 0 there;
+  shown the series yet (vLLM samples it only after its first request) has the slots
+  the other pods of its destination show (``load.py``); one that has answered and
+  shows none runs no LoRA: every request costs 0 there;
 - each pick of adapter A on the pod marks A in use, and loaded unless every slot is
   held by adapters in use (then the request waits for one: A is loaded once its answer
   says it ran, or a scrape shows it running). The mark outlives a scrape that cannot
