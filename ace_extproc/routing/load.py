@@ -80,6 +80,9 @@ class LoadAccounting:
         self._speed = self._default.speed(rate)
         self._drained_at = clock()
         self.pace = PaceLearner(settings.learn_pace)
+        # The adapter slots each destination's pods show (they run one engine
+        # configuration): what a pod that has shown none yet is taken to have.
+        self._lora_slots: dict[str, int] = {}
         fleet.on_change.append(self._fleet_changed)
 
     def _fleet_changed(self, slot: int, change: str) -> None:
@@ -163,8 +166,10 @@ class LoadAccounting:
             load.kv_usage = kv_usage
         load.inflight = running + waiting
         now = self.clock()
+        destination = self.fleet.pods[slot].destination
         if lora is not None:
             load.lora.scraped(base_model, lora.max_lora, lora.in_use, now, lora.running)
+            self._lora_slots[destination] = load.lora.max_lora
         elif not load.lora.reported_slots:
             # vLLM shows its adapter series only after its first request: until then a
             # pod (new in the fleet, or restarted) has its destination's other pods'
@@ -172,22 +177,14 @@ class LoadAccounting:
             # every adapter free there and send it the first burst of them all). One
             # that has answered and still shows none runs no LoRA.
             answered = first_tokens is not None and first_tokens[0] > 0
-            load.lora.assume(base_model, 0 if answered else self._sibling_slots(slot))
+            slots = 0 if answered else self._lora_slots.get(destination, 0)
+            load.lora.assume(base_model, slots)
         if running == 0 and waiting == 0:
             unseen = _on_their_way(load.unseen, now)
             # Picks on their way stay queued, at most as much as they added.
             load.inflight = len(unseen)
             load.queued_prefill_ms = min(load.queued_prefill_ms, sum(w for _, w in unseen))
             load.lora.idle(now)
-
-    def _sibling_slots(self, slot: int) -> int:
-        """The adapter slots another pod of ``slot``'s destination has shown (its
-        pods run one engine configuration); 0 where none has."""
-        pods, destination = self.fleet.pods, self.fleet.pods[slot].destination
-        for other, load in enumerate(self.fleet.load):
-            if load.lora.reported_slots and pods[other].destination == destination:
-                return load.lora.max_lora
-        return 0
 
     def _queued_now(self, slot: int) -> float:
         """The pod's queued prefill as ``drain`` would leave it now (not drained: the
