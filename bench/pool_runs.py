@@ -12,6 +12,11 @@ p95 and p99; and each figure against ``--baseline``'s, as a ratio (below 1: lowe
 Also the mean time from first token to last (decoding, which the engines' contention
 for cores sets, not the placement), and TTFT p50 by the prompt tokens the engine had to
 prefill (under 100, 1K, 4K, over): a fixed cost on the request path shows in every group.
+Also, per router that names its pods, the requests that took their family (a
+conversation, a document, an adapter's system prompt) to a pod it had not reached
+while it was warm on another (``spread``): what was in flight at the warm pod and at
+the new one when each was sent, and how many other families the warm pod's requests
+in flight named (on a LoRA workload, its adapters in use against its slots).
 Also per router of ours, its broken promises: requests its trace calls a hit whose
 engine served less than half the tokens it promised (``saved_prefill_tokens``), and the
 tokens short. Then how many requests each router sent to the same pod as the baseline,
@@ -26,6 +31,7 @@ import argparse
 import gzip
 import json
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -60,6 +66,7 @@ def pooled(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
         prompt = sum(r["prompt_tokens"] or 0 for r in ok)
         figures: dict[str, float] = {
             "requests": len(ok),
+            "ttft_mean_ms": round(statistics.fmean(ttfts), 1) if ttfts else 0.0,
             "cached_share": round(sum(r["cached_tokens"] or 0 for r in ok) / prompt, 4)
             if prompt
             else 0.0,
@@ -103,6 +110,47 @@ def _short(r: dict[str, Any]) -> int:
     promised = int(trace.get("saved_prefill_tokens") or 0)
     cached = r["cached_tokens"] or 0
     return promised - cached if trace.get("action") == "hit" and cached < promised / 2 else 0
+
+
+def spread(runs: Sequence[Sequence[dict[str, Any]]]) -> dict[str, list[dict[str, int]]]:
+    """Per router that names its pods: each request that took its family to a pod the
+    family had not reached in its run while it had reached another, with what was in
+    flight when it was sent: requests at the family's busiest warm pod (``warm``) and at
+    the new pod (``here``), and the other families the warm pod's requests named
+    (``others_warm``)."""
+    out: dict[str, list[dict[str, int]]] = {}
+    for records in runs:
+        ok = [
+            r
+            for r in records
+            if r["error"] is None
+            and r["pod"] is not None
+            and r.get("sent_s") is not None
+            and r.get("latency_ms") is not None
+        ]
+        for router in dict.fromkeys(r["router"] for r in ok):
+            mine = sorted((r for r in ok if r["router"] == router), key=lambda r: r["sent_s"])
+            reached: dict[str, set[str]] = {}
+            for r in mine:
+                pods = reached.setdefault(r["family"], set())
+                if pods and r["pod"] not in pods:
+                    t = r["sent_s"]
+                    flying = [
+                        o
+                        for o in mine
+                        if o is not r and o["sent_s"] <= t < o["sent_s"] + o["latency_ms"] / 1000
+                    ]
+                    on = {pod: [o for o in flying if o["pod"] == pod] for pod in pods}
+                    warm = max(sorted(pods), key=lambda pod: len(on[pod]))
+                    out.setdefault(router, []).append(
+                        {
+                            "warm": len(on[warm]),
+                            "here": sum(o["pod"] == r["pod"] for o in flying),
+                            "others_warm": len({o["family"] for o in on[warm]} - {r["family"]}),
+                        }
+                    )
+                pods.add(r["pod"])
+    return out
 
 
 def same_pod(runs: Sequence[Sequence[dict[str, Any]]], baseline: str) -> dict[str, list[int]]:
@@ -180,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     base = routers.get(args.baseline)
     names = [f"ttft_p{round(q * 100)}_ms" for q in QUANTILES]
     print(f"{len(args.records)} runs pooled")
-    print(f"{'router':<16}{'requests':>9}{'cached%':>9}" + "".join(f"{n[5:8]:>9}" for n in names))
+    names = ["ttft_mean_ms", *names]
+    print(
+        f"{'router':<16}{'requests':>9}{'cached%':>9}"
+        + "".join(f"{n.split('_')[1]:>9}" for n in names)
+    )
     for router, f in routers.items():
         row = f"{router:<16}{f['requests']:>9.0f}{f['cached_share'] * 100:>9.2f}"
         row += "".join(f"{f[n]:>9.0f}" for n in names)
@@ -200,6 +252,14 @@ def main(argv: list[str] | None = None) -> int:
             if (key := f"ttft_p50_uncached_{name}_ms") in f
         )
         print(f"  {router:<14}{f['after_first_token_mean_ms']:>8.0f}   {groups}")
+    moves = spread(runs)
+    for router, moved in moves.items():
+        print(f"{router}: {len(moved)} requests took their family to another pod; in flight")
+        for key, what in (("warm", "at its warm pod"), ("here", "at the new pod")):
+            counts = sorted(Counter(m[key] for m in moved).items())
+            print(f"  {what}: " + ", ".join(f"{n}: {c}" for n, c in counts))
+        counts = sorted(Counter(m["others_warm"] for m in moved).items())
+        print("  other families at its warm pod: " + ", ".join(f"{n}: {c}" for n, c in counts))
     pods = same_pod(runs, args.baseline)
     for router, (same, total) in pods.items():
         print(f"{router}: {same} of {total} requests on {args.baseline}'s pod")
@@ -213,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             "runs": [str(p) for p in args.records],
             "routers": routers,
             "same_pod": pods,
+            "spread": {router: len(moved) for router, moved in moves.items()},
             "placed_alike": alike,
         }
         record.write(args.out, doc)

@@ -429,6 +429,7 @@ def test_pool_runs_pools_each_routers_records(tmp_path: Path) -> None:
     assert routers["ace"]["cached_share"] == pytest.approx(0.6)
     assert routers["ace_precise"]["cached_share"] == pytest.approx(0.75)
     assert routers["ace"]["ttft_p99_ms"] == 20 and routers["ace_precise"]["ttft_p50_ms"] == 40
+    assert routers["ace"]["ttft_mean_ms"] == 15  # the failed request's 0 left out
     out = tmp_path / "pooled.json"
     assert pool_runs.main([str(one), str(two), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["routers"] == routers
@@ -468,6 +469,31 @@ def test_pool_runs_counts_broken_promises_and_shared_pods() -> None:
     assert (routers["ace"]["short_hits"], routers["ace"]["short_hit_tokens"]) == (1, 800)
     assert routers["ace_precise"]["short_hits"] == 0
     assert pool_runs.same_pod([run], "ace") == {"ace_precise": [2, 3]}
+
+
+def test_pool_runs_finds_families_taken_to_another_pod() -> None:
+    """A family's request on a pod it had not reached, while warm on another, is
+    counted with what was in flight at both pods when it was sent."""
+    from bench import pool_runs
+
+    def rec(router: str, family: str, pod: str | None, sent: float) -> dict[str, Any]:
+        return {"router": router, "family": family, "pod": pod, "sent_s": sent,
+                "latency_ms": 1000.0, "error": None}  # fmt: skip
+
+    run = [
+        rec("ace", "a", "pod-0", 0.0),
+        rec("ace", "b", "pod-0", 0.1),
+        rec("ace", "c", "pod-0", 0.2),
+        rec("ace", "a", "pod-1", 0.5),  # a was warm on pod-0, busy with a, b and c
+        rec("ace", "a", "pod-0", 0.6),  # a back on a pod it had reached: not counted
+        rec("ace", "b", "pod-0", 5.0),
+        rec("sglang", "a", None, 0.0),  # a router that names no pods
+        rec("sglang", "a", None, 0.5),
+    ]
+    moved = pool_runs.spread([run])
+    assert moved == {"ace": [{"warm": 3, "here": 0, "others_warm": 2}]}
+    # A second run starts afresh: every family's first pod is a first.
+    assert pool_runs.spread([run[:1], run[3:4]]) == {}
 
 
 def test_a_router_named_twice_runs_twice_its_second_turn_apart(
