@@ -154,6 +154,24 @@ def test_a_pick_that_waits_for_a_slot_is_predicted_as_unknown_to_the_pace() -> N
     assert predicted[0] is not None and predicted[0] > 0 and predicted[1] is None
 
 
+def test_an_adapters_load_stalls_every_request_open_on_the_pod() -> None:
+    """An adapter's load stalls the engine's whole step: the requests already open on
+    the pod get their first tokens that much later, so their predictions move with it
+    (else a pod that runs as modelled learns a pace above 1 from others' loads)."""
+    _, load = fleet_and_load(1)
+    load.observed(0, 0, 0, 0.0, LoraInfo(4, ("a",)), BASE)
+    load.sent(0, 100, 0, "a")  # loaded: no stall
+    load.sent(0, 100, 0, BASE)
+    before = [model_ms for _, model_ms in load.pace._pods[0].open]
+    load.sent(0, 100, 0, "b")  # a free slot: "b" is loaded, its step waits for it
+    after = [model_ms for _, model_ms in load.pace._pods[0].open]
+    stall = DEFAULT_LOAD_MS / load._model_speed_of(0)
+    assert after[:2] == pytest.approx([ms + stall for ms in before])  # type: ignore[operator]
+    assert after[2] is not None and after[2] > stall  # its own load, and its prefill
+    load.sent(0, 100, 0, "b")  # loaded now: nothing stalls
+    assert [ms for _, ms in load.pace._pods[0].open][:3] == after
+
+
 def fleet_and_load(pods: int = 4) -> tuple[FleetState, LoadAccounting]:
     fleet = FleetState(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(pods)]))
     return fleet, LoadAccounting(fleet, Settings(), clock=lambda: 0.0)

@@ -118,6 +118,27 @@ def test_a_window_with_a_wait_the_model_cannot_see_teaches_nothing() -> None:
     assert moved == pytest.approx(math.exp(math.log(3.0) / (1 + WEIGHT_N)))
 
 
+def test_a_stall_moves_the_open_predictions_and_teaches_no_pace() -> None:
+    """A LoRA adapter's load stalls the engine's step: the requests open on the pod get
+    their first tokens that much later. A pod that runs as its model says, stalls
+    included, keeps a pace of 1; told of no stall, the learner takes them for a slow pod."""
+    for told in (True, False):
+        learner = PaceLearner()
+        learner.observed(0, 0.0, 0.0, 0.0, idle=False)
+        learner.predicted(0, 0.0, None)  # a wait the model cannot see: a stall leaves it
+        learner.stalled(0, 50.0)
+        assert learner.observed(0, 0.5, 1.0, 3.0, idle=False) == 1.0
+        count, total_s = 1.0, 3.0
+        for window in range(20):
+            learner.predicted(0, window, 100.0)
+            learner.predicted(0, window, 100.0)
+            if told:
+                learner.stalled(0, 50.0)  # both first tokens come at 150 ms
+            count, total_s = count + 2, total_s + 0.3
+            pace = learner.observed(0, window + 1.0, count, total_s, idle=False)
+        assert pace == pytest.approx(1.0) if told else pace > 1.4
+
+
 def test_learning_off_keeps_every_pod_at_its_model() -> None:
     learner = PaceLearner(enabled=False)
     learner.observed(0, 0.0, 0.0, 0.0, idle=False)

@@ -127,7 +127,10 @@ class LoadAccounting:
                 if load.lora.waits_for_slot(model):
                     predicted_ms = None
                 else:
-                    predicted_ms = model_ms + load.lora.cost_ms(model, DEFAULT_LOAD_MS, 0.0) / speed
+                    loading = load.lora.cost_ms(model, DEFAULT_LOAD_MS, 0.0) / speed
+                    predicted_ms = model_ms + loading
+                    if loading:
+                        self.pace.stalled(slot, loading)
                 lora_pick = load.lora.picked(model, seen_by)
             self.pace.predicted(slot, now, predicted_ms)
         return lora_pick

@@ -26,7 +26,7 @@ The router's view of a pod (``Adapters``), kept by ``load.py``:
   scrape showed A in use by requests not this router's (another replica's or
   gateway's). Without the access log, only the next scrape frees it, so adapter routing
   then depends on how often the pods are read (the fleet simulation's lora-mix at reads
-  1 s apart: TTFT p99 2.2x);
+  1 s apart: TTFT p99 2.1x);
 - an adapter that was in use stays believed loaded after its requests finish (vLLM
   keeps it in its slot until another needs the slot), the least recently used
   forgotten first, ``max_lora`` at most.
