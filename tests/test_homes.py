@@ -121,6 +121,25 @@ def test_a_pod_out_of_service_is_unavailable_and_a_drained_one_still_serves() ->
     assert h.find("t", "resp_1").result == PINNED
 
 
+def test_a_pod_back_in_service_waits_for_its_scrape_to_say_whether_it_restarted() -> None:
+    """Back from failing health checks, a pod may be a new process: until its next
+    scrape says, a continuation there is unavailable (503, it may pass), never sent to
+    an engine that would answer a bare 404. Then pinned, or lost if it restarted."""
+    h, fleet, clock = homes()
+    h.remember("t", "resp_1", fleet.pods[1].key)
+    h.remember("t", "resp_2", fleet.pods[2].key)
+    for slot in (1, 2):
+        h.back(slot)
+    waiting = h.find("t", "resp_1")
+    assert waiting.result == UNAVAILABLE and "restarted" in waiting.why
+    h.checked(1)  # the same process
+    assert h.find("t", "resp_1").result == PINNED
+    clock.now += 1
+    h.restarted(2)  # a new one
+    h.checked(2)
+    assert h.find("t", "resp_2").result == LOST
+
+
 def test_a_pod_that_left_rejoined_restarted_or_was_replaced_has_lost_the_state() -> None:
     h, fleet, clock = homes()
     for slot in range(3):

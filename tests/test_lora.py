@@ -49,6 +49,20 @@ def test_the_newest_lora_sample_is_the_engines_state() -> None:
     assert stats.running == 3 and stats.waiting == 1
 
 
+def test_the_requests_deferred_for_a_slot_are_read_beside_the_slots() -> None:
+    """vLLM 0.32 counts a request waiting for an adapter's slot only under
+    ``vllm:num_requests_waiting_by_reason{reason="deferred"}``."""
+    text = VLLM_TEXT + (
+        "# TYPE vllm:num_requests_waiting_by_reason gauge\n"
+        f'vllm:num_requests_waiting_by_reason{{model_name="{BASE}",reason="capacity"}} 3.0\n'
+        f'vllm:num_requests_waiting_by_reason{{model_name="{BASE}",reason="deferred"}} 2.0\n'
+    )  # fmt: skip
+    stats = metrics_text.parse(text)
+    assert stats.lora is not None and stats.lora.deferred == 2 and stats.reason == ""
+    assert stats.waiting == 1  # the reasons are not summed into the waiting count
+    assert metrics_text.parse(VLLM_TEXT).lora == LoraInfo(4, ("sql-lora", "chat"), ("legal",))
+
+
 def test_lora_samples_with_missing_or_empty_labels_are_read_safely() -> None:
     idle = metrics_text.parse(
         'vllm:lora_requests_info{max_lora="2",waiting_lora_adapters="",'
@@ -113,9 +127,45 @@ def test_a_pick_that_waits_for_a_slot_is_not_loaded_until_it_has_run() -> None:
     assert "c" in view.in_use and "c" not in view.loaded
     view.answered(number)
     assert "c" in view.loaded and "c" not in view.in_use
-    # The simulated engine's waiting label lists adapters waiting for a slot.
+    # An engine that names waiting adapters apart: those are in use, not loaded.
     view.scraped(BASE, 2, ["a", "b", "d"], running=["a", "b"])
     assert "d" in view.in_use and "d" not in view.loaded
+
+
+def test_a_deferred_request_stays_waiting_though_no_label_names_it() -> None:
+    """vLLM 0.32 names a request waiting for a slot in neither label; it counts it as
+    deferred. A pick sent to wait stays open while the engine says requests are
+    deferred, so the slots stay full in the router's view (closed, it let the next
+    adapters be priced free there, and on the real pods they waited 5-15 s)."""
+    view = Adapters()
+    view.scraped(BASE, 2, ["a", "b"])
+    view.picked("c", seen_by=1.0)
+    view.scraped(BASE, 2, ["a", "b"], now=2.0, deferred=1)  # shows it nowhere
+    assert "c" in view.in_use and view.waits_for_slot("d")
+    view.scraped(BASE, 2, ["a", "b"], now=3.0)  # none deferred: it ran and was answered
+    assert "c" not in view.in_use and not view.picks
+    # Deferred requests beyond this router's picks are others': only its own stay open.
+    first, second = view.picked("c", seen_by=4.0), view.picked("d", seen_by=4.0)
+    view.scraped(BASE, 2, ["a", "b"], now=5.0, deferred=1)
+    assert [m for m, _, _ in view.picks.values()] == ["c"] and first in view.picks
+    assert second not in view.picks
+
+
+def test_a_slot_freed_goes_to_the_adapter_waiting_for_it() -> None:
+    """vLLM gives a slot whose adapter has no request left to an adapter waiting for
+    one: the idle adapter is evicted, and a request for it now waits (believed loaded
+    still, it drew a request into a 14.7 s wait on the real pods)."""
+    view = Adapters()
+    view.scraped(BASE, 2, [])
+    first = view.picked("a", seen_by=1.0)
+    view.picked("b", seen_by=1.0)
+    waiting = view.picked("c", seen_by=1.0)  # every slot's adapter in use: it waits
+    assert "c" not in view.loaded
+    view.answered(first)  # "a" has no request left: "c" takes its slot
+    assert list(view.loaded) == ["b", "c"] and "a" not in view.loaded
+    assert view.waits_for_slot("a") and cost(view, "a") > DEFAULT_LOAD_MS
+    view.answered(waiting)
+    assert cost(view, "a") == DEFAULT_LOAD_MS  # a slot to take, but a load
 
 
 def test_a_slot_held_by_a_hot_adapter_waits_longer() -> None:

@@ -42,14 +42,18 @@ def test_slots_admit_up_to_max_loras_adapters_and_evict_the_least_recent_unused(
     assert slots.admit("c") == LOAD_MS  # takes the slot of "a": loaded, but unused
     assert list(slots.loaded) == ["b", "c"] and (slots.loads, slots.evictions) == (3, 1)
     series = slots.info_series()
+    # vLLM 0.32 names the scheduled requests' adapters in both labels; "d", waiting for
+    # a slot, is in neither: it counts as a deferred request.
     assert series[-1] == (
-        {"max_lora": "2", "waiting_lora_adapters": "d", "running_lora_adapters": "b,c"},
+        {"max_lora": "2", "waiting_lora_adapters": "b,c", "running_lora_adapters": "b,c"},
         100.0,
     )
-    slots.unqueued("d")
+    assert slots.deferred() == 1
+    slots.release("c")
+    assert slots.deferred() == 0  # a slot to take: "d" is merely queued
     later = slots.info_series()  # a new combination: a new series, the old one kept
     assert [stamp for _, stamp in later] == [100.0, 101.0]
-    assert later[-1][0]["waiting_lora_adapters"] == ""
+    assert later[-1][0]["waiting_lora_adapters"] == later[-1][0]["running_lora_adapters"] == "b"
     with pytest.raises(ValueError, match="max_loras"):
         AdapterSlots(0, LOAD_MS)
 
@@ -124,6 +128,13 @@ def test_the_http_pod_serves_registered_adapters_and_exports_vllms_lora_metric()
             }
             async with s.get("/metrics") as resp:
                 text = await resp.text()
+            slots = server.pod.lora
+            assert slots is not None
+            idle = (dict(slots.running), dict(slots.waiting))
+            slots.running, slots.waiting = {"sql": 1, "legal": 1}, {"chat": 2}  # slots full
+            async with s.get("/metrics") as resp:
+                busy = metrics_text.parse(await resp.text())
+            slots.running, slots.waiting = idle
         line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
         # Labels in the order the real vLLM 0.32 writes them (docs/engines.md).
         assert line.startswith('vllm:lora_requests_info{max_lora="2",running_lora_adapters=""')
@@ -132,6 +143,9 @@ def test_the_http_pod_serves_registered_adapters_and_exports_vllms_lora_metric()
         assert stats.reason == "" and stats.model_name == "sim-llama"
         assert stats.lora == metrics_text.LoraInfo(2)  # idle: no adapter in use
         assert server.pod.lora is not None and list(server.pod.lora.loaded) == ["sql"]
+        # As vLLM: requests waiting for a slot are counted by reason, read beside it.
+        assert 'vllm:num_requests_waiting_by_reason{engine="0",model_name="sim-llama",' in text
+        assert busy.lora == metrics_text.LoraInfo(2, ("sql", "legal"), ("sql", "legal"), 2)
 
     asyncio.run(main())
 

@@ -93,6 +93,10 @@ class ResponseHomes:
         # Pod key -> when its current process started serving, as far as the router can
         # tell (joined the fleet, or seen restarting); absent: since before any entry.
         self._since: dict[str, float] = {}
+        # Pods back in service whose process the router has not checked yet (their next
+        # scrape says whether they restarted): a continuation there waits, as for a pod
+        # out of service, rather than reach a new process that answers a bare 404.
+        self._rechecking: set[str] = set()
         self.remembered = 0  # stored ids noted here (this replica's answers and learned)
         # Tenant -> when each of its answers still awaited (sent to be stored, not yet
         # noted nor ended) was sent, oldest first; and what wakes the turns waiting.
@@ -199,13 +203,29 @@ class ResponseHomes:
         if not fleet.is_healthy(slot):
             why = f"pod {pod}, which stored it, is out of service (failing health checks)"
             return Home(UNAVAILABLE, slot, pod, why)
+        if pod in self._rechecking:
+            why = f"pod {pod}, which stored it, is back; whether it restarted is not known yet"
+            return Home(UNAVAILABLE, slot, pod, why)
         # Drained still serves it: a drain stops new conversations, not the ones the
         # pod alone can carry on.
         return Home(PINNED, slot, pod)
 
     def restarted(self, slot: int) -> None:
         """The pod in ``slot`` restarted (the monitor saw it): what it stored is gone."""
-        self._since[self.fleet.pods[slot].key] = self._clock()
+        key = self.fleet.pods[slot].key
+        self._since[key] = self._clock()
+        self._rechecking.discard(key)
+
+    def back(self, slot: int) -> None:
+        """The pod in ``slot`` passes its health checks again: until ``checked``, the
+        router does not know whether it is the process that stored its responses."""
+        self._rechecking.add(self.fleet.pods[slot].key)
+
+    def checked(self, slot: int) -> None:
+        """A scrape of the pod in ``slot`` said whether it restarted (``restarted``
+        first, if it did)."""
+        if self._rechecking:
+            self._rechecking.discard(self.fleet.pods[slot].key)
 
     def _changed(self, slot: int, change: str) -> None:
         # A pod (re)joining is a new process as far as anyone knows (fleet.py); one that

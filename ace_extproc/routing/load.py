@@ -171,7 +171,9 @@ class LoadAccounting:
         now = self.clock()
         destination = self.fleet.pods[slot].destination
         if lora is not None:
-            load.lora.scraped(base_model, lora.max_lora, lora.in_use, now, lora.running)
+            load.lora.scraped(
+                base_model, lora.max_lora, lora.in_use, now, lora.running, lora.deferred
+            )
             self._lora_slots[destination] = load.lora.max_lora
         elif not load.lora.reported_slots:
             # vLLM shows its adapter series only after its first request: until then a

@@ -46,6 +46,9 @@ _VLLM = {
     b"vllm:prompt_tokens_cached_total": "cached_prompt_tokens",
     b"vllm:cache_config_info": "cache_config",
     b"vllm:lora_requests_info": "lora_info",
+    # Its reason="deferred" sample: requests waiting for a LoRA adapter's slot, which
+    # vllm:lora_requests_info names in neither label (vLLM 0.32).
+    b"vllm:num_requests_waiting_by_reason": "waiting_reason",
     # The TTFT histogram's count and sum: each first token, from the request's arrival
     # (queue included), what the router's pace learns from (pace.py).
     b"vllm:time_to_first_token_seconds_count": "first_tokens",
@@ -99,7 +102,8 @@ class LoraInfo:
 
     max_lora: int  # adapter slots (--max-loras); 0 where the label is missing or bad
     running: tuple[str, ...] = ()  # adapters of the running requests
-    waiting: tuple[str, ...] = ()  # adapters of the waiting requests
+    waiting: tuple[str, ...] = ()  # adapters of the waiting requests (vLLM 0.32: the same)
+    deferred: int = 0  # requests waiting for an adapter's slot, named in neither label
 
     @property
     def in_use(self) -> tuple[str, ...]:
@@ -166,6 +170,7 @@ def parse(text: bytes | str) -> EngineStats:
     model_name: str | None = None
     lora_labels: bytes | None = None  # of the newest vllm:lora_requests_info sample
     lora_stamp = -math.inf
+    deferred = 0.0  # vllm:num_requests_waiting_by_reason{reason="deferred"}, summed
     bad: list[str] = []
     for m in _SAMPLE.finditer(text):
         name, labels, raw = m.group(1), m.group(2), m.group(3)
@@ -183,6 +188,10 @@ def parse(text: bytes | str) -> EngineStats:
         if field == "lora_info":  # one series per label set: the newest is the state
             if value >= lora_stamp:
                 lora_stamp, lora_labels = value, labels or b""
+            continue
+        if field == "waiting_reason":
+            if labels and _label(labels, b"reason") == "deferred":
+                deferred += value
             continue
         if model_name is None and labels and field in ("running", "waiting"):
             model_name = _label(labels, b"model_name")
@@ -220,7 +229,7 @@ def parse(text: bytes | str) -> EngineStats:
     start = total("start_time")
     if start is not None and counts["start_time"] > 1:
         start = None  # several processes in one exposition: no single start
-    lora = None if lora_labels is None else _lora(lora_labels)
+    lora = None if lora_labels is None else _lora(lora_labels, max(0, int(deferred)))
     if lora is not None and not lora.max_lora:
         bad.append("vllm:lora_requests_info: no max_lora")
     return EngineStats(
@@ -269,9 +278,10 @@ def _unescape(raw: bytes) -> str:
     return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), text)
 
 
-def _lora(labels: bytes) -> LoraInfo:
+def _lora(labels: bytes, deferred: int = 0) -> LoraInfo:
     """The adapter slots one ``vllm:lora_requests_info`` sample describes; a label
-    missing or empty is no adapter (or, for ``max_lora``, 0)."""
+    missing or empty is no adapter (or, for ``max_lora``, 0). ``deferred``: the requests
+    waiting for a slot."""
     found = {key: _unescape(raw) for key, raw in _LABEL.findall(labels)}
     try:
         max_lora = max(0, int(found.get(b"max_lora", "")))
@@ -281,7 +291,9 @@ def _lora(labels: bytes) -> LoraInfo:
     def names(key: bytes) -> tuple[str, ...]:
         return tuple(n for n in (p.strip() for p in found.get(key, "").split(",")) if n)
 
-    return LoraInfo(max_lora, names(b"running_lora_adapters"), names(b"waiting_lora_adapters"))
+    return LoraInfo(
+        max_lora, names(b"running_lora_adapters"), names(b"waiting_lora_adapters"), deferred
+    )
 
 
 def restarted(before: EngineStats, after: EngineStats) -> str | None:

@@ -362,6 +362,8 @@ class FleetMonitor:
                 log.info("pod %s restarted (%s): its index is emptied", self._name(slot), why)
                 self._forget(slot)
         st.last = stats
+        if self.homes is not None:
+            self.homes.checked(slot)
         if self.precise is not None and slot in self.precise.pods and stats.block_size:
             self.precise.set_engine_cache(slot, stats.block_size, stats.capacity_tokens)
         tokens = stats.capacity_tokens
@@ -399,6 +401,8 @@ class FleetMonitor:
             st.successes = 0
             self.fleet.set_available(slot, True)
             if st.last is not None:  # its next scrape tells whether it restarted
+                if self.homes is not None:
+                    self.homes.back(slot)
                 log.info("pod %s is back", self._name(slot))
                 return
             # No counters to tell by, and down long enough to be marked so: assume a

@@ -641,6 +641,14 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
         "vllm:num_requests_running", running, "Number of requests in model execution batches."
     )
     out.gauge("vllm:num_requests_waiting", waiting, "Number of requests waiting to be processed.")
+    deferred = pod.lora.deferred() if pod.lora is not None else 0
+    out.labelled_gauge(
+        "vllm:num_requests_waiting_by_reason",
+        "reason",
+        {"capacity": waiting - deferred, "deferred": deferred},
+        "Number of requests waiting, by reason (capacity: KV cache or batch; deferred: "
+        "a LoRA adapter's slot).",
+    )
     out.gauge("vllm:kv_cache_usage_perc", cache.usage, "KV-cache usage. 1 means 100 percent usage.")
     out.counter(
         "vllm:prefix_cache_queries_total",

@@ -17,8 +17,11 @@ What vLLM does, and what is kept here:
   (``--lora-modules`` first): vLLM's ``lora_int_id``, which its KV events carry as
   ``lora_id`` beside ``lora_name`` (``adapter_id``).
 - ``vllm:lora_requests_info``: a gauge whose labels name the adapters of the running
-  and of the waiting requests, comma-separated, and ``max_lora``; its value is the time
-  the engine last saw that combination, one series per combination (``info_series``).
+  requests, comma-separated, and ``max_lora``; its value is the time the engine last saw
+  that combination, one series per combination (``info_series``). vLLM 0.32 fills its
+  ``waiting_lora_adapters`` with the same names (``LoRARequestStates`` fills both from
+  the scheduled requests): a request waiting for a slot is in neither label, only in
+  ``vllm:num_requests_waiting_by_reason{reason="deferred"}`` (``deferred``).
   vLLM sets it from the scheduler's stats after an engine step, so an engine that has
   had no request yet (just started, or just added to a fleet) shows no sample at all:
   not even ``max_lora`` (``reporting``).
@@ -107,6 +110,13 @@ class AdapterSlots:
         self.loads += 1
         return self.load_ms
 
+    def deferred(self) -> int:
+        """Queued requests the scheduler skips for their adapter (it is not running and
+        the batch names ``max_loras`` adapters): vLLM's waiting ``reason="deferred"``."""
+        if len(self.running) < self.max_loras:
+            return 0
+        return sum(n for name, n in self.waiting.items() if name not in self.running)
+
     def release(self, adapter: str) -> None:
         """A running request for ``adapter`` finished; the adapter stays in its slot."""
         _drop(self.running, adapter)
@@ -118,7 +128,8 @@ class AdapterSlots:
         none before the engine's first request."""
         if not self.reporting:
             return []
-        key = (",".join(self.running), ",".join(self.waiting))
+        running = ",".join(self.running)
+        key = (running, running)  # vLLM 0.32: the waiting label repeats the running one
         series = self._series
         series.pop(key, None)
         series[key] = self.clock()

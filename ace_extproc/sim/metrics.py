@@ -89,10 +89,20 @@ class Exposition:
         self._head(name, "counter", help_text)
         self._lines.append(f"{name}{self._lbl} {_num(value)}")
 
+    def labelled_gauge(
+        self, name: str, label: str, values: Mapping[str, float], help_text: str
+    ) -> None:
+        self._labelled(name, "gauge", label, values, help_text)
+
     def labelled_counter(
         self, name: str, label: str, values: Mapping[str, float], help_text: str
     ) -> None:
-        self._head(name, "counter", help_text)
+        self._labelled(name, "counter", label, values, help_text)
+
+    def _labelled(
+        self, name: str, kind: str, label: str, values: Mapping[str, float], help_text: str
+    ) -> None:
+        self._head(name, kind, help_text)
         for key, value in values.items():
             self._lines.append(f"{name}{labels({**self._base, label: key})} {_num(value)}")
 

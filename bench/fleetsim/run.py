@@ -391,7 +391,9 @@ class _Run:
             info = (
                 None
                 if lora is None or not lora.reporting  # as vLLM: no sample before a request
-                else LoraInfo(lora.max_loras, tuple(lora.running), tuple(lora.waiting))
+                else LoraInfo(
+                    lora.max_loras, tuple(lora.running), tuple(lora.running), lora.deferred()
+                )
             )
             ttft = (pod.first_tokens, pod.first_token_s)
             for proc in views:
