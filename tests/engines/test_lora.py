@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from ace_extproc.routing import metrics_text
 from ace_extproc.routing.precise import PreciseIndex
 from ace_extproc.tokens import ModelTokens, block_keys, chain_seed
 from ace_extproc.vllm_pods import BLOCK_SIZE, EnginesMissing, Pods, VllmOptions, make_adapters
@@ -199,6 +200,10 @@ def test_lora_requests_info_names_the_running_adapters(pod: Pod) -> None:
     assert {"lora-0", "lora-1"} in running, running
     assert any("lora-2" in r for r in running), running
     assert deferred >= 1, "the third adapter never waited for a slot"
+    # The router reads the deferred count beside the slots (routing/lora.py keeps its
+    # waiting pick open by it): the same figure through its parser.
+    parsed = [metrics_text.parse(text).lora for text in seen]
+    assert max(info.deferred for info in parsed if info is not None) == deferred
     # Done: the newest sample is the empty one.
     final = lora_info(pod.metrics())[0][0]
     assert final["running_lora_adapters"] == "" and final["waiting_lora_adapters"] == ""
