@@ -200,7 +200,7 @@ def test_a_pick_that_waits_for_a_slot_is_predicted_as_unknown_to_the_pace() -> N
     assert not view.waits_for_slot(BASE)
     load.sent(0, 100, 0, "a")
     load.sent(0, 100, 0, "c")
-    predicted = [model_ms for _, model_ms in load.pace._pods[0].open]
+    predicted = load.pace.open_predictions(0)
     assert predicted[0] is not None and predicted[0] > 0 and predicted[1] is None
 
 
@@ -212,14 +212,14 @@ def test_an_adapters_load_stalls_every_request_open_on_the_pod() -> None:
     load.observed(0, 0, 0, 0.0, LoraInfo(4, ("a",)), BASE)
     load.sent(0, 100, 0, "a")  # loaded: no stall
     load.sent(0, 100, 0, BASE)
-    before = [model_ms for _, model_ms in load.pace._pods[0].open]
+    before = load.pace.open_predictions(0)
     load.sent(0, 100, 0, "b")  # a free slot: "b" is loaded, its step waits for it
-    after = [model_ms for _, model_ms in load.pace._pods[0].open]
+    after = load.pace.open_predictions(0)
     stall = DEFAULT_LOAD_MS / load._model_speed_of(0)
     assert after[:2] == pytest.approx([ms + stall for ms in before])  # type: ignore[operator]
     assert after[2] is not None and after[2] > stall  # its own load, and its prefill
     load.sent(0, 100, 0, "b")  # loaded now: nothing stalls
-    assert [ms for _, ms in load.pace._pods[0].open][:3] == after
+    assert load.pace.open_predictions(0)[:3] == after
 
 
 def fleet_and_load(pods: int = 4) -> tuple[FleetState, LoadAccounting]:

@@ -82,11 +82,19 @@ MAX_OPEN = 4096
 class PodPace:
     """One pod's learning: its open predictions and the engine's counters last read."""
 
-    # (sent at, the model's ms; None where it waits on what the model cannot see)
-    open: deque[tuple[float, float | None]] = field(default_factory=deque)
+    # (sent at, the model's ms, ``stalled_ms`` then; the ms None where it waits on what
+    # the model cannot see)
+    open: deque[tuple[float, float | None, float]] = field(default_factory=deque)
+    stalled_ms: float = 0.0  # the engine's stalls so far (adapter loads), summed
     count: float | None = None  # the engine's first tokens so far, at the last scrape
     total_s: float = 0.0  # and their TTFT, summed
     learned: float = 1.0
+
+
+def _stalled(entry: tuple[float, float | None, float], stalled_ms: float) -> float | None:
+    """An open prediction's ms with the pod's stalls since it was made."""
+    _, model_ms, stalled_then = entry
+    return None if model_ms is None else model_ms + stalled_ms - stalled_then
 
 
 def priced(learned: float) -> float:
@@ -110,18 +118,24 @@ class PaceLearner:
         pod = self._pods.get(slot)
         if pod is None:
             pod = self._pods[slot] = PodPace()
-        pod.open.append((now, model_ms))
+        pod.open.append((now, model_ms, pod.stalled_ms))
         if len(pod.open) > MAX_OPEN:
             pod.open.popleft()
 
     def stalled(self, slot: int, model_ms: float) -> None:
         """The pod's engine will stall a step for ``model_ms`` (a LoRA adapter's load):
-        every request open there gets its first token that much later. O(open), on a
-        pick that loads an adapter only."""
+        every request open there gets its first token that much later (each open
+        prediction takes the stalls since it was made when it is matched)."""
         pod = self._pods.get(slot)
-        if pod is None or not self.enabled:
-            return
-        pod.open = deque((t, None if ms is None else ms + model_ms) for t, ms in pod.open)
+        if pod is not None and self.enabled:
+            pod.stalled_ms += model_ms
+
+    def open_predictions(self, slot: int) -> list[float | None]:
+        """The pod's open predictions, oldest first, the stalls since each included."""
+        pod = self._pods.get(slot)
+        if pod is None:
+            return []
+        return [_stalled(entry, pod.stalled_ms) for entry in pod.open]
 
     def observed(self, slot: int, now: float, count: float, total_s: float, idle: bool) -> float:
         """A scrape's TTFT counters for the pod (``count`` first tokens so far, ``total_s``
@@ -143,7 +157,7 @@ class PaceLearner:
             openings.popleft()
         matched, predicted_ms, unknown = 0, 0.0, False
         while matched < new and openings:
-            model_ms = openings.popleft()[1]
+            model_ms = _stalled(openings.popleft(), pod.stalled_ms)
             if model_ms is None:
                 unknown = True
             else:
