@@ -24,6 +24,11 @@ from dataclasses import dataclass
 # pod after its first token (its LoRA adapter's slot in use) is this many of the
 # model's steps: an estimate, the router does not know the answer's length.
 DECODE_STEPS = 180
+# Milliseconds to load a LoRA adapter into a GPU slot: an estimate, not a measurement. A
+# rank-16 adapter on the attention projections of a 70B model is ~65 MB of fp16 (the
+# MLP's too: ~400 MB); read from local disk at 1-2 GB/s, parsed and copied to the GPU,
+# that is tens to a few hundred ms (less from vLLM's CPU cache, --max-cpu-loras).
+DEFAULT_LOAD_MS = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +39,8 @@ class TTFTModel:
     b_ms: float
     t_step_ms: float
     token_ms: float = 0.0  # p: a prompt token's cost, cached or not (the API server's)
+    # Loading a LoRA adapter into a slot: the whole engine step waits for it (lora.py).
+    adapter_load_ms: float = DEFAULT_LOAD_MS
 
     def prefill_ms(self, uncached: int, cached: int = 0) -> float:
         """Compute time of a prefill of ``uncached`` tokens after ``cached`` warm ones."""
@@ -94,8 +101,11 @@ MODELS: dict[str, TTFTModel] = {
         # pod, 256 to 16k tokens, medians of 9 runs; t_step its decode step alone;
         # bench/results/calibrate-vllm.json): cold and warm TTFT within 10% RMS. The
         # attention term dominates past 4k tokens (the layers are tiny), and p, the
-        # server's tokenizing, is most of a long warm request's time.
-        TTFTModel("vllm-cpu-tiny", 8.85, 0.00427, 3.80e-6, 1.25, token_ms=0.00205),
+        # server's tokenizing, is most of a long warm request's time. Its rank-8 adapters
+        # (30 KB) load in about a millisecond (docs/engines.md, "LoRA adapters").
+        TTFTModel(
+            "vllm-cpu-tiny", 8.85, 0.00427, 3.80e-6, 1.25, token_ms=0.00205, adapter_load_ms=1.0
+        ),
     )
 }
 DEFAULT_MODEL = "llama-3.3-70b-fp8-tp4"

@@ -44,6 +44,9 @@ class Outcome:
     # The number of its pick of a LoRA adapter on the pinned pod (0: none): its answer
     # frees the adapter's slot in the router's view (routing/lora.py).
     lora_pick: int = 0
+    # What the request's LoRA adapter needed on the picked pod, as the router saw it:
+    # "loaded", "load" or "wait" for a slot (routing/lora.py); "" for none.
+    adapter: str = ""
 
     @property
     def trace(self) -> str:
@@ -53,4 +56,6 @@ class Outcome:
         )
         if self.previous_response:
             trace += f",previous_response={self.previous_response}"
+        if self.adapter:
+            trace += f",adapter={self.adapter}"
         return trace

@@ -364,6 +364,7 @@ class Processor:
         if self.placements is not None:
             self.placements.note(hashes.prefix_key, pick.slot)
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
+        adapter = self.fleet.load[pick.slot].lora.state(parsed.model)
         lora_pick = 0
         if mode is Mode.PROD:  # shadow's pick is not sent there: only scrapes say its load
             lora_pick = self.load.sent(pick.slot, prompt_tokens - saved, saved, parsed.model)
@@ -387,6 +388,7 @@ class Processor:
             prompt_tokens=prompt_tokens,
             store_tenant=ctx.tenant if parsed.stored else "",
             previous_response=previous,
+            adapter=adapter,
         )
         picked_at = perf_counter_ns()
         rewrite_ns = 0
@@ -463,6 +465,7 @@ class Processor:
         # The turn's own tokens are prefilled there (shadow's turn is not sent there);
         # its stored history, cached or not, is the engine's to count (the router never
         # saw it): no estimate of reuse.
+        adapter = self.fleet.load[home.slot].lora.state(parsed.model)
         lora_pick = 0
         if mode is Mode.PROD:
             lora_pick = self.load.sent(home.slot, prompt_tokens, 0, parsed.model)
@@ -475,6 +478,7 @@ class Processor:
             prompt_tokens=prompt_tokens,
             store_tenant=ctx.tenant if parsed.stored else "",
             previous_response=PINNED,
+            adapter=adapter,
         )
         if mode is not Mode.PROD:
             return self._seal(ctx, outcome, body, parsed, destination)

@@ -9,7 +9,7 @@ import pytest
 from ace_extproc.config import Config, Settings, sim_fleet
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, PrefixAffinityPicker, RoutingRequest
-from ace_extproc.routing.lora import DEFAULT_LOAD_MS, LoraCost
+from ace_extproc.routing.lora import LoraCost
 from ace_extproc.routing.pipeline import Pipeline
 from bench.baselines import POLICIES, SIMULATION_SETTINGS
 from bench.baselines._text_tree import TextTree, common_prefix
@@ -104,7 +104,7 @@ def test_registry_names_and_special_settings():
     no_wait = POLICIES["ace_no_slot_wait"](FleetState(sim_fleet(["127.0.0.1:1"])), BlockIndex(8))
     assert isinstance(no_wait, Pipeline)
     lora = [w.scorer for w in no_wait.scorers if isinstance(w.scorer, LoraCost)]
-    assert lora == [LoraCost(load_ms=DEFAULT_LOAD_MS, busy_ms=0.0)]
+    assert lora == [LoraCost(busy_ms=0.0)]
     assert POLICIES["bound_pooled"] is LeastLoadedPicker
     assert set(SIMULATION_SETTINGS) == {"bound_pooled", "bound_unbounded"}
 

@@ -37,15 +37,19 @@ def adapters(samples: Samples, state: str) -> float:
     return value(samples, "ace_pod_lora_adapters", state=state)
 
 
-def chat(stack: Client, model: str) -> None:
+def chat(stack: Client, model: str) -> str:
+    """Sends a chat to ``model``; returns what the trace header says its adapter needed
+    on the pod it was pinned to ("" where the trace names none)."""
     body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "q" * 400}]}
-    status, _, _ = stack.run(stack._post("/v1/chat/completions", body))
+    status, headers, _ = stack.run(stack._post("/v1/chat/completions", body))
     assert status == 200
+    fields = dict(f.split("=", 1) for f in headers["x-ace-trace-prefix-kv-cache"].split(","))
+    return fields.get("adapter", "")
 
 
 def test_an_answer_frees_its_adapter_before_the_next_scrape(stack: Client) -> None:
     # vLLM shows its slots once it has served a request; the router reads them then.
-    chat(stack, BASE)
+    assert chat(stack, BASE) == ""
     samples = wait_for(stack, lambda s: value(s, "ace_pod_lora_slots") == 2, 3 * INTERVAL_S)
     assert value(samples, "ace_pod_lora_slots") == 2
     assert adapters(samples, "loaded") == 0  # a base-model request is no adapter's
@@ -53,9 +57,10 @@ def test_an_answer_frees_its_adapter_before_the_next_scrape(stack: Client) -> No
     scrapes = value(samples, "ace_pod_scrapes_total")
     samples = wait_for(stack, lambda s: value(s, "ace_pod_scrapes_total") > scrapes, 2 * INTERVAL_S)
     scrapes = value(samples, "ace_pod_scrapes_total")
-    chat(stack, "sql")
+    assert chat(stack, "sql") == "load"  # the trace says what the router saw: a free slot
     # The pick marked "sql" loaded and in use; its answer, as Envoy's access log reports
     # it (flushed every 0.1 s), takes it out of use, before any scrape could.
     samples = wait_for(stack, lambda s: adapters(s, "loaded") == 1 and not adapters(s, "in_use"))
     assert value(samples, "ace_pod_scrapes_total") == scrapes, "a scrape came first: too slow"
     assert (adapters(samples, "loaded"), adapters(samples, "in_use")) == (1, 0)
+    assert chat(stack, "sql") == "loaded"  # still in its slot: the next one loads nothing

@@ -2,16 +2,17 @@
 router sees them, and what serving an adapter costs (routing/lora.py)."""
 
 import math
+import random
 from collections import Counter
 
 import pytest
 
-from ace_extproc.config import Fleet, Settings, sim_fleet
-from ace_extproc.latency import DECODE_STEPS, get_model
+from ace_extproc.config import Fleet, Settings, parse_settings, sim_fleet
+from ace_extproc.latency import DECODE_STEPS, DEFAULT_LOAD_MS, get_model
 from ace_extproc.prefix import hash_prompt, scope_seed
 from ace_extproc.routing import BlockIndex, FleetState, RoutingRequest, metrics_text, policies
 from ace_extproc.routing.load import LoadAccounting
-from ace_extproc.routing.lora import DEFAULT_LOAD_MS, OPEN_FOR_S, Adapters, LoraCost
+from ace_extproc.routing.lora import OPEN_FOR_S, Adapters, LoraCost
 from ace_extproc.routing.metrics_text import LoraInfo
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.routing.pipeline import DEFAULT_SCORERS
@@ -222,6 +223,33 @@ def test_an_adapters_load_stalls_every_request_open_on_the_pod() -> None:
     assert load.pace.open_predictions(0)[:3] == after
 
 
+@pytest.mark.parametrize(
+    ("lora_args", "ttft_model", "load_ms"),
+    [({}, "vllm-cpu-tiny", 1.0), ({"load_ms": 20.0}, "vllm-cpu-tiny", 20.0)],
+)
+def test_the_stall_is_the_load_the_lora_scorer_prices(
+    lora_args: dict[str, float], ttft_model: str, load_ms: float
+) -> None:
+    """One figure for an adapter's load: the ``lora`` scorer's, where the pipeline sets
+    one, else the pods' TTFT model's; the pace's predictions move by what the pick was
+    priced at (a constant there had the real-engine tier's pods, whose adapters load in
+    about a millisecond, predicted 100 ms late on each load)."""
+    scorers = [{"name": "prefill"}, {"name": "lora", "args": lora_args}]
+    settings = parse_settings(
+        {"salt_secret": "t", "ttft_model": ttft_model, "pipeline": {"scorers": scorers}},
+        env={},
+    )
+    fleet = FleetState(sim_fleet(["127.0.0.1:9000"]))
+    load = LoadAccounting(fleet, settings, clock=lambda: 0.0)
+    load.observed(0, 0, 0, 0.0, LoraInfo(4, ()), BASE)
+    load.sent(0, 100, 0, BASE)
+    before = load.pace.open_predictions(0)[0]
+    load.sent(0, 100, 0, "b")
+    assert before is not None
+    stall = load_ms / load._model_speed_of(0)
+    assert load.pace.open_predictions(0)[0] == pytest.approx(before + stall)
+
+
 def fleet_and_load(pods: int = 4) -> tuple[FleetState, LoadAccounting]:
     fleet = FleetState(sim_fleet([f"127.0.0.1:{9000 + i}" for i in range(pods)]))
     return fleet, LoadAccounting(fleet, Settings(), clock=lambda: 0.0)
@@ -336,7 +364,7 @@ def test_a_scrape_keeps_the_picks_it_cannot_show_yet_and_settles_the_rest() -> N
     view.scraped(BASE, 2, (), now=0.0)
     early = view.picked("a", seen_by=1.0)
     view.scraped(BASE, 2, (), now=0.5)  # too soon to show it
-    assert view.in_use == {"a"} and view.ours["a"] == 1
+    assert view.in_use == {"a"} and view.open_picks["a"] == 1
     view.scraped(BASE, 2, (), now=1.5)  # could show it and does not: answered
     assert not view.in_use and not view.picks
     late = view.picked("a", seen_by=3.0)
@@ -394,12 +422,15 @@ def test_the_scorer_is_zero_for_the_base_model_and_without_lora() -> None:
     # fleet's configuration, not the price, keeps adapters off them).
     assert prices("a") == [0.0, DEFAULT_LOAD_MS, 0.0, 0.0]
     # Every slot of pod 0 busy: a decode's wait there, in the destination's model's steps
-    # (1,980 ms on the default 70B model, 225 ms on the CPU pods' tiny one) unless set.
+    # (1,980 ms on the default 70B model, 225 ms on the CPU pods' tiny one), and its load
+    # (100 ms, 1 ms), unless set.
     busy = DECODE_STEPS * picker.model.t_step_ms
     assert busy == pytest.approx(1980.0)
     assert prices("b") == [DEFAULT_LOAD_MS + busy, DEFAULT_LOAD_MS, 0.0, 0.0]
-    assert prices("b", ttft="vllm-cpu-tiny")[0] == pytest.approx(DEFAULT_LOAD_MS + 225.0)
-    assert prices("b", LoraCost(busy_ms=500.0), "vllm-cpu-tiny")[0] == DEFAULT_LOAD_MS + 500.0
+    assert prices("b", ttft="vllm-cpu-tiny")[0] == pytest.approx(1.0 + 225.0)
+    assert prices("b", LoraCost(busy_ms=500.0), "vllm-cpu-tiny")[0] == 1.0 + 500.0
+    set_both = LoraCost(load_ms=20.0, busy_ms=500.0)
+    assert prices("b", set_both, "vllm-cpu-tiny") == [520.0, 20.0, 0.0, 0.0]
 
 
 def lora_fleet(pods: int, max_lora: int) -> tuple[FleetState, LoadAccounting, object]:
@@ -511,3 +542,39 @@ def test_gie_s_lora_filter_keeps_pods_running_the_adapter_else_pods_with_a_free_
     load.observed(1, 0, 0, 0.0, None, BASE, (0.0, 0.0))
     assert fleet.load[1].lora.max_lora == 2
     assert GIELoraPicker(fleet, BlockIndex(1000)).lora_filter(request("e"), 0b11) == 0
+
+
+def test_an_adapters_state_names_what_a_request_for_it_needs_there() -> None:
+    """The trace's ``adapter=``: loaded, a slot to load it into, or a wait for one."""
+    view = Adapters()
+    assert view.state("a") == ""  # no LoRA here (or not scraped yet)
+    view.scraped(BASE, 2, ("a", "b"))
+    assert (view.state(BASE), view.state("a"), view.state("c")) == ("", "loaded", "wait")
+    view.idle()
+    assert view.state("c") == "load"  # an idle adapter's slot to take
+
+
+def test_the_open_picks_count_stays_that_of_the_picks_open() -> None:
+    """``open_picks``, kept as picks open and close (the request path reads it for each
+    pod whose slots are full), is always the count of ``picks``, whichever way they
+    close: answered, settled by a scrape, or let go after ``OPEN_FOR_S``."""
+
+    rng = random.Random(7)
+    view = Adapters()
+    view.scraped(BASE, 3, ())
+    numbers: list[int] = []
+    now = 0.0
+    for _ in range(2_000):
+        now += rng.random()
+        op = rng.random()
+        if op < 0.5:
+            numbers.append(view.picked(rng.choice("abcdef"), now + rng.random() * 3))
+        elif op < 0.8 and numbers:
+            view.answered(numbers.pop(rng.randrange(len(numbers))))
+        elif op < 0.95:
+            shown = rng.sample("abcdef", rng.randrange(4))
+            view.scraped(BASE, 3, shown, now, deferred=rng.randrange(3))
+        else:
+            view.idle(now + rng.choice((0.0, OPEN_FOR_S * 2)))
+        assert view.open_picks == Counter(m for m, _, _ in view.picks.values())
+        assert all(count > 0 for count in view.open_picks.values())

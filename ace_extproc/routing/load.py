@@ -45,9 +45,9 @@ from collections.abc import Callable
 from ace_extproc.config import Settings, ttft_models
 from ace_extproc.latency import TTFTModel, get_model
 from ace_extproc.routing.fleet import ADDED, FleetState
-from ace_extproc.routing.lora import DEFAULT_LOAD_MS
 from ace_extproc.routing.metrics_text import LoraInfo
 from ace_extproc.routing.pace import PaceLearner, priced
+from ace_extproc.routing.plugins import adapter_load_ms
 
 # The queued-prefill estimate drains at most this often.
 DRAIN_EVERY_MS = 1.0
@@ -78,6 +78,9 @@ class LoadAccounting:
         rate = settings.prefill_tokens_per_s
         self._speeds = {dest: model.speed(rate) for dest, model in self._models.items()}
         self._speed = self._default.speed(rate)
+        # An adapter's load, as the ``lora`` scorer prices it: where it sets none, each
+        # destination's model's.
+        self._load_ms = adapter_load_ms(settings)
         self._drained_at = clock()
         self.pace = PaceLearner(settings.learn_pace)
         # The adapter slots each destination's pods show (they run one engine
@@ -127,7 +130,10 @@ class LoadAccounting:
                 if load.lora.waits_for_slot(model):
                     predicted_ms = None
                 else:
-                    loading = load.lora.cost_ms(model, DEFAULT_LOAD_MS, 0.0) / speed
+                    load_ms = self._load_ms
+                    if load_ms is None:
+                        load_ms = ttft.adapter_load_ms
+                    loading = load.lora.cost_ms(model, load_ms, 0.0) / speed
                     predicted_ms = model_ms + loading
                     if loading:
                         self.pace.stalled(slot, loading)

@@ -52,11 +52,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ace_extproc.routing.pipeline import Candidates
 
-# Milliseconds to load an adapter into a GPU slot: an estimate, not a measurement. A
-# rank-16 adapter on the attention projections of a 70B model is ~65 MB of fp16 (the
-# MLP's too: ~400 MB); read from local disk at 1-2 GB/s, parsed and copied to the GPU,
-# that is tens to a few hundred ms (less from vLLM's CPU cache, --max-cpu-loras).
-DEFAULT_LOAD_MS = 100.0
 # How long a pick of an adapter stays open without its answer: past it, only the
 # scrapes say whether the adapter is in use (answers lost, or no access log).
 OPEN_FOR_S = 60.0
@@ -79,13 +74,11 @@ class Adapters:
     # (adapter, monotonic seconds by which the engine's gauges must show it, whether it
     # was sent to wait for a slot); oldest first.
     picks: dict[int, tuple[str, float, bool]] = field(default_factory=dict)
+    # Those picks counted per adapter, kept as they open and close (read per candidate
+    # pod on the request path, ``slot_wait_answers``).
+    open_picks: Counter[str] = field(default_factory=Counter)
     # Adapters the last scrape showed in use with none of this router's picks open.
     others: frozenset[str] = frozenset()
-
-    @property
-    def ours(self) -> Counter[str]:
-        """This router's open picks, per adapter."""
-        return Counter(model for model, _, _ in self.picks.values())
 
     def is_adapter(self, model: str) -> bool:
         """Whether ``model`` names an adapter on this pod (it runs LoRA, and that is not
@@ -113,7 +106,7 @@ class Adapters:
         names = tuple(in_use)  # touched in the engine's order, not a set's (hash-seeded)
         self.reported = frozenset(names)
         young, slotted = self._settle(now, self.reported, deferred)
-        ours = self.ours
+        ours = self.open_picks
         self.others = frozenset(n for n in names if not ours[n])
         self.in_use = set(names) | young
         for name in (*(names if running is None else running), *sorted(slotted)):
@@ -146,6 +139,7 @@ class Adapters:
         number = next(_pick_numbers)
         waits = self.waits_for_slot(model)
         self.picks[number] = (model, seen_by, waits)
+        self.open_picks[model] += 1
         self.in_use.add(model)
         if not waits:
             self._touch(model)
@@ -156,14 +150,13 @@ class Adapters:
         """Pick ``number`` has been answered: with no pick of its adapter left, the
         adapter is no longer in use, unless others' requests were using it. A pick
         already settled by a scrape, or not this pod's, changes nothing."""
-        pick = self.picks.pop(number, None)
-        if pick is None:
+        if number not in self.picks:
             return
-        model = pick[0]
+        model = self._close(number)
         if model not in self.loaded:  # it waited for its slot, and got it: it ran
             self._touch(model)
             self._trim()
-        if model not in self.others and all(m != model for m, _, _ in self.picks.values()):
+        if model not in self.others and not self.open_picks[model]:
             self.in_use.discard(model)
             self._admit_waiting()
 
@@ -184,14 +177,24 @@ class Adapters:
                 if not waited:
                     slotted.add(model)
             elif seen_by < now - OPEN_FOR_S:
-                del self.picks[number]
+                self._close(number)
             elif model not in shown:
                 if waited and deferred > 0:  # still waiting for its slot
                     deferred -= 1
                     young.add(model)
                 else:
-                    del self.picks[number]
+                    self._close(number)
         return young, slotted
+
+    def _close(self, number: int) -> str:
+        """Pick ``number`` is no longer open; returns its adapter."""
+        model = self.picks.pop(number)[0]
+        left = self.open_picks[model] - 1
+        if left:
+            self.open_picks[model] = left
+        else:
+            del self.open_picks[model]
+        return model
 
     def cost_ms(self, model: str, load_ms: float, busy_ms: float) -> float:
         """Milliseconds ``model`` adds to a request's TTFT here: 0 for the base model
@@ -215,13 +218,22 @@ class Adapters:
         the adapter's requests in flight (Little's law), less the one that holds the
         slot: this router's open picks of it, one where only a scrape showed it. The
         adapters already waiting take the first slots to free."""
-        ours, loaded = self.ours, self.loaded
+        ours, loaded = self.open_picks, self.loaded
         others = [name for name in self.in_use if name != model]
         holding = sorted(_gap_answers(ours[name] - 1) for name in others if name in loaded)
         if not holding:
             return 1.0
         rounds, turn = divmod(len(others) - len(holding), len(holding))
         return holding[turn] * (1 + rounds)
+
+    def state(self, model: str) -> str:
+        """What ``model`` needs here, for the trace: "" (no adapter here), "loaded",
+        "load" (a slot to take) or "wait" (every slot held by an adapter in use)."""
+        if not self.is_adapter(model):
+            return ""
+        if model in self.loaded:
+            return "loaded"
+        return "wait" if self.waits_for_slot(model) else "load"
 
     def waits_for_slot(self, model: str) -> bool:
         """Whether a request for ``model`` waits here for a slot: it is not loaded, and
@@ -270,22 +282,27 @@ def _gap_answers(rd: float) -> float:
 @dataclass(frozen=True, slots=True)
 class LoraCost:
     """A pipeline scorer: what the request's adapter costs on each pod (``Adapters``),
-    0 for the base model. ``load_ms``: loading an adapter into a slot; ``busy_ms``:
+    0 for the base model. ``load_ms``: loading an adapter into a slot (unset: the
+    destination's TTFT model's ``adapter_load_ms``, 100 ms on the GPU models, 1 ms on the
+    real-engine tier's CPU pods; the pods' pace is learned with the same, ``load.py``);
+    ``busy_ms``:
     waiting for a slot when every one holds an adapter in use: until one adapter's
     requests have all finished, about one answer's decode (unset: the destination's
     TTFT model's ``decode_ms``, 1,980 ms on the default 70B model as the flat 2 s it
     replaced, 225 ms on the real-engine tier's CPU pods)."""
 
-    load_ms: float = DEFAULT_LOAD_MS
+    load_ms: float | None = None
     busy_ms: float | None = None
 
     def __post_init__(self) -> None:
-        if not (self.load_ms >= 0 and (self.busy_ms is None or self.busy_ms >= 0)):
+        if not all(ms is None or ms >= 0 for ms in (self.load_ms, self.busy_ms)):
             raise ValueError("load_ms and busy_ms must not be negative")
 
     def __call__(self, c: Candidates) -> list[float]:
         load, model = c.fleet.load, c.request.model
         load_ms, busy_ms = self.load_ms, self.busy_ms
+        if load_ms is None:
+            load_ms = c.model.adapter_load_ms
         if busy_ms is None:
             busy_ms = c.model.decode_ms()
         return [load[slot].lora.cost_ms(model, load_ms, busy_ms) for slot in c.slots]

@@ -96,6 +96,14 @@ def scorers(settings: Settings) -> tuple[Weighted, ...]:
     )
 
 
+def adapter_load_ms(settings: Settings) -> float | None:
+    """The ``lora`` scorer's ``load_ms`` where the pipeline sets one: what the pods' pace
+    is learned with too (``load.py``), so the one figure prices and predicts a load.
+    None: each destination's TTFT model's."""
+    found = (w.scorer for w in scorers(settings) if isinstance(w.scorer, LoraCost))
+    return next((lora.load_ms for lora in found), None)
+
+
 def picker(settings: Settings, *, balance_new: bool = False) -> Any:
     """The picker; the built-in one takes its slack from ``router.affinity_slack`` and
     ``affinity_slack_ms`` unless its args say otherwise."""

@@ -54,7 +54,6 @@ from typing import Any
 from aiohttp import web
 
 from ..latency import DEFAULT_MODEL, MODELS, get_model
-from ..routing.lora import DEFAULT_LOAD_MS
 from .engine import CapacityError, Engine, Prompt
 from .kv_events import KVEventPublisher, KVEventsConfig
 from .kvcache import PrefixCache, text_tokens
@@ -128,7 +127,7 @@ class SimConfig:
     enable_lora: bool = False
     max_loras: int = 1  # vLLM's default
     lora_modules: tuple[str, ...] = ()  # the adapters' names
-    lora_load_ms: float = DEFAULT_LOAD_MS  # sim only: model time to load one
+    lora_load_ms: float | None = None  # sim only: model time to load one (its model's)
 
     def __post_init__(self) -> None:
         if self.lora_modules and not self.enable_lora:
@@ -147,9 +146,10 @@ class SimPod:
             if events is not None and events.enabled
             else None
         )
-        self.lora = (
-            AdapterSlots(config.max_loras, config.lora_load_ms) if config.enable_lora else None
-        )
+        load_ms = config.lora_load_ms
+        if load_ms is None:
+            load_ms = get_model(config.ttft_model).adapter_load_ms
+        self.lora = AdapterSlots(config.max_loras, load_ms) if config.enable_lora else None
         if self.lora is not None:  # registered in order at start, as vLLM's server does
             for name in config.lora_modules:
                 self.lora.adapter_id(name)
@@ -1002,7 +1002,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_non_negative_float,
         default=d.lora_load_ms,
         metavar="MS",
-        help="sim only: model time to load an adapter into a slot (default: %(default)s)",
+        help="sim only: model time to load an adapter into a slot (default: the TTFT "
+        "model's, 100 ms on the GPU models, 1 on vllm-cpu-tiny)",
     )
 
 

@@ -317,7 +317,10 @@ class _Run:
         s = self.settings
         if not s.max_loras:
             return None
-        return AdapterSlots(s.max_loras, s.lora_load_ms, clock=lambda: self.now)
+        load_ms = s.lora_load_ms
+        if load_ms is None:
+            load_ms = self.model.adapter_load_ms
+        return AdapterSlots(s.max_loras, load_ms, clock=lambda: self.now)
 
     def _new_cache(self, pods: int) -> PrefixCache:
         s = self.settings

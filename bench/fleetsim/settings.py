@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ace_extproc import latency, vllm_pods
-from ace_extproc.routing.lora import DEFAULT_LOAD_MS
 from bench.workloads.base import Workload
 
 
@@ -49,9 +48,9 @@ class SimSettings:
     # registered on every pod, as with --lora-modules listing them all).
     max_loras: int = 0
     base_model: str = "sim-llama"
-    # Model time to load an adapter into a slot (ace_extproc.sim.lora): the router's
-    # estimate (routing/lora.py's DEFAULT_LOAD_MS) unless set otherwise.
-    lora_load_ms: float = DEFAULT_LOAD_MS
+    # Model time to load an adapter into a slot (ace_extproc.sim.lora). None: the TTFT
+    # model's ``adapter_load_ms``, what the router prices it at.
+    lora_load_ms: float | None = None
     # Pods slower (or faster) than the TTFT model the router prices them by: pod i's
     # prefill and steps take ``pod_slowdown[i % len]`` times the model's (another GPU
     # generation in the pool, a throttled or shared host). Empty: as modelled.
@@ -74,7 +73,7 @@ class SimSettings:
             raise ValueError("event_delay_s must be >= 0")
         if self.kv_events and self.pooled_cache:
             raise ValueError("kv_events: a pooled cache is no pod's own (no events to publish)")
-        if self.max_loras < 0 or not self.lora_load_ms >= 0:
+        if self.max_loras < 0 or not (self.lora_load_ms is None or self.lora_load_ms >= 0):
             raise ValueError("max_loras and lora_load_ms must not be negative")
         latency.get_model(self.ttft_model)  # raises on an unknown name
         if not all(0 < f < 1000 for f in self.pod_slowdown):
