@@ -41,19 +41,27 @@ def test_slots_admit_up_to_max_loras_adapters_and_evict_the_least_recent_unused(
     slots.queued("d")
     assert slots.admit("c") == LOAD_MS  # takes the slot of "a": loaded, but unused
     assert list(slots.loaded) == ["b", "c"] and (slots.loads, slots.evictions) == (3, 1)
+    # vLLM 0.32 learns of a request from its first output: "b" and "c" run but are still
+    # prefilling, so neither label names them yet; "d", waiting for a slot, is in
+    # neither ever: it counts as a deferred request.
+    assert slots.info_series()[-1][0]["running_lora_adapters"] == ""
+    slots.first_token("c")
+    slots.first_token("b")
     series = slots.info_series()
-    # vLLM 0.32 names the scheduled requests' adapters in both labels; "d", waiting for
-    # a slot, is in neither: it counts as a deferred request.
+    # Then both labels name them, in the order they were first named.
     assert series[-1] == (
-        {"max_lora": "2", "waiting_lora_adapters": "b,c", "running_lora_adapters": "b,c"},
-        100.0,
+        {"max_lora": "2", "waiting_lora_adapters": "c,b", "running_lora_adapters": "c,b"},
+        101.0,
     )
     assert slots.deferred() == 1
     slots.release("c")
     assert slots.deferred() == 0  # a slot to take: "d" is merely queued
-    later = slots.info_series()  # a new combination: a new series, the old one kept
-    assert [stamp for _, stamp in later] == [100.0, 101.0]
+    later = slots.info_series()  # a new combination: a new series, the old ones kept
+    assert [stamp for _, stamp in later] == [100.0, 101.0, 102.0]
     assert later[-1][0]["waiting_lora_adapters"] == later[-1][0]["running_lora_adapters"] == "b"
+    slots.admit("d")
+    slots.release("d", named=False)  # aborted before its first token: never named
+    assert slots.info_series()[-1][0]["running_lora_adapters"] == "b"
     with pytest.raises(ValueError, match="max_loras"):
         AdapterSlots(0, LOAD_MS)
 
@@ -130,11 +138,12 @@ def test_the_http_pod_serves_registered_adapters_and_exports_vllms_lora_metric()
                 text = await resp.text()
             slots = server.pod.lora
             assert slots is not None
-            idle = (dict(slots.running), dict(slots.waiting))
+            idle = (dict(slots.running), dict(slots.named), dict(slots.waiting))
             slots.running, slots.waiting = {"sql": 1, "legal": 1}, {"chat": 2}  # slots full
+            slots.named = dict(slots.running)
             async with s.get("/metrics") as resp:
                 busy = metrics_text.parse(await resp.text())
-            slots.running, slots.waiting = idle
+            slots.running, slots.named, slots.waiting = idle
         line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
         # Labels in the order the real vLLM 0.32 writes them (docs/engines.md).
         assert line.startswith('vllm:lora_requests_info{max_lora="2",running_lora_adapters=""')

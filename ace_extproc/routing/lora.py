@@ -31,9 +31,11 @@ The router's view of a pod (``Adapters``), kept by ``load.py``:
   keeps it in its slot until another needs the slot), the least recently used
   forgotten first, ``max_lora`` at most; a slot freed goes first to an adapter of a
   pick sent to wait for one (``_admit_waiting``), as vLLM's scheduler gives it;
-- vLLM 0.32 names a request waiting for a slot in neither label; it counts it only as
-  deferred (``LoraInfo.deferred``). A pick sent to wait stays open while the scrape says
-  that many requests are deferred, so a scrape does not take it for answered.
+- vLLM 0.32 names a request's adapter in neither label until its first token, whether
+  it waits for the step's token budget, for a slot (then it counts it as deferred,
+  ``LoraInfo.deferred``) or is still prefilling. As many of the picks a scrape does not
+  show as its requests in flight less the adapters it names stay open, so a scrape
+  does not take a queued request for answered.
 
 Prefixes need nothing here: prefix hashes are seeded by tenant and ``model``
 (``prefix.scope_seed``), so two adapters' prompts never match each other's blocks, as
@@ -79,6 +81,9 @@ class Adapters:
     open_picks: Counter[str] = field(default_factory=Counter)
     # Adapters the last scrape showed in use with none of this router's picks open.
     others: frozenset[str] = frozenset()
+    # Whether an answer to a pick here has been heard (Envoy's access log reaches this
+    # router): then answers close picks, and a scrape only those it proves answered.
+    answers_heard: bool = False
 
     def is_adapter(self, model: str) -> bool:
         """Whether ``model`` names an adapter on this pod (it runs LoRA, and that is not
@@ -92,20 +97,20 @@ class Adapters:
         in_use: Iterable[str],
         now: float = 0.0,
         running: Iterable[str] | None = None,
+        unnamed: int = 0,
         deferred: int = 0,
     ) -> None:
         """A scrape's word at ``now``: the adapters in use are those it shows, and those
         of picks it cannot show yet. A pick it could show, of an adapter it shows
-        unused, has been answered, unless it was sent to wait for a slot and the engine
-        has ``deferred`` requests waiting for one (vLLM 0.32 names such a request's
-        adapter in no label). Loaded are the adapters it shows ``running`` (by default
-        all it shows: vLLM 0.32 names only scheduled requests' adapters), and those of
+        unused, has been answered, unless the engine has requests it names in no label
+        (at most ``unnamed``; ``deferred`` of them wait for a slot: ``_settle``). Loaded
+        are the adapters it shows ``running`` (by default all it shows), and those of
         the picks not yet shown that did not wait for a slot."""
         self.base, self.max_lora = base, max(0, max_lora)
         self.reported_slots = True
         names = tuple(in_use)  # touched in the engine's order, not a set's (hash-seeded)
         self.reported = frozenset(names)
-        young, slotted = self._settle(now, self.reported, deferred)
+        young, slotted = self._settle(now, self.reported, unnamed, deferred)
         ours = self.open_picks
         self.others = frozenset(n for n in names if not ours[n])
         self.in_use = set(names) | young
@@ -153,6 +158,7 @@ class Adapters:
         if number not in self.picks:
             return
         model = self._close(number)
+        self.answers_heard = True
         if model not in self.loaded:  # it waited for its slot, and got it: it ran
             self._touch(model)
             self._trim()
@@ -161,16 +167,26 @@ class Adapters:
             self._admit_waiting()
 
     def _settle(
-        self, now: float, shown: frozenset[str], deferred: int = 0
+        self, now: float, shown: frozenset[str], unnamed: int = 0, deferred: int = 0
     ) -> tuple[set[str], set[str]]:
         """Closes the picks a scrape at ``now`` showing ``shown`` in use says were
         answered (it could show them, and does not show their adapter), and those older
-        than ``OPEN_FOR_S`` (their answers lost, or no access log); the oldest picks sent
-        to wait for a slot stay open while the engine says that many requests wait for
-        one (``deferred``). Returns the adapters of the picks open and not shown, and of
-        those that took a slot."""
+        than ``OPEN_FOR_S`` (their answers lost, or no access log). vLLM 0.32 names a
+        request's adapter only from its first token on: one queued for the step's token
+        budget, deferred for a slot or still prefilling is in neither label. Where
+        answers are heard, as many of the picks not shown as the engine may have such
+        requests (``unnamed``) stay open, those sent to wait for a slot first, then the
+        newest (the engine schedules in arrival order): closing them had the router
+        count a busy pod's slots free, and on the real pods an adapter sent there
+        waited behind a whole batch (2-7.5 s) while the other pod had slots free. Where
+        none are heard, the scrapes alone close picks, and that bound, which counts
+        every request of a named adapter but one, would hold answered ones open: only
+        the picks sent to wait stay open, as many as wait for a slot (``deferred``).
+        Returns the adapters of the picks open and not shown, and of those that took a
+        slot."""
         young: set[str] = set()
         slotted: set[str] = set()
+        unshown: list[int] = []  # oldest first
         for number, (model, seen_by, waited) in list(self.picks.items()):
             if seen_by > now:
                 young.add(model)
@@ -179,9 +195,18 @@ class Adapters:
             elif seen_by < now - OPEN_FOR_S:
                 self._close(number)
             elif model not in shown:
-                if waited and deferred > 0:  # still waiting for its slot
-                    deferred -= 1
-                    young.add(model)
+                unshown.append(number)
+        if unshown:
+            picks = self.picks
+            waiting = [n for n in unshown if picks[n][2]]  # sent to wait for a slot
+            keep = deferred
+            if self.answers_heard:
+                waiting += [n for n in reversed(unshown) if not picks[n][2]]  # newest first
+                keep = max(unnamed, deferred)
+            kept = set(waiting[:keep])
+            for number in unshown:
+                if number in kept:
+                    young.add(picks[number][0])
                 else:
                     self._close(number)
         return young, slotted

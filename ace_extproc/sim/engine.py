@@ -241,7 +241,7 @@ class Engine:
             self.cache.release(req.alloc)
             self.running -= 1
             if req.adapter is not None and self.lora is not None:
-                self.lora.release(req.adapter)
+                self.lora.release(req.adapter, named=req.generated > 0)
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
             self._wake()
 
@@ -352,6 +352,8 @@ class Engine:
             self._prefill_task = asyncio.create_task(self._prefill_loop())
         await fut  # the prefill loop has committed its blocks
         req.generated = 1  # the first token comes out of the prefill step
+        if req.adapter is not None and self.lora is not None:
+            self.lora.first_token(req.adapter)
         req.ttft_s = req.wait_s + (self._prefill_clock_ms - req.prefill_enqueued_ms) / 1000
         stats = self.stats
         stats.prompt_tokens += req.num_tokens

@@ -19,8 +19,10 @@ What vLLM does, and what is kept here:
 - ``vllm:lora_requests_info``: a gauge whose labels name the adapters of the running
   requests, comma-separated, and ``max_lora``; its value is the time the engine last saw
   that combination, one series per combination (``info_series``). vLLM 0.32 fills its
-  ``waiting_lora_adapters`` with the same names (``LoRARequestStates`` fills both from
-  the scheduled requests): a request waiting for a slot is in neither label, only in
+  ``waiting_lora_adapters`` with the same names, and learns of a request only from its
+  first output (``LoRARequestStates`` reads the scheduler's events, which ride on a
+  request's outputs): a request queued, deferred for a slot or still prefilling is in
+  neither label (``named``); one deferred is counted in
   ``vllm:num_requests_waiting_by_reason{reason="deferred"}`` (``deferred``).
   vLLM sets it from the scheduler's stats after an engine step, so an engine that has
   had no request yet (just started, or just added to a fleet) shows no sample at all:
@@ -58,6 +60,8 @@ class AdapterSlots:
         self.clock = clock
         self.loaded: OrderedDict[str, None] = OrderedDict()  # in slots, LRU first
         self.running: dict[str, int] = {}  # admitted requests per adapter
+        # Those past their first token: what the gauge names, in the order first named.
+        self.named: dict[str, int] = {}
         self.waiting: dict[str, int] = {}  # queued requests per adapter
         self.loads = 0  # adapters loaded into a slot
         self.reporting = False  # whether the engine has had a request (the gauge has a sample)
@@ -117,9 +121,17 @@ class AdapterSlots:
             return 0
         return sum(n for name, n in self.waiting.items() if name not in self.running)
 
-    def release(self, adapter: str) -> None:
-        """A running request for ``adapter`` finished; the adapter stays in its slot."""
+    def first_token(self, adapter: str) -> None:
+        """A running request for ``adapter`` produced its first token: the gauge names it
+        from now on."""
+        self.named[adapter] = self.named.get(adapter, 0) + 1
+
+    def release(self, adapter: str, named: bool = True) -> None:
+        """A running request for ``adapter`` finished (``named``: past its first token);
+        the adapter stays in its slot."""
         _drop(self.running, adapter)
+        if named:
+            _drop(self.named, adapter)
 
     # -- the metric -------------------------------------------------------------------
     def info_series(self) -> list[tuple[dict[str, str], float]]:
@@ -128,7 +140,7 @@ class AdapterSlots:
         none before the engine's first request."""
         if not self.reporting:
             return []
-        running = ",".join(self.running)
+        running = ",".join(self.named)
         key = (running, running)  # vLLM 0.32: the waiting label repeats the running one
         series = self._series
         series.pop(key, None)

@@ -169,6 +169,8 @@ class SimPod:
                 done_prefill = True
                 job.first_token_s = now
                 self.first_tokens += 1
+                if job.adapter is not None and self.lora is not None:
+                    self.lora.first_token(job.adapter)
                 self.first_token_s += now - job.arrival_s
                 if job.output_tokens <= 1:
                     self._finish(job, now)
@@ -294,7 +296,7 @@ class SimPod:
         assert job.alloc is not None and job.cache is not None
         job.cache.release(job.alloc)
         if job.adapter is not None and self.lora is not None:
-            self.lora.release(job.adapter)
+            self.lora.release(job.adapter, named=job.first_token_s >= 0)
         job.alloc = None
         job.keys = []
         job.prompt = b""

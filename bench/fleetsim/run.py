@@ -390,13 +390,12 @@ class _Run:
         for pod in self.pods:
             kv = min(1.0, pod.cache.used_blocks / self.usage_blocks)
             lora = pod.lora
-            # vllm:lora_requests_info's newest sample: the adapters in use, the slots.
+            # vllm:lora_requests_info's newest sample: the slots, and the adapters of the
+            # requests past their first token (vLLM names no other).
             info = (
                 None
                 if lora is None or not lora.reporting  # as vLLM: no sample before a request
-                else LoraInfo(
-                    lora.max_loras, tuple(lora.running), tuple(lora.running), lora.deferred()
-                )
+                else LoraInfo(lora.max_loras, tuple(lora.named), tuple(lora.named), lora.deferred())
             )
             ttft = (pod.first_tokens, pod.first_token_s)
             for proc in views:

@@ -209,6 +209,40 @@ def test_lora_requests_info_names_the_running_adapters(pod: Pod) -> None:
     assert final["running_lora_adapters"] == "" and final["waiting_lora_adapters"] == ""
 
 
+def test_a_request_is_named_only_from_its_first_token(pod: Pod) -> None:
+    """vLLM learns of a request's adapter from the events on its outputs, so while a
+    long prompt is still prefilling, the engine counts it running and names its adapter
+    in no label; from its first token on, both name it. (The router keeps its picks that
+    no label names open by this: ``routing/lora.py``, ``Adapters._settle``.)"""
+    prompt = f"{time.time_ns()} " + " ".join(f"w{i % 977}" for i in range(12_000))
+
+    async def run() -> tuple[list[tuple[float, str]], float]:
+        task = asyncio.create_task(chat(pod.url, "lora-6", prompt, 200, ignore_eos=True))
+        start = time.perf_counter()
+        seen = []
+        async with aiohttp.ClientSession() as http:
+            while not task.done():
+                async with http.get(pod.url + "/metrics") as r:
+                    seen.append((time.perf_counter() - start, await r.text()))
+                await asyncio.sleep(0.02)
+        return seen, (await task)["ttft_ms"] / 1000
+
+    seen, first_token_s = pod.run(run())
+
+    def named(text: str) -> bool:
+        samples = lora_info(text)
+        return bool(samples) and "lora-6" in adapters(samples[0][0]["running_lora_adapters"])
+
+    prefilling = [
+        text
+        for at, text in seen
+        if at < first_token_s - 0.05 and metric(text, "vllm:num_requests_running") >= 1
+    ]
+    assert prefilling, f"no scrape while it prefilled ({first_token_s:.2f} s to its first token)"
+    assert not any(named(text) for text in prefilling)
+    assert any(named(text) for at, text in seen if at > first_token_s), "never named"
+
+
 def test_every_adapter_answers_as_its_own_model(pod: Pod) -> None:
     prompt = "Tell me about the ledger."
     texts = {m: pod.chat(m, prompt, 6)["text"] for m in ("tiny", "lora-3", "lora-4", "lora-5")}
