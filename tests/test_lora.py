@@ -141,49 +141,48 @@ def test_a_deferred_request_stays_waiting_though_no_label_names_it() -> None:
     view = Adapters()
     view.scraped(BASE, 2, ["a", "b"])
     view.picked("c", seen_by=1.0)
-    view.scraped(BASE, 2, ["a", "b"], now=2.0, unnamed=1, deferred=1)  # shows it nowhere
+    view.scraped(BASE, 2, ["a", "b"], now=2.0, deferred=1)  # shows it nowhere
     assert "c" in view.in_use and view.waits_for_slot("d")
     view.scraped(BASE, 2, ["a", "b"], now=3.0)  # none deferred: it ran and was answered
     assert "c" not in view.in_use and not view.picks
     # Deferred requests beyond this router's picks are others': only its own stay open.
     first, second = view.picked("c", seen_by=4.0), view.picked("d", seen_by=4.0)
-    view.scraped(BASE, 2, ["a", "b"], now=5.0, unnamed=1, deferred=1)
+    view.scraped(BASE, 2, ["a", "b"], now=5.0, deferred=1)
     assert [m for m, _, _ in view.picks.values()] == ["c"] and first in view.picks
     assert second not in view.picks
 
 
-def test_a_request_queued_for_the_token_budget_keeps_its_adapter_in_use() -> None:
+def test_where_answers_are_heard_they_alone_close_the_picks() -> None:
     """vLLM names a request's adapter only from its first token: one queued for the
-    step's token budget, or prefilling, is in no label. Where answers are heard (they
-    close the picks), the newest picks a scrape does not show stay open, as many as the
-    engine may have such requests. Closed, they had a busy real pod's four slots counted
-    with one free, and an adapter sent there waited behind the whole batch (7.5 s)
-    while the other pod had slots free."""
+    step's token budget, or prefilling, is in no label, so a scrape cannot tell it from
+    an answered one. Where answers are heard, a scrape closes no pick. (Closed by a
+    scrape, they had a busy real pod's four slots counted with one free, and an adapter
+    sent there waited behind the whole batch, 7.5 s, while the other pod had slots
+    free.)"""
     view = Adapters()
     view.scraped(BASE, 4, [])
     view.answered(view.picked("z", seen_by=0.5))  # Envoy's access log reaches us
-    old, a, b = (view.picked(m, seen_by=1.0) for m in ("x", "a", "b"))
-    view.scraped(BASE, 4, ["c"], now=2.0, unnamed=2)  # "c" others'; x, a, b not shown
-    assert view.in_use == {"a", "b", "c"} and old not in view.picks  # x was answered
-    assert view.waits_for_slot("d") is False  # three in use of four
-    view.picked("d", seen_by=3.0)
-    assert view.state("e") == "wait"  # a, b, c, d: every slot's adapter in use
-    view.scraped(BASE, 4, ["a", "c", "d"], now=4.0, unnamed=0)  # b's answer went unheard
-    assert set(view.in_use) == {"a", "c", "d"} and b not in view.picks and a in view.picks
+    a, b, c = (view.picked(m, seen_by=1.0) for m in ("a", "b", "c"))
+    view.scraped(BASE, 4, ["x"], now=2.0)  # "x" others'; a, b, c queued: in no label
+    assert view.in_use == {"a", "b", "c", "x"} and set(view.picks) == {a, b, c}
+    assert view.state("d") == "wait"  # every slot's adapter in use
+    view.answered(b)
+    view.scraped(BASE, 4, ["a", "x"], now=3.0)
+    assert view.in_use == {"a", "c", "x"} and view.state("d") == "load"
+    view.scraped(BASE, 4, [], now=1.0 + OPEN_FOR_S + 1)  # answers lost: let go at last
+    assert not view.picks and not view.in_use
 
 
 def test_without_answers_a_scrape_keeps_open_only_the_picks_waiting_for_a_slot() -> None:
-    """Where no answer is ever heard (no access log), the scrapes alone close picks;
-    the bound of requests in no label counts every request of a named adapter but one,
-    and would hold answered picks open (the simulation's lora-mix without the access
-    log: TTFT p99 3x). Only the picks sent to wait for a slot stay open, as many as
-    the engine says are deferred."""
+    """Where no answer is heard (no access log), the scrapes alone close picks: one
+    that a scrape could show and does not was answered, unless it was sent to wait for
+    a slot and the engine counts that many requests deferred."""
     view = Adapters()
     view.scraped(BASE, 2, [])
     view.picked("a", seen_by=1.0)
     running = view.picked("b", seen_by=1.0)
     waiting = view.picked("c", seen_by=1.0)
-    view.scraped(BASE, 2, ["b"], now=2.0, unnamed=3, deferred=1)  # "a" answered
+    view.scraped(BASE, 2, ["b"], now=2.0, deferred=1)  # "a" answered
     assert list(view.picks) == [running, waiting] and view.in_use == {"b", "c"}
 
 
@@ -608,7 +607,7 @@ def test_the_open_picks_count_stays_that_of_the_picks_open() -> None:
             view.answered(numbers.pop(rng.randrange(len(numbers))))
         elif op < 0.95:
             shown = rng.sample("abcdef", rng.randrange(4))
-            view.scraped(BASE, 3, shown, now, unnamed=rng.randrange(3))
+            view.scraped(BASE, 3, shown, now, deferred=rng.randrange(3))
         else:
             view.idle(now + rng.choice((0.0, OPEN_FOR_S * 2)))
         assert view.open_picks == Counter(m for m, _, _ in view.picks.values())

@@ -177,18 +177,8 @@ class LoadAccounting:
         now = self.clock()
         destination = self.fleet.pods[slot].destination
         if lora is not None:
-            # At most this many of its requests are named in no label (each adapter it
-            # names has one at least): vLLM names a request's adapter only from its
-            # first token on, not while it waits or prefills.
-            unnamed = max(running + waiting, lora.deferred) - len(set(lora.in_use))
             load.lora.scraped(
-                base_model,
-                lora.max_lora,
-                lora.in_use,
-                now,
-                lora.running,
-                max(0, unnamed),
-                lora.deferred,
+                base_model, lora.max_lora, lora.in_use, now, lora.running, lora.deferred
             )
             self._lora_slots[destination] = load.lora.max_lora
         elif not load.lora.reported_slots:

@@ -33,9 +33,9 @@ The router's view of a pod (``Adapters``), kept by ``load.py``:
   pick sent to wait for one (``_admit_waiting``), as vLLM's scheduler gives it;
 - vLLM 0.32 names a request's adapter in neither label until its first token, whether
   it waits for the step's token budget, for a slot (then it counts it as deferred,
-  ``LoraInfo.deferred``) or is still prefilling. As many of the picks a scrape does not
-  show as its requests in flight less the adapters it names stay open, so a scrape
-  does not take a queued request for answered.
+  ``LoraInfo.deferred``) or is still prefilling. So where answers are heard, a scrape
+  closes no pick: it cannot tell a queued request from an answered one. Without
+  answers, a pick sent to wait stays open while the engine counts that many deferred.
 
 Prefixes need nothing here: prefix hashes are seeded by tenant and ``model``
 (``prefix.scope_seed``), so two adapters' prompts never match each other's blocks, as
@@ -97,20 +97,18 @@ class Adapters:
         in_use: Iterable[str],
         now: float = 0.0,
         running: Iterable[str] | None = None,
-        unnamed: int = 0,
         deferred: int = 0,
     ) -> None:
         """A scrape's word at ``now``: the adapters in use are those it shows, and those
-        of picks it cannot show yet. A pick it could show, of an adapter it shows
-        unused, has been answered, unless the engine has requests it names in no label
-        (at most ``unnamed``; ``deferred`` of them wait for a slot: ``_settle``). Loaded
-        are the adapters it shows ``running`` (by default all it shows), and those of
-        the picks not yet shown that did not wait for a slot."""
+        of this router's open picks (``_settle``: closed by their answers, or by a
+        scrape where no answer is heard; ``deferred``: its requests waiting for a slot).
+        Loaded are the adapters it shows ``running`` (by default all it shows), and
+        those of the picks not yet shown that did not wait for a slot."""
         self.base, self.max_lora = base, max(0, max_lora)
         self.reported_slots = True
         names = tuple(in_use)  # touched in the engine's order, not a set's (hash-seeded)
         self.reported = frozenset(names)
-        young, slotted = self._settle(now, self.reported, unnamed, deferred)
+        young, slotted = self._settle(now, self.reported, deferred)
         ours = self.open_picks
         self.others = frozenset(n for n in names if not ours[n])
         self.in_use = set(names) | young
@@ -167,23 +165,19 @@ class Adapters:
             self._admit_waiting()
 
     def _settle(
-        self, now: float, shown: frozenset[str], unnamed: int = 0, deferred: int = 0
+        self, now: float, shown: frozenset[str], deferred: int = 0
     ) -> tuple[set[str], set[str]]:
         """Closes the picks a scrape at ``now`` showing ``shown`` in use says were
-        answered (it could show them, and does not show their adapter), and those older
-        than ``OPEN_FOR_S`` (their answers lost, or no access log). vLLM 0.32 names a
-        request's adapter only from its first token on: one queued for the step's token
-        budget, deferred for a slot or still prefilling is in neither label. Where
-        answers are heard, as many of the picks not shown as the engine may have such
-        requests (``unnamed``) stay open, those sent to wait for a slot first, then the
-        newest (the engine schedules in arrival order): closing them had the router
-        count a busy pod's slots free, and on the real pods an adapter sent there
-        waited behind a whole batch (2-7.5 s) while the other pod had slots free. Where
-        none are heard, the scrapes alone close picks, and that bound, which counts
-        every request of a named adapter but one, would hold answered ones open: only
-        the picks sent to wait stay open, as many as wait for a slot (``deferred``).
-        Returns the adapters of the picks open and not shown, and of those that took a
-        slot."""
+        answered, and those older than ``OPEN_FOR_S`` (their answers lost). vLLM 0.32
+        names a request's adapter only from its first token on, so a scrape cannot tell
+        an answered request from one queued for the step's token budget, prefilling or
+        deferred for a slot. Where answers are heard, they alone close the picks: a
+        scrape that closed those it did not show had a busy pod's slots counted free,
+        and on the real pods an adapter sent there waited behind a whole batch (2-7.5
+        s) while the other pod had free slots. Where none are heard, the scrapes must:
+        a pick it could show and does not was answered, unless it was sent to wait for
+        a slot and the engine counts that many requests deferred. Returns the adapters
+        of the picks open and not shown, and of those that took a slot."""
         young: set[str] = set()
         slotted: set[str] = set()
         unshown: list[int] = []  # oldest first
@@ -196,17 +190,14 @@ class Adapters:
                 self._close(number)
             elif model not in shown:
                 unshown.append(number)
-        if unshown:
-            picks = self.picks
-            waiting = [n for n in unshown if picks[n][2]]  # sent to wait for a slot
-            keep = deferred
-            if self.answers_heard:
-                waiting += [n for n in reversed(unshown) if not picks[n][2]]  # newest first
-                keep = max(unnamed, deferred)
-            kept = set(waiting[:keep])
+        if self.answers_heard:  # their answers close them
+            young.update(self.picks[number][0] for number in unshown)
+        else:
             for number in unshown:
-                if number in kept:
-                    young.add(picks[number][0])
+                model, _, waited = self.picks[number]
+                if waited and deferred > 0:  # still waiting for its slot
+                    deferred -= 1
+                    young.add(model)
                 else:
                     self._close(number)
         return young, slotted
