@@ -47,6 +47,7 @@ class Outcome:
     # What the request's LoRA adapter needed on the picked pod, as the router saw it:
     # "loaded", "load" or "wait" for a slot (routing/lora.py); "" for none.
     adapter: str = ""
+    adapter_slots: str = ""  # the slots other adapters in use held there, as "3/4"
 
     @property
     def trace(self) -> str:
@@ -57,5 +58,5 @@ class Outcome:
         if self.previous_response:
             trace += f",previous_response={self.previous_response}"
         if self.adapter:
-            trace += f",adapter={self.adapter}"
+            trace += f",adapter={self.adapter},adapter_slots_busy={self.adapter_slots}"
         return trace

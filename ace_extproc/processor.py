@@ -364,7 +364,9 @@ class Processor:
         if self.placements is not None:
             self.placements.note(hashes.prefix_key, pick.slot)
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
-        adapter = self.fleet.load[pick.slot].lora.state(parsed.model)
+        slots = self.fleet.load[pick.slot].lora
+        adapter = slots.state(parsed.model)
+        adapter_slots = slots.busy_slots(parsed.model) if adapter else ""
         lora_pick = 0
         if mode is Mode.PROD:  # shadow's pick is not sent there: only scrapes say its load
             lora_pick = self.load.sent(pick.slot, prompt_tokens - saved, saved, parsed.model)
@@ -389,6 +391,7 @@ class Processor:
             store_tenant=ctx.tenant if parsed.stored else "",
             previous_response=previous,
             adapter=adapter,
+            adapter_slots=adapter_slots,
         )
         picked_at = perf_counter_ns()
         rewrite_ns = 0
@@ -465,7 +468,9 @@ class Processor:
         # The turn's own tokens are prefilled there (shadow's turn is not sent there);
         # its stored history, cached or not, is the engine's to count (the router never
         # saw it): no estimate of reuse.
-        adapter = self.fleet.load[home.slot].lora.state(parsed.model)
+        slots = self.fleet.load[home.slot].lora
+        adapter = slots.state(parsed.model)
+        adapter_slots = slots.busy_slots(parsed.model) if adapter else ""
         lora_pick = 0
         if mode is Mode.PROD:
             lora_pick = self.load.sent(home.slot, prompt_tokens, 0, parsed.model)
@@ -479,6 +484,7 @@ class Processor:
             store_tenant=ctx.tenant if parsed.stored else "",
             previous_response=PINNED,
             adapter=adapter,
+            adapter_slots=adapter_slots,
         )
         if mode is not Mode.PROD:
             return self._seal(ctx, outcome, body, parsed, destination)

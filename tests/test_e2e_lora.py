@@ -39,12 +39,15 @@ def adapters(samples: Samples, state: str) -> float:
 
 def chat(stack: Client, model: str) -> str:
     """Sends a chat to ``model``; returns what the trace header says its adapter needed
-    on the pod it was pinned to ("" where the trace names none)."""
+    on the pod it was pinned to and how many of its slots other adapters held ("" where
+    the trace names none)."""
     body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "q" * 400}]}
     status, headers, _ = stack.run(stack._post("/v1/chat/completions", body))
     assert status == 200
     fields = dict(f.split("=", 1) for f in headers["x-ace-trace-prefix-kv-cache"].split(","))
-    return fields.get("adapter", "")
+    if "adapter" not in fields:
+        return ""
+    return f"{fields['adapter']} {fields['adapter_slots_busy']}"
 
 
 def test_an_answer_frees_its_adapter_before_the_next_scrape(stack: Client) -> None:
@@ -57,10 +60,10 @@ def test_an_answer_frees_its_adapter_before_the_next_scrape(stack: Client) -> No
     scrapes = value(samples, "ace_pod_scrapes_total")
     samples = wait_for(stack, lambda s: value(s, "ace_pod_scrapes_total") > scrapes, 2 * INTERVAL_S)
     scrapes = value(samples, "ace_pod_scrapes_total")
-    assert chat(stack, "sql") == "load"  # the trace says what the router saw: a free slot
+    assert chat(stack, "sql") == "load 0/2"  # the trace says what the router saw: free slots
     # The pick marked "sql" loaded and in use; its answer, as Envoy's access log reports
     # it (flushed every 0.1 s), takes it out of use, before any scrape could.
     samples = wait_for(stack, lambda s: adapters(s, "loaded") == 1 and not adapters(s, "in_use"))
     assert value(samples, "ace_pod_scrapes_total") == scrapes, "a scrape came first: too slow"
     assert (adapters(samples, "loaded"), adapters(samples, "in_use")) == (1, 0)
-    assert chat(stack, "sql") == "loaded"  # still in its slot: the next one loads nothing
+    assert chat(stack, "sql") == "loaded 0/2"  # still in its slot: the next one loads nothing

@@ -584,8 +584,10 @@ def test_an_adapters_state_names_what_a_request_for_it_needs_there() -> None:
     assert view.state("a") == ""  # no LoRA here (or not scraped yet)
     view.scraped(BASE, 2, ("a", "b"))
     assert (view.state(BASE), view.state("a"), view.state("c")) == ("", "loaded", "wait")
+    assert (view.busy_slots("a"), view.busy_slots("c")) == ("1/2", "2/2")
     view.idle()
     assert view.state("c") == "load"  # an idle adapter's slot to take
+    assert view.busy_slots("c") == "0/2"
 
 
 def test_the_open_picks_count_stays_that_of_the_picks_open() -> None:

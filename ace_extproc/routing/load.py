@@ -32,8 +32,9 @@ The other replicas' placements count too (``routing/replicas.py``).
 LoRA adapters are counted the same way (``lora.py``): a pick of adapter A marks A
 loaded and in use on the pod; the answers Envoy reports to this router's requests for A
 free it (``observe.py``), and each scrape of ``vllm:lora_requests_info`` says what is,
-the picks it cannot show yet kept. (The in-flight count waits for the scrape: an answer
-reported after a scrape that no longer counted its request would be taken off twice.)
+this router's open picks kept (vLLM names a request only from its first token). (The
+in-flight count waits for the scrape: an answer reported after a scrape that no longer
+counted its request would be taken off twice.)
 """
 
 from __future__ import annotations

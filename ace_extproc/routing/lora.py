@@ -82,7 +82,7 @@ class Adapters:
     # Adapters the last scrape showed in use with none of this router's picks open.
     others: frozenset[str] = frozenset()
     # Whether an answer to a pick here has been heard (Envoy's access log reaches this
-    # router): then answers close picks, and a scrape only those it proves answered.
+    # router): then answers alone close picks (or ``OPEN_FOR_S``), not scrapes.
     answers_heard: bool = False
 
     def is_adapter(self, model: str) -> bool:
@@ -172,9 +172,9 @@ class Adapters:
         names a request's adapter only from its first token on, so a scrape cannot tell
         an answered request from one queued for the step's token budget, prefilling or
         deferred for a slot. Where answers are heard, they alone close the picks: a
-        scrape that closed those it did not show had a busy pod's slots counted free,
-        and on the real pods an adapter sent there waited behind a whole batch (2-7.5
-        s) while the other pod had free slots. Where none are heard, the scrapes must:
+        scrape that closed those it did not show counted a busy pod's slots free (on
+        the real pods, adapters priced as having a free slot there waited 2-7.5 s
+        behind a full batch). Where none are heard, the scrapes must:
         a pick it could show and does not was answered, unless it was sent to wait for
         a slot and the engine counts that many requests deferred. Returns the adapters
         of the picks open and not shown, and of those that took a slot."""
@@ -250,6 +250,11 @@ class Adapters:
         if model in self.loaded:
             return "loaded"
         return "wait" if self.waits_for_slot(model) else "load"
+
+    def busy_slots(self, model: str) -> str:
+        """For the trace: the slots held by other adapters in use, of all, as
+        ``"3/4"``."""
+        return f"{len(self.in_use) - (model in self.in_use)}/{self.max_lora}"
 
     def waits_for_slot(self, model: str) -> bool:
         """Whether a request for ``model`` waits here for a slot: it is not loaded, and
