@@ -38,6 +38,7 @@ from typing import Any
 
 from bench import record
 from bench.overhead import percentile
+from bench.workloads import lora
 
 QUANTILES = (0.50, 0.90, 0.95, 0.99)
 # Upper bounds of the uncached-token groups whose TTFT p50 is compared: a fixed cost on
@@ -112,6 +113,31 @@ def _short(r: dict[str, Any]) -> int:
     return promised - cached if trace.get("action") == "hit" and cached < promised / 2 else 0
 
 
+def _pinned(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per router that names its pods, its answered requests in the order sent."""
+    ok = [
+        r
+        for r in records
+        if r["error"] is None
+        and r["pod"] is not None
+        and r.get("sent_s") is not None
+        and r.get("latency_ms") is not None
+    ]
+    mine: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted(ok, key=lambda r: r["sent_s"]):
+        mine.setdefault(r["router"], []).append(r)
+    return mine
+
+
+def _in_flight(mine: Sequence[dict[str, Any]], r: dict[str, Any]) -> list[dict[str, Any]]:
+    """The router's other requests in flight (sent, not yet answered) when ``r`` was
+    sent, as the client saw them."""
+    t = r["sent_s"]
+    return [
+        o for o in mine if o is not r and o["sent_s"] <= t < o["sent_s"] + o["latency_ms"] / 1000
+    ]
+
+
 def spread(runs: Sequence[Sequence[dict[str, Any]]]) -> dict[str, list[dict[str, int]]]:
     """Per router that names its pods: each request that took its family to a pod the
     family had not reached in its run while it had reached another, with what was in
@@ -120,26 +146,12 @@ def spread(runs: Sequence[Sequence[dict[str, Any]]]) -> dict[str, list[dict[str,
     (``others_warm``)."""
     out: dict[str, list[dict[str, int]]] = {}
     for records in runs:
-        ok = [
-            r
-            for r in records
-            if r["error"] is None
-            and r["pod"] is not None
-            and r.get("sent_s") is not None
-            and r.get("latency_ms") is not None
-        ]
-        for router in dict.fromkeys(r["router"] for r in ok):
-            mine = sorted((r for r in ok if r["router"] == router), key=lambda r: r["sent_s"])
+        for router, mine in _pinned(records).items():
             reached: dict[str, set[str]] = {}
             for r in mine:
                 pods = reached.setdefault(r["family"], set())
                 if pods and r["pod"] not in pods:
-                    t = r["sent_s"]
-                    flying = [
-                        o
-                        for o in mine
-                        if o is not r and o["sent_s"] <= t < o["sent_s"] + o["latency_ms"] / 1000
-                    ]
+                    flying = _in_flight(mine, r)
                     on = {pod: [o for o in flying if o["pod"] == pod] for pod in pods}
                     warm = max(sorted(pods), key=lambda pod: len(on[pod]))
                     out.setdefault(router, []).append(
@@ -151,6 +163,41 @@ def spread(runs: Sequence[Sequence[dict[str, Any]]]) -> dict[str, list[dict[str,
                     )
                 pods.add(r["pod"])
     return out
+
+
+def adapter_picks(
+    runs: Sequence[Sequence[dict[str, Any]]], slots: int
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per router whose trace says what a request's LoRA adapter needed on its pod
+    (``adapter=loaded|load|wait``): the requests by that, and by whether the client
+    counted ``slots`` or more other families (adapters) in flight at that pod when it
+    was sent (``full``: a request the router priced as loading into a free slot there
+    waited for one), with their count and TTFT p50 and max."""
+    ttfts: dict[str, dict[str, list[float]]] = {}
+    for records in runs:
+        for router, mine in _pinned(records).items():
+            for r in mine:
+                fields = dict(
+                    f.split("=", 1) for f in (r.get("trace") or "").split(",") if "=" in f
+                )
+                need = fields.get("adapter")
+                if need is None or r.get("ttft_ms") is None:
+                    continue
+                others = {o["family"] for o in _in_flight(mine, r) if o["pod"] == r["pod"]}
+                full = r["family"] not in others and len(others) >= slots
+                key = f"{need}, full" if full else need
+                ttfts.setdefault(router, {}).setdefault(key, []).append(r["ttft_ms"])
+    return {
+        router: {
+            key: {
+                "requests": len(v),
+                "ttft_p50_ms": statistics.median(v),
+                "ttft_max_ms": max(v),
+            }
+            for key, v in sorted(groups.items())
+        }
+        for router, groups in ttfts.items()
+    }
 
 
 def same_pod(runs: Sequence[Sequence[dict[str, Any]]], baseline: str) -> dict[str, list[int]]:
@@ -207,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         "in all: one configuration named differently in different runs (a setting's "
         "old default, say); repeatable",
     )
+    ap.add_argument(
+        "--lora-slots",
+        type=int,
+        default=lora.MAX_LORAS,
+        help="the engines' --max-loras, for adapter_picks (default: lora-mix's, %(default)s)",
+    )
     args = ap.parse_args(argv)
     renames: list[dict[str, str]] = [{} for _ in args.records]
     for spec in args.same:
@@ -260,6 +313,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {what}: " + ", ".join(f"{n}: {c}" for n, c in counts))
         counts = sorted(Counter(m["others_warm"] for m in moved).items())
         print("  other families at its warm pod: " + ", ".join(f"{n}: {c}" for n, c in counts))
+    picks = adapter_picks(runs, args.lora_slots)
+    for router, needs in picks.items():
+        print(
+            f"{router}: what its trace says a request's adapter needed on its pod "
+            f"(full: {args.lora_slots}+ other adapters in flight there): requests, "
+            "TTFT p50, max ms"
+        )
+        for key, g in needs.items():
+            print(f"  {key:<14}{g['requests']:>6}{g['ttft_p50_ms']:>9.0f}{g['ttft_max_ms']:>9.0f}")
     pods = same_pod(runs, args.baseline)
     for router, (same, total) in pods.items():
         print(f"{router}: {same} of {total} requests on {args.baseline}'s pod")
@@ -274,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             "routers": routers,
             "same_pod": pods,
             "spread": {router: len(moved) for router, moved in moves.items()},
+            "adapter_picks": picks,
             "placed_alike": alike,
         }
         record.write(args.out, doc)

@@ -496,6 +496,35 @@ def test_pool_runs_finds_families_taken_to_another_pod() -> None:
     assert pool_runs.spread([run[:1], run[3:4]]) == {}
 
 
+def test_pool_runs_splits_adapter_picks_by_what_the_trace_said_and_the_pods_load() -> None:
+    """Each request whose trace names what its adapter needed is counted by that, and
+    by whether the client counted ``slots`` other adapters in flight at its pod."""
+    from bench import pool_runs
+
+    def rec(family: str, pod: str, sent: float, ttft: float, need: str | None) -> dict[str, Any]:
+        trace = "mode=prod,action=hit" + (f",adapter={need},adapter_slots_busy=1/2" if need else "")
+        return {"router": "ace", "family": family, "pod": pod, "sent_s": sent,
+                "latency_ms": 1000.0, "ttft_ms": ttft, "error": None, "trace": trace}  # fmt: skip
+
+    run = [
+        rec("a", "pod-0", 0.0, 10.0, "load"),
+        rec("b", "pod-0", 0.1, 20.0, "load"),
+        rec("c", "pod-0", 0.2, 900.0, "load"),  # a and b in flight there: full at 2 slots
+        rec("a", "pod-0", 0.3, 30.0, "loaded"),  # its own adapter in flight: no slot needed
+        rec("d", "pod-1", 0.4, 40.0, "wait"),  # the other pod is empty
+        rec("e", "pod-1", 0.5, 50.0, None),  # no adapter named in the trace
+    ]
+    picks = pool_runs.adapter_picks([run], slots=2)
+    assert picks == {
+        "ace": {
+            "load": {"requests": 2, "ttft_p50_ms": 15.0, "ttft_max_ms": 20.0},
+            "load, full": {"requests": 1, "ttft_p50_ms": 900.0, "ttft_max_ms": 900.0},
+            "loaded": {"requests": 1, "ttft_p50_ms": 30.0, "ttft_max_ms": 30.0},
+            "wait": {"requests": 1, "ttft_p50_ms": 40.0, "ttft_max_ms": 40.0},
+        }
+    }
+
+
 def test_a_router_named_twice_runs_twice_its_second_turn_apart(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
