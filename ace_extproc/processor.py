@@ -364,9 +364,7 @@ class Processor:
         if self.placements is not None:
             self.placements.note(hashes.prefix_key, pick.slot)
         saved = min(int(pick.matched_blocks * s.block_bytes / s.bytes_per_token), prompt_tokens - 1)
-        slots = self.fleet.load[pick.slot].lora
-        adapter = slots.state(parsed.model)
-        adapter_slots = slots.busy_slots(parsed.model) if adapter else ""
+        adapter, adapter_slots = self.fleet.load[pick.slot].lora.traced(parsed.model)
         lora_pick = 0
         if mode is Mode.PROD:  # shadow's pick is not sent there: only scrapes say its load
             lora_pick = self.load.sent(pick.slot, prompt_tokens - saved, saved, parsed.model)
@@ -468,9 +466,7 @@ class Processor:
         # The turn's own tokens are prefilled there (shadow's turn is not sent there);
         # its stored history, cached or not, is the engine's to count (the router never
         # saw it): no estimate of reuse.
-        slots = self.fleet.load[home.slot].lora
-        adapter = slots.state(parsed.model)
-        adapter_slots = slots.busy_slots(parsed.model) if adapter else ""
+        adapter, adapter_slots = self.fleet.load[home.slot].lora.traced(parsed.model)
         lora_pick = 0
         if mode is Mode.PROD:
             lora_pick = self.load.sent(home.slot, prompt_tokens, 0, parsed.model)

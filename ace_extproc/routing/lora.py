@@ -251,6 +251,12 @@ class Adapters:
             return "loaded"
         return "wait" if self.waits_for_slot(model) else "load"
 
+    def traced(self, model: str) -> tuple[str, str]:
+        """The trace's ``adapter`` and ``adapter_slots_busy`` for a request for ``model``
+        picked here; empty for no adapter."""
+        state = self.state(model)
+        return (state, self.busy_slots(model)) if state else ("", "")
+
     def busy_slots(self, model: str) -> str:
         """For the trace: the slots held by other adapters in use, of all, as
         ``"3/4"``."""
