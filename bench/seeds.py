@@ -26,7 +26,14 @@ from bench.fleetsim import SimSettings
 from bench.report import add_router_view_options, router_view, run_policy
 from bench.workloads.base import scaled_out
 
-FIGURES = ("prefill_saved_ratio", "ttft_p50_ms", "ttft_p99_ms", "imbalance")
+FIGURES = (
+    "prefill_saved_ratio",
+    "ttft_mean_ms",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "imbalance",
+    "compute_s",
+)
 
 
 def _seeds(text: str) -> list[int]:
@@ -97,13 +104,24 @@ def main(argv: list[str] | None = None) -> int:
         + (", no access log" if args.no_access_log else "")
         + f", seeds {','.join(map(str, args.seeds))}"
     )
-    print(f"{'policy':<20}{'prefill saved % by seed':<34}{'mean':>7}{'p99 ms mean':>13}{'imb':>6}")
+    # Means over the seeds; compute is the engines' (all pods), against the first policy's.
+    first = statistics.fmean(r["compute_s"] for r in runs[policies[0]])
+    print(
+        f"{'policy':<24}{'prefill saved % by seed':<34}{'mean':>7}{'TTFT mean':>10}{'p50':>7}"
+        f"{'p99 ms':>8}{'imb':>6}{'compute':>9}"
+    )
     for p, rs in runs.items():
         saved = [r["prefill_saved_ratio"] * 100 for r in rs]
         cells = " ".join(f"{x:5.1f}" for x in saved)
+        mean = statistics.fmean(r["ttft_mean_ms"] for r in rs)
+        p50 = statistics.fmean(r["ttft_p50_ms"] for r in rs)
         p99 = statistics.fmean(r["ttft_p99_ms"] for r in rs)
         imb = statistics.fmean(r["imbalance"] for r in rs)
-        print(f"{p:<20}{cells:<34}{statistics.fmean(saved):>7.1f}{p99:>13.0f}{imb:>6.2f}")
+        compute = statistics.fmean(r["compute_s"] for r in rs) / first if first else 0.0
+        print(
+            f"{p:<24}{cells:<34}{statistics.fmean(saved):>7.1f}{mean:>10.1f}{p50:>7.1f}"
+            f"{p99:>8.0f}{imb:>6.2f}{compute:>8.2f}x"
+        )
     shape = f"-{args.pods}pods" if args.pods != 8 or args.num_gpu_blocks else ""
     shape += f"-scrape{round(settings.scrape_interval_s * 1000)}ms" if args.scrape_interval else ""
     shape += "-no-access-log" if args.no_access_log else ""

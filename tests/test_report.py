@@ -31,6 +31,9 @@ def test_report_json_shape_and_plots(tmp_path: Path, capsys) -> None:
     # Unbounded caches can only reuse as much as or more than the same policy bounded.
     pol = data["policies"]
     assert pol["bound_unbounded"]["cached_tokens"] >= pol["ace"]["cached_tokens"]
+    # The engines' compute: the prefill a router saves is compute no pod spends.
+    assert pol["ace"]["cached_tokens"] > pol["round_robin"]["cached_tokens"]
+    assert 0 < pol["ace"]["compute_s"] < pol["round_robin"]["compute_s"]
     assert all(Path(p).stat().st_size > 1000 for p in data["plots"])
     out = capsys.readouterr().out
     assert "Total prompts:" in out and "Saved prefill tokens:" in out and "TTFT speedup" in out
@@ -93,6 +96,7 @@ def test_seeds_runs_every_policy_on_each_seeds_workload(tmp_path: Path) -> None:
 def test_policy_spec_builds_ours_with_those_router_settings() -> None:
     from ace_extproc.config import default_fleet
     from ace_extproc.routing import BlockIndex, FleetState, PrefixAffinityPicker
+    from ace_extproc.routing.lora import LoraCost
     from ace_extproc.routing.pipeline import NearBest, Pipeline
     from bench.baselines import POLICIES, resolve
 
@@ -116,6 +120,12 @@ def test_policy_spec_builds_ours_with_those_router_settings() -> None:
     assert wide.picker.slack_ratio == 0.5 and wide.picker.slack_ms == 20.0
     assert isinstance(default, Pipeline) and isinstance(default.picker, NearBest)
     assert default.picker.slack_ratio == 0.1
+    # lora_busy_ms: the default scorers, the lora one's busy_ms set (router.pipeline).
+    waits = build("ace@lora_busy_ms=500@min_match=0.2")
+    assert isinstance(waits, Pipeline) and waits.min_match == 0.2
+    assert [type(w.scorer) for w in waits.scorers] == [type(w.scorer) for w in default.scorers]
+    assert waits.scorers[-1].scorer == LoraCost(busy_ms=500.0)
+    assert default.scorers[-1].scorer == LoraCost()
 
 
 @pytest.mark.parametrize(
@@ -131,6 +141,7 @@ def test_policy_spec_builds_ours_with_those_router_settings() -> None:
         ("ace@policy=nope", "router.policy: unknown policy 'nope'"),
         ("ace@min_match=0.1@min_match=0.2", "min_match given twice"),
         ("ace@min_match=[1", "cannot read '[1'"),
+        ("ace@lora_busy_ms=-1", "busy_ms must not be negative"),
     ],
 )
 def test_policy_spec_errors_say_what_is_wrong(spec: str, message: str, tmp_path: Path) -> None:

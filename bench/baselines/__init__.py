@@ -10,7 +10,9 @@ it believes at least one block is warm, else "miss".
 
 Ours with other router settings is named ``ace@setting=value[@setting=value...]``
 (``resolve``), e.g. ``ace@min_match=0.1@place_sessions=false``: the settings a fleet
-would write under ``router:``, checked as ``fleet.yaml``'s are.
+would write under ``router:``, checked as ``fleet.yaml``'s are, and ``lora_busy_ms``,
+the default pipeline with the ``lora`` scorer's ``busy_ms`` set
+(``router.pipeline.scorers``).
 
 Special simulation settings: ``bound_unbounded`` needs unbounded engine caches and
 router index, ``bound_pooled`` one KV cache pooled across all pods
@@ -56,22 +58,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "ace_by_prefix": policies.cost_policy(Settings(), place_sessions=False),
     # Ours with the lora scorer pricing a load but not the wait for a busy slot: what
     # that wait's price trades (cache share against the tail) on a many-adapter fleet.
-    "ace_no_slot_wait": policies.cost_policy(
-        parse_settings(
-            {
-                "salt_secret": "bench",
-                "pipeline": {
-                    "scorers": [
-                        {"name": "prefill"},
-                        {"name": "eviction"},
-                        {"name": "queue"},
-                        {"name": "lora", "args": {"busy_ms": 0}},
-                    ]
-                },
-            },
-            env={},
-        )
-    ),
+    "ace_no_slot_wait": lambda fleet, index: resolve("ace@lora_busy_ms=0")(fleet, index),
     "ace_affinity": PrefixAffinityPicker,
     "bound_pooled": bound_pooled,
     "bound_unbounded": bound_unbounded,
@@ -79,7 +66,27 @@ POLICIES: dict[str, PolicyFactory] = {
 
 # The router settings a policy spec may change: those that shape the pick. The others
 # (block size, TTFT model, ...) are the simulation's own and would not reach it.
-TUNABLE = ("policy", "min_match", "place_sessions", "affinity_slack", "affinity_slack_ms")
+TUNABLE = (
+    "policy",
+    "min_match",
+    "place_sessions",
+    "affinity_slack",
+    "affinity_slack_ms",
+    "lora_busy_ms",
+)
+# Not a router setting: the default pipeline with the ``lora`` scorer's ``busy_ms`` (the
+# price of waiting for a busy adapter slot), set in ``router.pipeline.scorers``.
+_LORA_BUSY_MS = "lora_busy_ms"
+
+
+def _with_lora_busy_ms(raw: dict[str, object]) -> dict[str, object]:
+    """``raw`` with its ``lora_busy_ms`` written as the default scorers' pipeline."""
+    busy_ms = raw.pop(_LORA_BUSY_MS, None)
+    if busy_ms is None:
+        return raw
+    scorers: list[dict[str, object]] = [{"name": n} for n in ("prefill", "eviction", "queue")]
+    scorers.append({"name": "lora", "args": {"busy_ms": busy_ms}})
+    return {**raw, "pipeline": {"scorers": scorers}}
 
 
 def resolve(name: str) -> PolicyFactory:
@@ -112,7 +119,7 @@ def resolve(name: str) -> PolicyFactory:
         except yaml.YAMLError:
             raise ValueError(f"{name}: {key}: cannot read {value!r}") from None
     try:
-        return policies.build(parse_settings(raw, env={}))
+        return policies.build(parse_settings(_with_lora_busy_ms(raw), env={}))
     except ConfigError as exc:
         raise ConfigError(f"{name}: {exc}") from None
 

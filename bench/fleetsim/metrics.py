@@ -127,6 +127,10 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "throughput_tok_s": output / duration if duration > 0 else 0.0,
         "imbalance": max(busy) / mean_busy if mean_busy > 0 else 0.0,
         "work_imbalance": max(work) / mean_work if mean_work > 0 else 0.0,
+        # The engines' compute over the run, all pods (their steps less the floor's idle
+        # part): what a placement costs in accelerator time; prefill a router saves is
+        # compute no pod spends.
+        "compute_s": sum(work_s),
         "evictions": sum(result.evictions),
         "bypassed": result.bypassed,
         "rejected": result.rejected,
