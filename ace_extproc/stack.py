@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -39,7 +40,7 @@ from ace_extproc import config as config_mod
 from ace_extproc import envoy_config, stack_ports, vllm_pods
 from ace_extproc.config import Config, ConfigError
 from ace_extproc.latency import DEFAULT_MODEL, get_model
-from ace_extproc.procs import die_with_parent
+from ace_extproc.procs import child
 from ace_extproc.vllm_pods import VllmOptions
 
 # Set on every answer ace-extproc gives, in any mode: its presence proves the request
@@ -243,7 +244,11 @@ class Stack:
             raise
 
     async def _spawn(
-        self, name: str, *argv: str, env: dict[str, str] | None = None
+        self,
+        name: str,
+        *argv: str,
+        env: dict[str, str] | None = None,
+        cores: frozenset[int] | None = None,
     ) -> asyncio.subprocess.Process:
         # Appended to: a restarted process's log follows the one that died.
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
@@ -254,7 +259,7 @@ class Stack:
             stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
             env=env,
-            preexec_fn=die_with_parent,
+            preexec_fn=functools.partial(child, 0, cores),
             start_new_session=True,  # Ctrl-C reaches us only; we stop children in order
         )
         log.close()
@@ -294,7 +299,8 @@ class Stack:
             if events_port is not None:
                 vllm = replace(vllm, kv_events=True)
             argv = vllm.argv(pod.host, pod.port, events_port)
-            await self._spawn(pod.id, *argv, env=vllm.environment(index, count))
+            env = vllm.environment(index, count)
+            await self._spawn(pod.id, *argv, env=env, cores=vllm.affinity(index, count))
             return
         events = []
         if events_port is not None:

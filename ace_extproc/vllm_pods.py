@@ -29,7 +29,7 @@ from typing import Literal
 
 import aiohttp
 
-from ace_extproc.procs import die_with_parent
+from ace_extproc.procs import child
 
 # The first name is what answers say; the second lets the workloads' and the README's
 # requests (written for the simulated pods) reach a real pod unchanged.
@@ -188,12 +188,15 @@ class VllmOptions:
     # (otherwise the OS starves every other process for up to seconds at a time while
     # they prefill, and a starved sidecar misses Envoy's message_timeout).
     niceness: int = 0
-    # "split": each pod's compute threads on a share of the machine's cores of its own,
-    # as each pod has its own accelerator in production; "shared": every pod's threads
-    # on every core (vLLM's "nobind"). Shared, two pods decoding at once on two cores
-    # were 2.8x slower a token than one alone (split: 1.3x; bench.engine_cores), which
-    # made any router that keeps both pods busy look slow (docs/engines.md).
-    cores: Literal["split", "shared"] = "split"
+    # "pinned": every process of a pod (API server, engine core, compute threads) on a
+    # share of the machine's cores of its own, as each pod has its own accelerator and
+    # host in production; "split": only its compute threads there, the rest anywhere (an
+    # engine core busy-polls its worker's answers, on the other pod's core when its own
+    # is busy: that pod stalled for seconds); "shared": every pod's threads on every core
+    # (vLLM's "nobind"). Two pods decoding at once were 1.02x slower a token than one
+    # alone pinned, 1.19x split and 2.8x shared (bench.engine_cores): the last two made a
+    # router that keeps both pods busy look slow (docs/engines.md).
+    cores: Literal["split", "pinned", "shared"] = "pinned"
 
     @classmethod
     def find(cls, **overrides: object) -> VllmOptions:
@@ -266,9 +269,17 @@ class VllmOptions:
     def _cores(self, pod: int, pods: int) -> str:
         """``VLLM_CPU_OMP_THREADS_BIND`` for one pod: a list of its own cores, or
         "nobind" where they are shared (asked for, or fewer cores than pods)."""
-        if self.cores not in ("split", "shared"):
-            raise ValueError(f"cores must be 'split' or 'shared', not {self.cores!r}")
-        return split_cores(pod, pods, sorted(os.sched_getaffinity(0)), self.cores == "split")
+        if self.cores not in ("split", "pinned", "shared"):
+            raise ValueError(f"cores must be 'split', 'pinned' or 'shared', not {self.cores!r}")
+        return split_cores(pod, pods, sorted(os.sched_getaffinity(0)), self.cores != "shared")
+
+    def affinity(self, pod: int, pods: int) -> frozenset[int] | None:
+        """The cores every process of pod ``pod`` of ``pods`` may run on: its own where
+        pinned (and there are as many cores as pods); None: wherever the OS puts it."""
+        binds = self._cores(pod, pods)
+        if self.cores != "pinned" or binds == "nobind":
+            return None
+        return frozenset(int(core) for core in binds.split(","))
 
 
 def split_cores(pod: int, pods: int, cores: Sequence[int], split: bool = True) -> str:
@@ -345,7 +356,9 @@ class Pods:
                 stderr=asyncio.subprocess.STDOUT,
                 stdin=asyncio.subprocess.DEVNULL,
                 env={**os.environ, **self.options.environment(i, len(self.ports))},
-                preexec_fn=functools.partial(_in_child, self.options.niceness),
+                preexec_fn=functools.partial(
+                    child, self.options.niceness, self.options.affinity(i, len(self.ports))
+                ),
                 start_new_session=True,
             )
         if self.options.niceness:  # it leads a session of its own: that session too
@@ -434,12 +447,6 @@ def fleet_doc(
         "destinations": [destination],
         "router": {"ttft_model": TTFT_MODEL, **(router or {})},
     }
-
-
-def _in_child(niceness: int) -> None:  # pragma: no cover - runs in the child
-    die_with_parent()
-    if niceness:
-        os.nice(niceness)
 
 
 def nice_session(pid: int, niceness: int) -> None:

@@ -31,7 +31,7 @@ from bench import record
 from bench.engine_pair import free_port
 
 OUT = Path("bench/results/engine-cores.json")
-WAYS = ("split", "shared")
+WAYS = ("split", "pinned", "shared")
 OUTPUT_TOKENS = 200
 PROMPT = "the quick brown fox jumps over the lazy dog " * 120
 
@@ -89,10 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--engine-nice", type=int, default=10, help="the servers' niceness")
+    ap.add_argument("--ways", default=",".join(WAYS), help=", ".join(WAYS))
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
+    ways = [w for w in args.ways.split(",") if w]
+    if not ways or any(w not in WAYS for w in ways):
+        ap.error(f"--ways: some of {', '.join(WAYS)}")
     try:
-        rows = [asyncio.run(one_way(way, args.repeats, args.engine_nice)) for way in WAYS]
+        rows = [asyncio.run(one_way(way, args.repeats, args.engine_nice)) for way in ways]
     except EnginesMissing as exc:
         print(f"{exc}")
         return 2

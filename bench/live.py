@@ -189,7 +189,7 @@ class LiveOptions:
     engine: str = "sim"  # or "vllm": real servers (vllm_pods.py)
     kv_blocks: int | None = None  # real servers' KV cache in blocks (None: 1 GiB)
     engine_nice: int = 0  # real servers' niceness (vllm_pods.VllmOptions.niceness)
-    engine_cores: Literal["split", "shared"] = "split"  # vllm_pods.VllmOptions.cores
+    engine_cores: Literal["split", "pinned", "shared"] = "pinned"  # VllmOptions.cores
     clear_cache_at: tuple[float, ...] = ()  # seconds into the replay (``clear_caches``)
     foreign_load: tuple[int, float] | None = None  # (tokens, every s): ``foreign_load``
 
@@ -1200,11 +1200,13 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--engine-cores",
-        choices=("split", "shared"),
-        default="split",
-        help="real vLLM servers: each on a share of the cores of its own, as each pod has "
-        "its own accelerator in production (default), or all on every core (before "
-        "2026-12-07: two pods busy at once then ran 2-10x slower a token)",
+        choices=("pinned", "split", "shared"),
+        default="pinned",
+        help="real vLLM servers: each with every process on a share of the cores of its "
+        "own, as each pod has its own accelerator and host in production (default); "
+        "`split`: only their compute threads (before 2026-12-07 evening: a pod busy-polling "
+        "its worker stalled the other pod for seconds); `shared`: all on every core "
+        "(before 2026-12-07: two pods busy at once ran 2-10x slower a token)",
     )
     ap.add_argument(
         "--clear-cache-at",

@@ -37,5 +37,45 @@ def test_a_pod_gets_its_own_share_in_its_environment() -> None:
 
 
 def test_an_unknown_cores_setting_is_refused() -> None:
-    with pytest.raises(ValueError, match="split"):
+    with pytest.raises(ValueError, match="pinned"):
         VllmOptions(python="py", model="m", cores="half").environment()  # type: ignore[arg-type]
+
+
+def test_a_pinned_pod_runs_every_process_on_its_own_cores() -> None:
+    """Pinned (the default), each pod's API server, engine core and workers run on its
+    share only: split, an engine core busy-polling its worker ran on the other pod's core
+    and stalled that pod for seconds (docs/engines.md)."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = VllmOptions(python="py", model="m")
+    assert pinned.cores == "pinned"
+    mine = [pinned.affinity(i, 2) for i in range(2)]
+    if len(cores) < 2:
+        assert mine == [None, None]  # one core: nothing to pin apart
+        return
+    assert all(m for m in mine) and not set.intersection(*(set(m or ()) for m in mine))
+    for i, m in enumerate(mine):  # the same cores its compute threads are bound to
+        binds = pinned.environment(i, 2)["VLLM_CPU_OMP_THREADS_BIND"]
+        assert m == {int(c) for c in binds.split(",")}
+    for way in ("split", "shared"):
+        assert VllmOptions(python="py", model="m", cores=way).affinity(0, 2) is None  # type: ignore[arg-type]
+
+
+def test_a_child_started_on_some_cores_stays_there() -> None:
+    import functools
+    import os
+    import subprocess
+    import sys
+
+    from ace_extproc.procs import child
+
+    first = min(os.sched_getaffinity(0))
+    run = subprocess.run(
+        [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+        preexec_fn=functools.partial(child, 0, frozenset({first})),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert run.stdout.strip() == f"[{first}]"

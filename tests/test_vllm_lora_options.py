@@ -73,17 +73,17 @@ def test_the_engines_niceness_is_set_in_the_child_only() -> None:
     import subprocess
     import sys
 
-    from ace_extproc.vllm_pods import _in_child
+    from ace_extproc.procs import child
 
     ours = os.nice(0)
-    child = subprocess.run(
+    run = subprocess.run(
         [sys.executable, "-c", "import os; print(os.nice(0))"],
-        preexec_fn=functools.partial(_in_child, 7),
+        preexec_fn=functools.partial(child, 7),
         capture_output=True,
         text=True,
         check=True,
     )
-    assert int(child.stdout) == min(ours + 7, 19) and os.nice(0) == ours
+    assert int(run.stdout) == min(ours + 7, 19) and os.nice(0) == ours
 
 
 def test_an_engine_s_session_is_niced_too() -> None:
