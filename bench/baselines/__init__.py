@@ -26,7 +26,16 @@ from collections.abc import Callable
 import yaml
 
 from ace_extproc.config import ConfigError, Settings, parse_settings
-from ace_extproc.routing import BlockIndex, FleetState, Policy, PrefixAffinityPicker, policies
+from ace_extproc.routing import (
+    BlockIndex,
+    FleetState,
+    Policy,
+    PrefixAffinityPicker,
+    plugins,
+    policies,
+)
+from ace_extproc.routing.lora import LoraCost
+from ace_extproc.routing.pipeline import DEFAULT_SCORERS
 from bench.baselines.bounds import SIMULATION_SETTINGS, bound_pooled, bound_unbounded
 from bench.baselines.dynamo_cost import DynamoCostPicker
 from bench.baselines.gie_lora import GIELoraPicker
@@ -84,8 +93,13 @@ def _with_lora_busy_ms(raw: dict[str, object]) -> dict[str, object]:
     busy_ms = raw.pop(_LORA_BUSY_MS, None)
     if busy_ms is None:
         return raw
-    scorers: list[dict[str, object]] = [{"name": n} for n in ("prefill", "eviction", "queue")]
-    scorers.append({"name": "lora", "args": {"busy_ms": busy_ms}})
+    names = {factory: name for name, factory in plugins.SCORERS.items()}
+    scorers: list[dict[str, object]] = []
+    for weighted in DEFAULT_SCORERS:  # the production default, named as a fleet file would
+        spec: dict[str, object] = {"name": names[type(weighted.scorer)]}
+        if isinstance(weighted.scorer, LoraCost):
+            spec["args"] = {"busy_ms": busy_ms}
+        scorers.append(spec)
     return {**raw, "pipeline": {"scorers": scorers}}
 
 
