@@ -9,9 +9,11 @@ bodies must be read: ``usage_capture``), at a fraction of its cost.
 
 From each entry: the routing filter's decision (the ``ace`` dynamic metadata: mode,
 action, the pod pinned and the pod picked, the saved-token estimate), the host that
-answered last (``upstream_remote_address``), the status, Envoy's response flags and
-the router's attempt count. These become an ``Observation`` for ``Observer.record``,
-the same passive health and ledger as before.
+answered last (``upstream_remote_address``), the status, Envoy's response flags, the
+router's attempt count, and how long Envoy held the request between its last byte in
+and its first byte to a pod (what routing added to its latency, by Envoy's clock).
+These become an ``Observation`` for ``Observer.record``, the same passive health and
+ledger as before.
 
 The stream is authenticated as the ext_proc port is (``peer.py``: Envoy's token in
 its gRPC metadata). An entry that cannot be read is skipped and counted, never
@@ -85,6 +87,11 @@ def observation(entry: HTTPAccessLogEntry) -> Observation | None:
         obs.upstream = _address(common.upstream_remote_address)
     if common.HasField("response_flags"):
         obs.flags = _flags(entry)
+    if common.HasField("time_to_first_upstream_tx_byte") and common.HasField(
+        "time_to_last_rx_byte"
+    ):
+        held = common.time_to_first_upstream_tx_byte.ToNanoseconds()
+        obs.hold_ns = max(0, held - common.time_to_last_rx_byte.ToNanoseconds())
     meta = common.metadata.filter_metadata
     if METADATA_NAMESPACE in meta:
         obs.read_decision(meta[METADATA_NAMESPACE].fields)

@@ -125,6 +125,9 @@ ACCESS_LOG_FIELDS: dict[str, str] = {
     "duration_ms": "%DURATION%",
     # Request start to the upstream's first byte: the time to first token when streaming.
     "upstream_first_byte_ms": "%RESPONSE_DURATION%",
+    # The request's last byte in to its first byte out to the pod: what routing held it
+    # (the ext_proc's answer, Envoy's route and connection), where a pod was reached.
+    "routing_hold_us": "%COMMON_DURATION(DS_RX_END:US_TX_BEG:us)%",
     "upstream_cluster": "%UPSTREAM_CLUSTER%",
     "upstream_host": "%UPSTREAM_HOST%",
     "request_id": "%REQ(X-REQUEST-ID)%",
@@ -902,6 +905,8 @@ def _http_connection_manager(
             # are the chat path to an engine's server, so they must be to ace-extproc.
             "normalize_path": True,
             "merge_slashes": True,
+            # A client can quote the id its access-log entry carries.
+            "always_set_request_id_in_response": True,
             "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
             # Runs before route selection; the header_mutation *filter* would be too late
             # for cluster_header routing (the route is already chosen by then).

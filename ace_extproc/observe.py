@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import re
+from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -51,6 +52,7 @@ from ace_extproc.response_id import StoredId
 from ace_extproc.routing.fleet import FleetState
 from ace_extproc.routing.homes import ResponseHomes
 from ace_extproc.routing.outlier import OutlierDetector
+from ace_extproc.telemetry import BOUNDS_NS
 
 if TYPE_CHECKING:
     from ace_extproc.routing.replicas import HomeSink
@@ -95,11 +97,25 @@ class Totals:
 
 
 @dataclass(slots=True)
+class Holds:
+    """Envoy's holds of requests on their way to a pod: counts by ``BOUNDS_NS`` bucket."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(BOUNDS_NS) + 1))
+    sum_ns: int = 0
+
+    def add(self, ns: int) -> None:
+        self.counts[bisect_left(BOUNDS_NS, ns)] += 1
+        self.sum_ns += ns
+
+
+@dataclass(slots=True)
 class Ledger:
-    """Responses by mode, and by the pod that answered (pod key -> Totals)."""
+    """Responses by mode, and by the pod that answered (pod key -> Totals); Envoy's
+    holds by mode."""
 
     by_mode: dict[str, Totals] = field(default_factory=dict)
     by_pod: dict[str, Totals] = field(default_factory=dict)
+    holds: dict[str, Holds] = field(default_factory=dict)
 
     def _tallies(self, obs: Observation, pod_key: str | None) -> list[Totals]:
         tallies = [self.by_mode.setdefault(obs.mode or "none", Totals())]
@@ -113,6 +129,8 @@ class Ledger:
             totals.responses += 1
             totals.failed += obs.status >= 500
             totals.estimated_saved_tokens += obs.saved_tokens
+        if obs.hold_ns is not None:
+            self.holds.setdefault(obs.mode or "none", Holds()).add(obs.hold_ns)
         self.add_usage(obs, pod_key)
 
     def add_usage(self, obs: Observation, pod_key: str | None) -> None:
@@ -149,6 +167,9 @@ class Observation:
     stored: StoredId | None = None
     remembered: bool = False  # its id has been noted (as soon as it could be)
     lora_pick: int = 0  # its pick of a LoRA adapter on the pinned pod (0: none)
+    # Envoy's hold (access log): the request's last byte in to its first byte out to a
+    # pod, in ns; None where it reached none or the report does not say.
+    hold_ns: int | None = None
 
     def estimated_in_engine_tokens(self) -> int:
         """``saved_tokens`` scaled to the engine's count of the prompt (Totals)."""

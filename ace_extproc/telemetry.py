@@ -693,7 +693,16 @@ class Telemetry(Collector):
             destination, _, pod = key.partition("/")
             pod_cached.add_metric([destination, pod], t.cached_tokens)
             pod_prompt.add_metric([destination, pod], t.prompt_tokens)
-        yield from (responses, failed, prompt, cached, estimated, pod_cached, pod_prompt)
+        hold = HistogramMetricFamily(
+            "ace_gateway_hold_seconds",
+            "Envoy's hold of each request it sent to a pod (its access log): the request's "
+            "last byte received to its first byte sent upstream, which is the ext_proc's "
+            "answer, the route and the connection: what routing added, by Envoy's clock.",
+            labels=["mode"],
+        )
+        for mode, h in ledger.holds.copy().items():
+            hold.add_metric([mode], _cumulative(h.counts), h.sum_ns / 1e9)
+        yield from (responses, failed, prompt, cached, estimated, pod_cached, pod_prompt, hold)
 
 
 def _cumulative(counts: list[int]) -> list[tuple[str, float]]:

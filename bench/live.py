@@ -171,6 +171,7 @@ SIMULATED_AS = {
     "gie_lora": "gie_lora",
 }
 SERVED_BY_HEADER = "x-ace-served-by"
+REQUEST_ID_HEADER = "x-request-id"
 SALT_SECRET = "bench-live"  # ace-extproc's cache_salt secret: fixed, so runs are alike
 
 
@@ -221,6 +222,10 @@ class Record:
     cached_tokens: int | None
     pod: str | None  # x-sim-pod of the answer, else ace-extproc's x-ace-served-by
     trace: str | None = None  # ace-extproc's x-ace-trace-prefix-kv-cache: its decision
+    request_id: str | None = None  # Envoy's x-request-id, which its access log carries
+    # ace-extproc's stacks: Envoy's hold, the request's last byte in to its first byte to
+    # the pod (ext_proc's answer, route, connection), from its access log; else None.
+    hold_ms: float | None = None
 
 
 # ------------------------------------------------------------------ inputs
@@ -291,11 +296,12 @@ async def send(
 ) -> Record:
     clock = time.perf_counter
     sent = clock()
-    status, ttft, use, pod, trace, error = 0, None, None, None, None, None
+    status, ttft, use, pod, trace, error, request_id = 0, None, None, None, None, None, None
     try:
         async with http.post(base_url + req.path, data=req.body, headers=req.headers) as resp:
             # The sim names its pod; ace-extproc names the one it pinned (real engines).
             pod = resp.headers.get(POD_HEADER) or resp.headers.get(SERVED_BY_HEADER)
+            request_id = resp.headers.get(REQUEST_ID_HEADER)
             status, trace = resp.status, resp.headers.get(TRACE_HEADER)
             if resp.content_type == "text/event-stream":
                 async for line in resp.content:
@@ -328,6 +334,7 @@ async def send(
         cached_tokens=use.cached_tokens if use else None,
         pod=pod,
         trace=trace,
+        request_id=request_id,
     )
 
 
@@ -677,6 +684,39 @@ def summarize(
     return out
 
 
+def envoy_holds(log: str) -> dict[str, float]:
+    """Envoy's routing hold in ms by request id, from its JSON access-log lines
+    (``envoy_config.ACCESS_LOG_FIELDS``). Envoy's own log lines, and entries without a
+    hold (no pod reached: "-"), are skipped."""
+    out: dict[str, float] = {}
+    for line in log.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        hold, rid = entry.get("routing_hold_us"), entry.get("request_id")
+        if isinstance(hold, int | float) and not isinstance(hold, bool) and isinstance(rid, str):
+            out[rid] = hold / 1e3
+    return out
+
+
+def hold_summary(records: Sequence[Record]) -> dict[str, Any]:
+    """Quantiles of Envoy's routing hold and of the TTFT without it, over the answered
+    requests that have both: the share of the TTFT routing took."""
+    both = [
+        (r.ttft_ms, r.hold_ms)
+        for r in records
+        if r.error is None and r.ttft_ms is not None and r.hold_ms is not None
+    ]
+    return {
+        "hold_ms": _quantiles([hold for _, hold in both]),
+        "ttft_less_hold_ms": _quantiles([ttft - hold for ttft, hold in both]),
+        "held": len(both),
+    }
+
+
 def stayed_share(records: Sequence[Record]) -> float | None:
     """Of the answered requests that follow an answered one of their session, the share
     served by the same pod: where replicas disagree on a conversation's pod, its turns
@@ -828,6 +868,10 @@ async def run_router(
             run.summary["scrape_gap_s"] = scrape_gaps(router_before, router_text, wall)
             if variant.precise:
                 run.summary["guess"] = guess(router_text)
+            await stack.stop_process("envoy")  # which flushes its access log
+            holds = envoy_holds((stack.workdir / "envoy.log").read_text(errors="replace"))
+            run.records = [replace(r, hold_ms=holds.get(r.request_id or "")) for r in run.records]
+            run.summary.update(hold_summary(run.records))
     except (StackError, aiohttp.ClientError, OSError) as exc:
         run.failed = str(exc)
     finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from bisect import bisect_left
 
 import grpc
 import pytest
@@ -20,6 +21,7 @@ from ace_extproc.config import Config, PassiveHealth, Settings, sim_fleet
 from ace_extproc.observe import POD_FAULTS, Observer
 from ace_extproc.routing import FleetState
 from ace_extproc.routing.outlier import OutlierDetector
+from ace_extproc.telemetry import BOUNDS_NS
 from tests.conftest import peer_metadata, put_fields
 
 ENVOY = peer_metadata(b"s")  # the token Envoy rendered from the same secret sends
@@ -87,6 +89,23 @@ def test_an_entry_says_what_the_observe_filter_read_from_a_response() -> None:
     assert obs.flags == 0x20 | 0x8000 and obs.flags & POD_FAULTS
     bare = observation(entry(200, "10.0.0.1:8000"))
     assert bare is not None and (bare.upstream, bare.mode, bare.flags) == ("10.0.0.1:8000", "", 0)
+
+
+def test_envoys_hold_is_its_last_byte_in_to_its_first_byte_to_a_pod() -> None:
+    e = entry(200, "10.0.0.1:8000", mode="prod")
+    e.common_properties.time_to_last_rx_byte.FromNanoseconds(1_500_000)
+    e.common_properties.time_to_first_upstream_tx_byte.FromNanoseconds(3_750_000)
+    obs = observation(e)
+    assert obs is not None and obs.hold_ns == 2_250_000
+    unsent = entry(503, flags=("no_healthy_upstream",), mode="prod")  # no pod reached
+    unsent.common_properties.time_to_last_rx_byte.FromNanoseconds(1_000)
+    obs = observation(unsent)
+    assert obs is not None and obs.hold_ns is None
+    als = service()
+    als.on_message(batch(e, e, unsent))
+    prod = als.observer.ledger.holds["prod"]
+    assert (sum(prod.counts), prod.sum_ns) == (2, 4_500_000)
+    assert prod.counts[bisect_left(BOUNDS_NS, 2_250_000)] == 2
 
 
 def test_the_flags_are_envoys_bits() -> None:

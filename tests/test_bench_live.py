@@ -267,6 +267,32 @@ def test_live_smoke_through_every_installed_router(tmp_path: Path) -> None:
     assert all(0.5 <= pace <= 2.0 for pace in ace["pace"].values()), ace["pace"]
     # Every later turn extends a prefix ace-extproc has placed: all of them hit.
     assert ace["hit_ratio"] >= 6 / 9 and ace["cached_share"] > 0.5
+    # Envoy's hold of each of ours' requests, joined by the id its answer carried; a
+    # share of the TTFT. The peers' answers carry no such id and get none.
+    assert ace["held"] == 9 and all(r.hold_ms is not None for r in runs[0].records)
+    assert all(0 < (r.hold_ms or 0) < (r.ttft_ms or 0) for r in runs[0].records)
+    assert all(r.hold_ms is None for run in runs[1:] for r in run.records)
+
+
+def test_envoys_holds_are_read_by_request_id_from_its_access_log() -> None:
+    log = "\n".join(
+        [
+            "[2026-12-07 18:33:26.848][2724][warning][misc] Envoy's own line",
+            json.dumps({"request_id": "a", "routing_hold_us": 2150}),
+            json.dumps({"request_id": "b", "routing_hold_us": None}),  # "-": no pod reached
+            '{"request_id": "c", "routing_hold_us": 1',  # cut off
+            json.dumps({"routing_hold_us": 900}),  # no id
+        ]
+    )
+    assert live.envoy_holds(log) == {"a": 2.15}
+    records = [
+        _record(0, request_id="a", hold_ms=2.0, ttft_ms=10.0),
+        _record(1, hold_ms=None),
+        _record(2, request_id="x", hold_ms=4.0, ttft_ms=12.0, error="HTTP 503"),
+    ]
+    summary = live.hold_summary(records)
+    assert summary["held"] == 1
+    assert summary["hold_ms"]["p50"] == 2.0 and summary["ttft_less_hold_ms"]["p50"] == 8.0
 
 
 def test_live_summary_puts_each_router_next_to_the_ceiling() -> None:
@@ -430,6 +456,10 @@ def test_pool_runs_pools_each_routers_records(tmp_path: Path) -> None:
     assert routers["ace_precise"]["cached_share"] == pytest.approx(0.75)
     assert routers["ace"]["ttft_p99_ms"] == 20 and routers["ace_precise"]["ttft_p50_ms"] == 40
     assert routers["ace"]["ttft_mean_ms"] == 15  # the failed request's 0 left out
+    assert "hold_p50_ms" not in routers["ace"]  # no Envoy access log joined
+    held = [{**r, "hold_ms": h} for r, h in zip(runs[1][:2], (2.5, 4.0), strict=True)]
+    assert pool_runs.pooled(held)["ace"]["ttft_less_hold_p50_ms"] == 17.5
+    assert pool_runs.pooled(held)["ace_precise"]["hold_p50_ms"] == 4.0
     out = tmp_path / "pooled.json"
     assert pool_runs.main([str(one), str(two), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["routers"] == routers

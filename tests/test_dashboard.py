@@ -87,7 +87,7 @@ def exported_names() -> tuple[set[str], set[str]]:
     t.decision("prod", "hit", "acme", 0, 100, 50, 2.0, 30_000)
     t.decision("prod", "bypass_bad_json", "acme")
     t.steps_ns(1, 2, 3, 4)
-    seen = Observation(mode="shadow", saved_tokens=40, status=200)
+    seen = Observation(mode="shadow", saved_tokens=40, status=200, hold_ns=1_500_000)
     seen.on_body(
         b'{"usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 60}}}'
     )

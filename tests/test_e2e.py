@@ -161,14 +161,17 @@ def conversation(turns: int, topic: str) -> list[dict[str, Any]]:
 def test_a_conversation_sticks_to_one_pod_and_later_turns_hit_the_cache(prod: Client) -> None:
     served: list[str] = []
     hits: list[int] = []
+    ids: set[str] = set()
     for turn in range(5):
         status, headers, body = prod.chat(conversation(turn, "billing"))
         assert status == 200, body
+        ids.add(headers["x-request-id"])  # the id Envoy's access log carries, one each
         served.append(headers["x-ace-served-by"])
         assert headers["x-sim-pod"] == headers["x-ace-served-by"].split("/")[1]
         hits.append(cached(body))
         t = trace(headers)
         assert t["mode"] == "prod" and t["action"] == ("miss" if turn == 0 else "hit")
+    assert len(ids) == 5
     assert len(set(served)) == 1
     assert hits[0] == 0 and all(h > 500 for h in hits[1:])  # the engine's own figure
 

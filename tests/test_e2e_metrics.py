@@ -98,6 +98,11 @@ def test_decisions_bypasses_steps_and_reuse_move_as_they_should(stack: Client) -
     assert moved("ace_response_cached_tokens_total", mode="prod") == reported
     estimate = moved("ace_response_estimated_cached_tokens_total", mode="prod")
     assert 0 < estimate <= reported
+    # Envoy's hold of each request that reached a pod, by its own clock: routed, shadow
+    # and bypassed alike (each waited for ace-extproc's answer).
+    assert moved("ace_gateway_hold_seconds_count", mode="prod") == 4
+    assert moved("ace_gateway_hold_seconds_count", mode="shadow") == 1
+    assert 0 < moved("ace_gateway_hold_seconds_sum", mode="prod") < 4 * 1.0
     assert value(after, "ace_index_entries") > 0
     assert value(after, "ace_pods", state="available") == 4
 
