@@ -170,6 +170,19 @@ def test_slow_decisions_fire_at_milliseconds_not_microseconds() -> None:
     assert 0.0025 < p99 <= 0.005  # within the 2.5-5 ms bucket
 
 
+def test_a_slow_gateway_hold_fires_where_envoy_waits_tens_of_ms_for_the_answer() -> None:
+    fleet = Fleet()
+    fleet.hold("prod", 100, 2_000_000)
+    fleet.hold("shadow", 50, 90_000_000)  # shadow's holds are not the alert's
+    before = fleet.scrape()
+    fleet.hold("prod", 200, 2_500_000)
+    fleet.hold("shadow", 50, 90_000_000)
+    assert fired("AceGatewayHoldSlow", before, fleet.scrape()) == []
+    fleet.hold("prod", 100, 40_000_000)  # a third of them at 40 ms
+    ((_, p99),) = fired("AceGatewayHoldSlow", before, fleet.scrape())
+    assert 0.025 < p99 <= 0.05  # within the 25-50 ms bucket
+
+
 def test_sharing_alerts_follow_the_subscription_and_the_outbox() -> None:
     fleet = Fleet()
     assert fired("AceSharingDisconnected", fleet.scrape()) == []  # no sharing: no series
@@ -220,6 +233,11 @@ class Fleet:
         seen.read_usage()
         self.ledger.add(seen, self.state.pods[0].key)
 
+    def hold(self, mode: str, count: int, ns: int) -> None:
+        """``count`` responses of ``mode`` that Envoy held ``ns`` before sending them."""
+        for _ in range(count):
+            self.ledger.add(Observation(mode=mode, status=200, hold_ns=ns), self.state.pods[0].key)
+
     def answer(self, status: int, count: int) -> None:
         for _ in range(count):
             self.ledger.add(Observation(mode="prod", status=status), self.state.pods[0].key)
@@ -249,6 +267,7 @@ def exported_labels() -> dict[str, set[str]]:
     fleet.decide("hit", 1)
     fleet.decide("bypass_bad_json", 1)
     fleet.respond(estimated=10, cached=5)
+    fleet.hold("prod", 1, 1_000_000)
     labels: dict[str, set[str]] = defaultdict(set)
     for name, samples in fleet.scrape()[1].items():
         for sample_labels, _ in samples:
