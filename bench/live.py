@@ -1063,6 +1063,16 @@ def format_table(runs: Sequence[RouterRun], predicted: dict[str, Any] | None = N
         for run in shown:
             named = run.summary[key] if run.summary else {}
             lines.append(f"{run.name:<{w}}" + ", ".join(f"{k} {v:g}" for k, v in named.items()))
+    held = [run for run in runs if run.summary and run.summary.get("hold_ms")]
+    if held:
+        lines.append("\nEnvoy's hold for the ext_proc's answer, and the TTFT without it, ms")
+    for run in held:
+        assert run.summary is not None
+        hold, rest = run.summary["hold_ms"], run.summary["ttft_less_hold_ms"]
+        lines.append(
+            f"{run.name:<{w}}hold p50 {hold['p50']:g}, p99 {hold['p99']:g}; "
+            f"TTFT less it p50 {rest['p50']:g}, p99 {rest['p99']:g}"
+        )
     families = sorted({f for run in runs if run.summary for f in run.summary["families"]})
     if len(families) > 1:
         lines.append("\ncached% by family (requests)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +294,11 @@ def test_envoys_holds_are_read_by_request_id_from_its_access_log() -> None:
     summary = live.hold_summary(records)
     assert summary["held"] == 1
     assert summary["hold_ms"]["p50"] == 2.0 and summary["ttft_less_hold_ms"]["p50"] == 8.0
+    run = live.RouterRun("ace", {**live.summarize(records, None, 1.0), **summary}, records)
+    plain = live.RouterRun("smg", live.summarize(records, None, 1.0), records)
+    table = live.format_table([run, plain])
+    assert re.search(r"^ace +hold p50 2, p99 2; TTFT less it p50 8, p99 8$", table, re.M)
+    assert not re.search(r"^smg +hold", table, re.M)
 
 
 def test_live_summary_puts_each_router_next_to_the_ceiling() -> None:
