@@ -563,6 +563,14 @@ def scrape_gaps(before: str, after: str, wall_s: float) -> dict[str, float]:
     }
 
 
+def mean_ms(before: str, after: str, histogram: str) -> float | None:
+    """A histogram's mean over the replay, in ms, from the router's /metrics before and
+    after it (all label sets); None where nothing was observed."""
+    names = (f"{histogram}_sum", f"{histogram}_count")
+    (s0, n0), (s1, n1) = (metric_sums(text, names).values() for text in (before, after))
+    return round((s1 - s0) / (n1 - n0) * 1e3, 3) if n1 > n0 else None
+
+
 def guess(router_metrics: str) -> dict[str, float]:
     """How far a precise router's approximate index was from the pods' events
     (``precise_routing.py``), from its /metrics: the first replica's alone."""
@@ -866,6 +874,10 @@ async def run_router(
             run.summary["undecided"] = undecided(router_text, envoy_text)
             run.summary["pace"] = paces(router_text)
             run.summary["scrape_gap_s"] = scrape_gaps(router_before, router_text, wall)
+            # Where Envoy's hold goes: the decision in process, the rest gRPC and Envoy.
+            run.summary["decision_mean_ms"] = mean_ms(
+                router_before, router_text, "ace_decision_seconds"
+            )
             if variant.precise:
                 run.summary["guess"] = guess(router_text)
             await stack.stop_process("envoy")  # which flushes its access log
@@ -1069,9 +1081,11 @@ def format_table(runs: Sequence[RouterRun], predicted: dict[str, Any] | None = N
     for run in held:
         assert run.summary is not None
         hold, rest = run.summary["hold_ms"], run.summary["ttft_less_hold_ms"]
+        decision = run.summary.get("decision_mean_ms")
         lines.append(
-            f"{run.name:<{w}}hold p50 {hold['p50']:g}, p99 {hold['p99']:g}; "
-            f"TTFT less it p50 {rest['p50']:g}, p99 {rest['p99']:g}"
+            f"{run.name:<{w}}hold p50 {hold['p50']:g}, p99 {hold['p99']:g}"
+            + ("" if decision is None else f" (the decision in process: {decision:g} mean)")
+            + f"; TTFT less it p50 {rest['p50']:g}, p99 {rest['p99']:g}"
         )
     families = sorted({f for run in runs if run.summary for f in run.summary["families"]})
     if len(families) > 1:

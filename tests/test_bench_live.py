@@ -298,6 +298,12 @@ def test_envoys_holds_are_read_by_request_id_from_its_access_log() -> None:
     plain = live.RouterRun("smg", live.summarize(records, None, 1.0), records)
     table = live.format_table([run, plain])
     assert re.search(r"^ace +hold p50 2, p99 2; TTFT less it p50 8, p99 8$", table, re.M)
+    run.summary["decision_mean_ms"] = 0.25  # type: ignore[index]
+    assert "hold p50 2, p99 2 (the decision in process: 0.25 mean);" in live.format_table([run])
+    before = "ace_decision_seconds_sum 1.0\nace_decision_seconds_count 100\n"
+    after = "ace_decision_seconds_sum 1.5\nace_decision_seconds_count 300\n"
+    assert live.mean_ms(before, after, "ace_decision_seconds") == 2.5
+    assert live.mean_ms(after, after, "ace_decision_seconds") is None
     assert not re.search(r"^smg +hold", table, re.M)
 
 
