@@ -8,13 +8,15 @@ every request. On one real pod (``vllm_pods``: the CPU build, the tiny model) th
 served a few requests (so its histograms have samples), this reads ``/metrics``
 ``--scrapes`` times back to back and reports the API server's CPU a read (its own
 process: the engine core is another), the wall time a read, the exposition's size, and
-the share of one core the router's default interval would take from the pod. Twice: the
-pod idle, and with requests decoding (``--busy`` streams at once, each 1,000 tokens out).
+the share of one core the router's default interval would take from the pod: the whole
+text, and the router's read of its own series by name (``metrics_text.SCRAPE_PATH``,
+``_by_name``). Each with the pod idle, and with requests decoding (``--busy`` streams at
+once, each 1,000 tokens out).
 
 Then what a client feels: the render holds the API server's event loop, which streams
 every request's tokens (prometheus-client's ASGI app renders synchronously). ``--busy``
-streams decode ``--itl-tokens`` tokens each while ``/metrics`` is read every 1, 0.3, 0.1
-and 0.05 s, or not at all, the regimes interleaved over ``--itl-rounds`` rounds; the
+streams decode ``--itl-tokens`` tokens each while the router's read is made every 1, 0.3,
+0.1 and 0.05 s, or not at all, the regimes interleaved over ``--itl-rounds`` rounds; the
 gaps between a stream's chunks at the client are reported per regime.
 """
 
@@ -32,6 +34,7 @@ from typing import Any
 import aiohttp
 
 from ace_extproc.config import Settings
+from ace_extproc.routing import metrics_text
 from ace_extproc.vllm_pods import EnginesMissing, VllmOptions
 from bench import record
 from bench.engine_pair import real_pod
@@ -39,9 +42,16 @@ from bench.overhead import cpu_s
 
 OUT = Path("bench/results/scrape-cost.json")
 
-
-# Seconds between the reads of /metrics while the streams decode (None: no reads).
-ITL_INTERVALS: tuple[float | None, ...] = (None, 1.0, 0.3, 0.1, 0.05)
+# While the streams decode: seconds between reads (None: no reads), and which read; the
+# whole text at the router's interval too, side by side with its own read.
+ITL_REGIMES: tuple[tuple[float | None, str], ...] = (
+    (None, ""),
+    (1.0, "_by_name"),
+    (0.3, "_by_name"),
+    (0.1, "_by_name"),
+    (0.1, ""),
+    (0.05, "_by_name"),
+)
 
 
 async def _stream(
@@ -73,7 +83,7 @@ async def _read_every(
 ) -> int:
     reads = 0
     while not stop.is_set():
-        async with http.get(f"{url}/metrics") as resp:
+        async with http.get(url) as resp:
             await resp.read()
         reads += 1
         with contextlib.suppress(TimeoutError):
@@ -84,29 +94,31 @@ async def _read_every(
 async def _itl(
     http: aiohttp.ClientSession, url: str, model: str, streams: int, tokens: int, rounds: int
 ) -> list[dict[str, Any]]:
-    gaps: dict[float | None, list[float]] = {i: [] for i in ITL_INTERVALS}
-    reads: dict[float | None, int] = dict.fromkeys(ITL_INTERVALS, 0)
+    gaps: dict[tuple[float | None, str], list[float]] = {r: [] for r in ITL_REGIMES}
+    reads = dict.fromkeys(ITL_REGIMES, 0)
     for r in range(rounds):
-        for interval in ITL_INTERVALS:
+        for regime in ITL_REGIMES:
+            interval, which = regime
             stop = asyncio.Event()
             reader = (
-                asyncio.ensure_future(_read_every(http, url, interval, stop))
+                asyncio.ensure_future(_read_every(http, url + PATHS[which], interval, stop))
                 if interval is not None
                 else None
             )
-            tags = (f"itl {r} {interval} {i}" for i in range(streams))
+            tags = (f"itl {r} {interval}{which} {i}" for i in range(streams))
             for one in await asyncio.gather(*(_stream(http, url, model, t, tokens) for t in tags)):
-                gaps[interval] += one
+                gaps[regime] += one
             stop.set()
             if reader is not None:
-                reads[interval] += await reader
+                reads[regime] += await reader
     out = []
-    for interval, g in gaps.items():
+    for (interval, which), g in gaps.items():
         g.sort()
         out.append(
             {
                 "read_every_s": interval,
-                "reads": reads[interval],
+                "read": "by name" if which else "whole",
+                "reads": reads[(interval, which)],
                 "gaps": len(g),
                 "gap_ms_p50": round(g[len(g) // 2], 2),
                 "gap_ms_p99": round(g[int(0.99 * (len(g) - 1))], 2),
@@ -117,12 +129,18 @@ async def _itl(
     return out
 
 
-async def _reads(http: aiohttp.ClientSession, url: str, pid: int, n: int) -> dict[str, Any]:
+# The whole exposition, and the router's read of its own series by name.
+PATHS = {"": metrics_text.METRICS_PATH, "_by_name": metrics_text.SCRAPE_PATH}
+
+
+async def _reads(
+    http: aiohttp.ClientSession, url: str, pid: int, n: int, path: str
+) -> dict[str, Any]:
     size, walls = 0, []
     cpu0 = cpu_s(pid)
     for _ in range(n):
         t = time.perf_counter()
-        async with http.get(f"{url}/metrics") as resp:
+        async with http.get(url + path) as resp:
             size = len(await resp.read())
         walls.append((time.perf_counter() - t) * 1000)
     cpu_ms = (cpu_s(pid) - cpu0) * 1000 / n
@@ -143,13 +161,14 @@ async def run(scrapes: int, busy: int, itl_tokens: int, itl_rounds: int) -> dict
         async with real_pod(Path(tmp), options) as pods, aiohttp.ClientSession() as http:
             url, pid = pods.urls[0], pods.procs[0].pid  # type: ignore[union-attr]
             await asyncio.gather(*(_stream(http, url, model, f"warm {i}", 16) for i in range(8)))
-            idle = await _reads(http, url, pid, scrapes)
+            reads = {f"idle{k}": await _reads(http, url, pid, scrapes, p) for k, p in PATHS.items()}
             load = [
                 asyncio.ensure_future(_stream(http, url, model, f"busy {i}", 1000))
                 for i in range(busy)
             ]
             await asyncio.sleep(1.0)  # every stream admitted and decoding
-            loaded = await _reads(http, url, pid, scrapes)
+            for k, p in PATHS.items():
+                reads[f"decoding{k}"] = await _reads(http, url, pid, scrapes, p)
             for task in load:
                 task.cancel()
             await asyncio.gather(*load, return_exceptions=True)
@@ -157,8 +176,7 @@ async def run(scrapes: int, busy: int, itl_tokens: int, itl_rounds: int) -> dict
     return {
         "scrapes": scrapes,
         "busy_streams": busy,
-        "idle": idle,
-        "decoding": loaded,
+        **reads,
         "itl_tokens": itl_tokens,
         "itl_rounds": itl_rounds,
         "chunk_gaps": itl,
@@ -179,23 +197,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{exc}")
         return 2
     print(
-        f"{'pod':<10}{'bytes':>8}{'CPU ms':>8}{'wall p50':>10}{'wall p99':>10}{'core at 0.1 s':>15}"
+        f"{'pod':<18}{'bytes':>8}{'CPU ms':>8}{'wall p50':>10}{'wall p99':>10}{'core at 0.1 s':>15}"
     )
-    for name in ("idle", "decoding"):
+    for name in (f"{state}{k}" for state in ("idle", "decoding") for k in PATHS):
         r = doc[name]
         print(
-            f"{name:<10}{r['bytes']:>8}{r['cpu_ms_per_read']:>8.2f}{r['wall_ms_p50']:>10.1f}"
+            f"{name:<18}{r['bytes']:>8}{r['cpu_ms_per_read']:>8.2f}{r['wall_ms_p50']:>10.1f}"
             f"{r['wall_ms_p99']:>10.1f}{r['core_share_at_default_interval']:>14.1%}"
         )
     if doc["chunk_gaps"]:
         print(f"\n{args.busy} streams decoding: gaps between a stream's chunks at the client")
         print(
-            f"{'read every':<12}{'reads':>7}{'gaps':>8}{'p50 ms':>8}{'p99 ms':>8}{'p99.9 ms':>10}"
+            f"{'read every':<20}{'reads':>7}{'gaps':>8}{'p50 ms':>8}{'p99 ms':>8}{'p99.9 ms':>10}"
         )
         for g in doc["chunk_gaps"]:
-            every = "never" if g["read_every_s"] is None else f"{g['read_every_s']:g} s"
+            every = (
+                "never" if g["read_every_s"] is None else f"{g['read_every_s']:g} s, {g['read']}"
+            )
             print(
-                f"{every:<12}{g['reads']:>7}{g['gaps']:>8}{g['gap_ms_p50']:>8.1f}"
+                f"{every:<20}{g['reads']:>7}{g['gaps']:>8}{g['gap_ms_p50']:>8.1f}"
                 f"{g['gap_ms_p99']:>8.1f}{g['gap_ms_p999']:>10.1f}"
             )
     record.write(args.out, {"command": record.command("bench.scrape_cost", argv), **doc})

@@ -22,6 +22,7 @@ from ace_extproc.config import Config, Destination, Fleet, Mode, Pod, Settings, 
 from ace_extproc.latency import get_model
 from ace_extproc.routing import BlockIndex, FleetState
 from ace_extproc.routing.load import UNSEEN_MS, LoadAccounting
+from ace_extproc.routing import metrics_text
 from ace_extproc.routing.metrics_text import EngineStats, parse, restarted
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.sim.app import SimConfig, SimServer
@@ -378,6 +379,46 @@ def test_a_pod_down_a_while_but_not_restarted_keeps_its_index() -> None:
                 assert monitor.restarts == 1
             finally:
                 await monitor.stop()
+
+    run(go)
+
+
+def test_the_monitor_asks_for_its_series_and_reads_the_whole_text_where_that_fails() -> None:
+    """A pod is asked for the router's series by name (vLLM's ``/metrics/``); a server
+    that answers that with a 404, or with no engine series, is read at ``/metrics``
+    from then on, and its figures come through all the same."""
+    asked: dict[str, list[tuple[str, tuple[str, ...]]]] = {"named": [], "missing": [], "page": []}
+
+    def app(kind: str) -> web.Application:
+        async def handle(request: web.Request) -> web.Response:
+            asked[kind].append((request.path, tuple(request.query.getall("name[]", ()))))
+            if request.path == "/metrics/" and kind == "missing":
+                raise web.HTTPNotFound()
+            if request.path == "/metrics/" and kind == "page":
+                return web.Response(text="<html>a dashboard</html>")
+            return web.Response(text=VLLM)
+
+        application = web.Application()
+        application.add_routes([web.get("/metrics", handle), web.get("/metrics/", handle)])
+        return application
+
+    async def go() -> None:
+        async with AsyncExitStack() as stack:
+            ports = [await stack.enter_async_context(serving(app(k))) for k in asked]
+            fleet = FleetState(sim_fleet([f"127.0.0.1:{p}" for p in ports]))
+            index = BlockIndex(100)
+            monitor = FleetMonitor(fleet, index, FAST)
+            await monitor.start()
+            stack.push_async_callback(monitor.stop)
+            await until(lambda: all(len(a) >= 4 for a in asked.values()))
+            for slot in range(3):
+                stats = monitor.stats(slot)
+                assert stats is not None and stats.running == 5, slot  # summed
+        series = metrics_text.SCRAPED_SERIES
+        assert set(asked["named"]) == {("/metrics/", series)}
+        for kind in ("missing", "page"):  # asked once by name, then for the whole text
+            assert asked[kind][0] == ("/metrics/", series)
+            assert {path for path, _ in asked[kind][1:]} == {"/metrics"}, kind
 
     run(go)
 

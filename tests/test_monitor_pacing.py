@@ -141,7 +141,7 @@ async def _scrapes_in(settings: Settings, slow_s: float, seconds: float) -> tupl
             return web.Response(body=METRICS, content_type="text/plain")
 
         app = web.Application()
-        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/metrics/", metrics)  # where the monitor asks, as on vLLM
         return app
 
     async with serving(answer("fast", 0)) as fast, serving(answer("slow", slow_s)) as slow:

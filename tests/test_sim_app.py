@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from ace_extproc.latency import DEFAULT_MODEL, get_model
+from ace_extproc.routing import metrics_text
 from ace_extproc.sim.app import (
     TTFT_FIELD,
     SimConfig,
@@ -42,6 +43,33 @@ async def pod(**overrides: Any) -> AsyncIterator[tuple[SimServer, aiohttp.Client
 
 def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(test())
+
+
+def test_metrics_by_name_answer_only_those_samples_where_vllm_does() -> None:
+    """As vLLM 0.32: ``/metrics/`` (prometheus-client's app) renders only the samples
+    ``name[]`` names, each family's HELP and TYPE with them; ``/metrics`` ignores it."""
+
+    async def go() -> None:
+        async with pod() as (_, session):
+            await post(session, "/v1/completions", {"prompt": SYSTEM, "max_tokens": 2})
+            names = ("vllm:num_requests_running", "vllm:time_to_first_token_seconds_count")
+            query = [("name[]", n) for n in names]
+            async with session.get("/metrics/", params=query) as resp:
+                assert resp.status == 200
+                text = await resp.text()
+            samples = [line for line in text.splitlines() if not line.startswith("#")]
+            assert [line.partition("{")[0] for line in samples] == list(names)
+            assert text.count("# HELP") == text.count("# TYPE") == 2
+            async with session.get("/metrics", params=query) as resp:
+                whole = await resp.text()
+            assert "vllm:prefix_cache_hits_total" in whole and len(whole) > 2 * len(text)
+            # The router's own read gives what the whole text gives.
+            async with session.get(metrics_text.SCRAPE_PATH) as resp:
+                asked = await resp.read()
+            assert len(asked) < len(whole)
+            assert metrics_text.parse(asked) == metrics_text.parse(whole)
+
+    run(go)
 
 
 async def post(

@@ -32,6 +32,7 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 # name -> field it feeds. Counters (``*_total``) detect engine restarts.
 _VLLM = {
@@ -68,6 +69,16 @@ _SGLANG = {
 # prometheus-client's process collector: a new value means a new process.
 _PROCESS = {b"process_start_time_seconds": "start_time"}
 _FIELD = {**_VLLM, **_SGLANG, **_PROCESS}
+# What the monitor asks for: only these samples. prometheus-client's ASGI app collects
+# and renders just the metrics named by ``name[]``. vLLM (0.32) serves its plain
+# ``/metrics`` through another handler, which ignores the parameter, and mounts that
+# app under ``/metrics/``; SGLang serves the app on both. vLLM's whole exposition is
+# ~56 KB, mostly histogram buckets, rendered on the event loop that streams its tokens,
+# for every read of every router: a tenth of it costs its server a seventh of the CPU.
+# A server without that path (a 404, or no engine series) is read at ``METRICS_PATH``.
+SCRAPED_SERIES = tuple(name.decode() for name in _FIELD)
+METRICS_PATH = "/metrics"
+SCRAPE_PATH = "/metrics/?" + urlencode([("name[]", name) for name in SCRAPED_SERIES])
 
 
 def _trie(names: list[bytes]) -> bytes:

@@ -94,6 +94,9 @@ class _PodState:
     scrapes_answered: int = 0  # answered or timed out: those that spaced the next
     scrape_gap_s: float = 0.0  # from the start of the last scrape to the next one
     next_scrape: float = 0.0  # loop time before which the pod is not read again
+    # Where its figures are read: only the router's series, or the whole text where
+    # the server does not answer that (metrics_text.SCRAPE_PATH).
+    metrics_path: str = metrics_text.SCRAPE_PATH
 
 
 class FleetMonitor:
@@ -282,7 +285,8 @@ class FleetMonitor:
         clock = asyncio.get_running_loop()
         started = clock.time()
         try:
-            url = pod.base_url + "/metrics"
+            path = self._state[slot].metrics_path
+            url = pod.base_url + path
             name = self._server_name(pod)
             headers = self._scrape_headers.get(pod.destination, _METRICS_HEADERS)
             async with session.get(url, headers=headers, server_hostname=name) as resp:
@@ -306,13 +310,20 @@ class FleetMonitor:
         if status >= 500:
             self._failed(slot, f"/metrics answered {status}")
             return
+        stats = metrics_text.parse(body) if status == 200 and size <= MAX_METRICS_BYTES else None
+        if path != metrics_text.METRICS_PATH and (
+            status == 404 or (stats is not None and stats.engine is None)
+        ):
+            # No series by name here: the whole text from the next read on.
+            self._state[slot].metrics_path = metrics_text.METRICS_PATH
+            return
         if status != 200:
             self._complain(slot, f"/metrics answered {status}; no load figures")
             return
-        if size > MAX_METRICS_BYTES:
+        if stats is None:
             self._complain(slot, f"/metrics is {size} bytes; not read")
             return
-        self.apply(slot, metrics_text.parse(body))
+        self.apply(slot, stats)
 
     def answered(self, slot: int, started: float, took: float, cost: float) -> None:
         """Space the pod's next scrape by what this one cost its server (``cost``

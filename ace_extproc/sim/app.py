@@ -100,7 +100,7 @@ POD_HEADER = "x-sim-pod"
 TTFT_FIELD = "sim_ttft_ms"  # sim only, next to usage: TTFT on the simulated clock
 MAX_BODY = 64 * 1024 * 1024  # aiohttp's default is 1 MiB; vLLM takes long prompts
 # Polled paths that would push the interesting requests out of --record's window.
-_UNRECORDED = frozenset({"/health", "/metrics", "/get_load", "/server_info"})
+_UNRECORDED = frozenset({"/health", "/metrics", "/metrics/", "/get_load", "/server_info"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -711,7 +711,11 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
         pod.started,
         "Start time of the process since unix epoch in seconds.",
     )
-    return web.Response(text=out.render(), headers={"Content-Type": CONTENT_TYPE})
+    # A router may name the samples it wants, which vLLM's /metrics/ (prometheus-client's
+    # app) honours and its /metrics does not.
+    named = request.query.getall("name[]", ()) if request.path == "/metrics/" else ()
+    only = frozenset(named) or None
+    return web.Response(text=out.render(only), headers={"Content-Type": CONTENT_TYPE})
 
 
 # -- debugging --------------------------------------------------------------------------
@@ -784,6 +788,7 @@ def build_app(config: SimConfig, host: str = "127.0.0.1") -> web.Application:
         web.get("/version", _version),
         web.get("/v1/models", _models),
         web.get("/metrics", _metrics),
+        web.get("/metrics/", _metrics),  # vLLM's mount of prometheus-client's app
         web.get("/get_load", _get_load),
         web.get("/server_info", _server_info),
         web.post("/reset_prefix_cache", _reset_prefix_cache),

@@ -132,5 +132,20 @@ class Exposition:
         self._lines.append(f"{name}_count{self._lbl} {_num(hist.count)}")
         self._lines.append(f"{name}_sum{self._lbl} {_num(hist.sum)}")
 
-    def render(self) -> str:
-        return "\n".join(self._lines) + "\n"
+    def render(self, only: frozenset[str] | None = None) -> str:
+        """The text; with ``only``, as prometheus-client answers ``?name[]=...``: just
+        the samples of those names, each family's HELP and TYPE where one is left."""
+        if only is None:
+            return "\n".join(self._lines) + "\n"
+        out: list[str] = []
+        head: list[str] = []
+        for line in self._lines:
+            if line.startswith("# HELP"):
+                head = [line]
+            elif line.startswith("#"):
+                head.append(line)
+            elif line.partition("{")[0].partition(" ")[0] in only:
+                out += head
+                head = []
+                out.append(line)
+        return "\n".join(out) + "\n" if out else ""

@@ -137,6 +137,24 @@ def test_the_series_the_router_reads_exist_in_both_with_the_same_label_keys(
     assert stats["sim"].capacity_tokens == stats["real"].capacity_tokens
 
 
+def test_both_answer_the_routers_read_with_only_the_series_it_reads(engines: Engines) -> None:
+    """The monitor asks for its series by name (``metrics_text.SCRAPE_PATH``): each
+    engine answers just those, which the router reads as it reads the whole text."""
+    engines.ok("/v1/completions", {"prompt": _ids(2, 100), "max_tokens": 1})
+    whole = {name: body for name, (_, body) in engines.both("GET", "/metrics").items()}
+    asked = engines.both("GET", metrics_text.SCRAPE_PATH)
+    for name, (status, text) in asked.items():
+        assert status == 200, name
+        assert len(text) < len(whole[name]), name  # vLLM's: a tenth (below); the sim's: half
+        assert set(exposition(text)) <= set(metrics_text.SCRAPED_SERIES), name
+        full, part = metrics_text.parse(whole[name]), metrics_text.parse(text)
+        assert part.reason == "" and part.start_time == full.start_time, name
+        assert (part.capacity_tokens, part.model_name) == (full.capacity_tokens, full.model_name)
+        assert part.prompt_tokens == full.prompt_tokens and part.first_tokens == full.first_tokens
+    real = asked["real"][1]
+    assert len(real) < len(whole["real"]) / 4, (len(real), len(whole["real"]))
+
+
 def test_cache_config_info_carries_the_kv_size_in_both(engines: Engines) -> None:
     info = {
         name: labels_of(exposition(text), "vllm:cache_config_info")
