@@ -20,9 +20,8 @@ from ace_extproc import server
 from ace_extproc.app import build
 from ace_extproc.config import Config, Destination, Fleet, Mode, Pod, Settings, sim_fleet
 from ace_extproc.latency import get_model
-from ace_extproc.routing import BlockIndex, FleetState
+from ace_extproc.routing import BlockIndex, FleetState, metrics_text
 from ace_extproc.routing.load import UNSEEN_MS, LoadAccounting
-from ace_extproc.routing import metrics_text
 from ace_extproc.routing.metrics_text import EngineStats, parse, restarted
 from ace_extproc.routing.monitor import FleetMonitor
 from ace_extproc.sim.app import SimConfig, SimServer
