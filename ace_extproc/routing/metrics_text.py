@@ -74,7 +74,7 @@ _FIELD = {**_VLLM, **_SGLANG, **_PROCESS}
 # ``/metrics`` through another handler, which ignores the parameter, and mounts that
 # app under ``/metrics/``; SGLang serves the app on both. vLLM's whole exposition is
 # ~56 KB, mostly histogram buckets, rendered on the event loop that streams its tokens,
-# for every read of every router: a tenth of it costs its server a seventh of the CPU.
+# for every read of every router; these series are 3.5 KB of it, 5-9x less of its CPU.
 # A server without that path (a 404, or no engine series) is read at ``METRICS_PATH``.
 SCRAPED_SERIES = tuple(name.decode() for name in _FIELD)
 METRICS_PATH = "/metrics"
