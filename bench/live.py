@@ -563,6 +563,16 @@ def scrape_gaps(before: str, after: str, wall_s: float) -> dict[str, float]:
     }
 
 
+def read_cost(summary: dict[str, Any]) -> tuple[float, float] | None:
+    """Ours' reads of the pods over the replay (its wall over each pod's mean scrape gap,
+    summed) and its router's CPU over them, ms a read; None where the run lacks either."""
+    gaps, cpu = summary.get("scrape_gap_s"), (summary.get("cpu_ms_per_request") or {})
+    if not gaps or "router" not in cpu or not summary.get("wall_s"):
+        return None
+    reads = sum(summary["wall_s"] / gap for gap in gaps.values() if gap > 0)
+    return (reads, cpu["router"] * summary["requests"] / reads) if reads else None
+
+
 def mean_ms(before: str, after: str, histogram: str) -> float | None:
     """A histogram's mean over the replay, in ms, from the router's /metrics before and
     after it (all label sets); None where nothing was observed."""
@@ -1075,6 +1085,11 @@ def format_table(runs: Sequence[RouterRun], predicted: dict[str, Any] | None = N
         for run in shown:
             named = run.summary[key] if run.summary else {}
             lines.append(f"{run.name:<{w}}" + ", ".join(f"{k} {v:g}" for k, v in named.items()))
+    costs = [(run.name, c) for run in runs if run.summary and (c := read_cost(run.summary))]
+    if costs:
+        lines.append("\nreads of the pods over the replay; the router's CPU over them, ms a read")
+    for name, (reads, ms) in costs:
+        lines.append(f"{name:<{w}}{reads:.0f} reads, {ms:.2f} ms (all its CPU: a bound)")
     held = [run for run in runs if run.summary and run.summary.get("hold_ms")]
     if held:
         lines.append("\nEnvoy's hold for the ext_proc's answer, and the TTFT without it, ms")

@@ -86,7 +86,7 @@ def pooled(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
         figures["after_first_token_mean_ms"] = (
             round(statistics.fmean(streams), 1) if streams else 0.0
         )
-        for bound, group in _by_uncached(ok).items():
+        for bound, group in _by_tokens(ok, "ttft_ms").items():
             figures[f"ttft_p50_uncached_{bound}_ms"] = round(percentile(group, 0.5), 1)
         # Envoy's hold of ours' requests (bench.live joins its access log): how much of
         # the TTFT routing took, and what is left without it.
@@ -97,19 +97,25 @@ def pooled(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
             figures["hold_p99_ms"] = round(percentile(holds, 0.99), 2)
             less = [r["ttft_ms"] - r["hold_ms"] for r in held]
             figures["ttft_less_hold_p50_ms"] = round(percentile(less, 0.5), 1)
+            # By the whole prompt's size: the body Envoy buffers and ace-extproc reads.
+            for bound, group in _by_tokens(held, "hold_ms", cached_too=True).items():
+                figures[f"hold_p50_prompt_{bound}_ms"] = round(percentile(group, 0.5), 2)
         out[router] = figures
     return out
 
 
-def _by_uncached(ok: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
-    """TTFTs grouped by the prompt tokens the engine had to prefill ("under_100", ...)."""
+def _by_tokens(
+    ok: Sequence[dict[str, Any]], field: str, cached_too: bool = False
+) -> dict[str, list[float]]:
+    """Each record's ``field`` grouped by its prompt tokens ("under_100", ...): those the
+    engine had to prefill, or with ``cached_too`` all of them."""
     groups: dict[str, list[float]] = {}
     for r in ok:
-        if r["ttft_ms"] is None:
+        if r.get(field) is None:
             continue
-        uncached = (r["prompt_tokens"] or 0) - (r["cached_tokens"] or 0)
-        bound = next(b for b in UNCACHED_BOUNDS if b is None or uncached < b)
-        groups.setdefault("over" if bound is None else f"under_{bound}", []).append(r["ttft_ms"])
+        tokens = (r["prompt_tokens"] or 0) - (0 if cached_too else r["cached_tokens"] or 0)
+        bound = next(b for b in UNCACHED_BOUNDS if b is None or tokens < b)
+        groups.setdefault("over" if bound is None else f"under_{bound}", []).append(r[field])
     return groups
 
 
@@ -311,7 +317,12 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{router}: Envoy held its requests {f['hold_p50_ms']:.2f} ms at p50, "
                 f"{f['hold_p99_ms']:.2f} at p99; its TTFT p50 without: "
-                f"{f['ttft_less_hold_p50_ms']:.1f} ms"
+                f"{f['ttft_less_hold_p50_ms']:.1f} ms; its hold's p50 by prompt tokens: "
+                + " ".join(
+                    f"{name} {f[key]:.2f}"
+                    for name in _GROUPS
+                    if (key := f"hold_p50_prompt_{name}_ms") in f
+                )
             )
     print("mean ms from first token to last; TTFT p50 ms by uncached prompt tokens")
     for router, f in routers.items():

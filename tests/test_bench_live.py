@@ -304,6 +304,11 @@ def test_envoys_holds_are_read_by_request_id_from_its_access_log() -> None:
     after = "ace_decision_seconds_sum 1.5\nace_decision_seconds_count 300\n"
     assert live.mean_ms(before, after, "ace_decision_seconds") == 2.5
     assert live.mean_ms(after, after, "ace_decision_seconds") is None
+    # Reads over the replay, and the router's CPU a read, from the summary's figures.
+    figures = {"wall_s": 10.0, "requests": 4, "scrape_gap_s": {"pod-0": 0.1, "pod-1": 0.25}}
+    cost = live.read_cost({**figures, "cpu_ms_per_request": {"router": 35.0}})
+    assert cost is not None and cost[0] == pytest.approx(140) and cost[1] == pytest.approx(1.0)
+    assert live.read_cost({**figures, "cpu_ms_per_request": {"envoy": 1.0}}) is None
     assert not re.search(r"^smg +hold", table, re.M)
 
 
@@ -472,6 +477,8 @@ def test_pool_runs_pools_each_routers_records(tmp_path: Path) -> None:
     held = [{**r, "hold_ms": h} for r, h in zip(runs[1][:2], (2.5, 4.0), strict=True)]
     assert pool_runs.pooled(held)["ace"]["ttft_less_hold_p50_ms"] == 17.5
     assert pool_runs.pooled(held)["ace_precise"]["hold_p50_ms"] == 4.0
+    # Grouped by the whole prompt (100 tokens each: "under_1000"), not the uncached part.
+    assert pool_runs.pooled(held)["ace"]["hold_p50_prompt_under_1000_ms"] == 2.5
     out = tmp_path / "pooled.json"
     assert pool_runs.main([str(one), str(two), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["routers"] == routers
