@@ -25,6 +25,7 @@ import yaml
 
 from ace_extproc import config as cfg
 from ace_extproc import peer
+from ace_extproc.mutate import PINNED_HEADER, SERVED_BY_HEADER, TRACE_HEADER
 from ace_extproc.outcome import UPSTREAM_HEADER
 from ace_extproc.request import RESPONSES_PATH
 
@@ -55,9 +56,9 @@ ENDPOINT_NAMESPACE = "ace"
 # served (after a retry, not the pinned one; in any mode) from the endpoint Envoy used.
 # A pod found by discovery is known to Envoy by address alone: no served-by for it.
 RESPONSE_HEADERS = {
-    "x-ace-trace-prefix-kv-cache": "%DYNAMIC_METADATA(ace:trace)%",
-    "x-ace-pinned": "%DYNAMIC_METADATA(ace:served_by)%",
-    "x-ace-served-by": f'%UPSTREAM_METADATA(["{ENDPOINT_NAMESPACE}", "pod"])%',
+    TRACE_HEADER: "%DYNAMIC_METADATA(ace:trace)%",
+    PINNED_HEADER: "%DYNAMIC_METADATA(ace:served_by)%",
+    SERVED_BY_HEADER: f'%UPSTREAM_METADATA(["{ENDPOINT_NAMESPACE}", "pod"])%',
 }
 # Generations run for minutes and a non-streamed one sends nothing until it is done: no
 # overall route timeout, only a generous idle timeout (it replaces the HCM's 5 min one).

@@ -1,7 +1,10 @@
 """An ``Outcome`` as Envoy ext_proc responses: header and body mutations, the
 route-cache clear that makes ``x-ace-upstream`` steer routing, and the dynamic
-metadata from which Envoy adds ``x-ace-served-by`` and
-``x-ace-trace-prefix-kv-cache`` to the response (no response-phase exchange).
+metadata from which ace-extproc's own Envoy adds ``x-ace-served-by`` and
+``x-ace-trace-prefix-kv-cache`` to the response (no response-phase exchange). A
+gateway that sends the response's headers on the routing stream (Envoy Gateway's
+extension policy, the endpoint-picker protocol) gets the same headers in the answer
+to them (``reported``).
 
 Two ways to name the pod (``router.upstream_mode``, carried on ``Outcome.endpoint``):
 cluster mode sets ``x-ace-upstream`` to the pod's own Envoy cluster; endpoint mode
@@ -40,6 +43,11 @@ GIE_NAMESPACE = "envoy.lb"
 # Endpoint mode: the destination cluster holding those hosts, for fleets of several
 # destinations (a `cluster_header` route); the same name as ``Destination.cluster``.
 DESTINATION_HEADER = "x-ace-destination"
+# What ace-extproc did, on the response: the decision's trace, the pod it pinned, and
+# the pod that answered (a retry's, where Envoy retried elsewhere).
+TRACE_HEADER = "x-ace-trace-prefix-kv-cache"
+PINNED_HEADER = "x-ace-pinned"
+SERVED_BY_HEADER = "x-ace-served-by"
 # Some gateways cap a streamed chunk at 64 KiB; stay under it with room for framing.
 STREAM_CHUNK = 62_000
 
@@ -214,6 +222,24 @@ def body_decided(outcome: Outcome, client_upstream: bool) -> ProcessingResponse:
     resp = ProcessingResponse()
     picked = _fill(resp.request_body.response, outcome, client_upstream, True)
     return _with_metadata(resp, outcome, picked)
+
+
+def reported(outcome: Outcome | None, served_by: str) -> ProcessingResponse:
+    """The answer to a response's headers on a gateway that sends them: the headers
+    ace-extproc's own Envoy writes from the metadata (``envoy_config.RESPONSE_HEADERS``),
+    each only where it has a value. ``served_by``: the answering pod's name, "" where
+    the gateway did not say which endpoint served."""
+    resp = ProcessingResponse()
+    mutation = resp.response_headers.response.header_mutation
+    resp.response_headers.response.SetInParent()
+    if outcome is not None:
+        if outcome.trace:
+            _set(mutation, TRACE_HEADER, outcome.trace.encode())
+        if outcome.pod is not None:
+            _set(mutation, PINNED_HEADER, outcome.pod.key.encode())
+    if served_by:
+        _set(mutation, SERVED_BY_HEADER, served_by.encode())
+    return resp
 
 
 def response_replaced(body: bytes) -> ProcessingResponse:

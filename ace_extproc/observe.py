@@ -261,6 +261,11 @@ class Observer:
             }
         return self._by_address.get(address)
 
+    def pod_at(self, address: str) -> str:
+        """The name of the member pod at ``ip:port``, or ""."""
+        slot = self.slot_at(address) if address else None
+        return self.fleet.pods[slot].key if slot is not None else ""
+
     def _answered(self, obs: Observation, pinned: int | None) -> int | None:
         """The slot of the pod that answered: the upstream's address, else (none
         reported) the pin."""

@@ -6,11 +6,12 @@ Full-duplex streamed mode (one round trip): hold the headers, collect body chunk
 then answer the headers with the route and stream the body back.
 Which one a stream uses is read from the ``protocol_config`` Envoy sends first, so
 the server follows whichever mode the Envoy config chose.
-Response headers are never asked for by the rendered Envoy: it adds them from dynamic
-metadata. A gateway configured as the Gateway API Inference Extension configures its
-endpoint picker sends responses too (headers, and bodies full-duplex streamed): they
-go back unchanged, chunk by chunk, and are observed on the way (``epp.py``: the
-endpoint the gateway says served the request).
+Response headers are never asked for by the rendered Envoy: it adds ace-extproc's
+report to them from dynamic metadata. A gateway that sends responses on the routing
+stream (Envoy Gateway's extension policy: headers; the Gateway API Inference
+Extension's picker protocol: headers, and bodies full-duplex streamed) gets the
+report added to the headers, the bodies back unchanged, chunk by chunk; both are
+observed on the way (``epp.py``: the endpoint the gateway says served the request).
 Streams of the observe-only filter (``observability_mode``: responses, never
 answered) feed an ``Observation`` to ``observe.Observer`` when they end.
 """
@@ -297,13 +298,15 @@ class _Stream:
         return [mutate.response_replaced(execute.wrap(self.status, msg.response_body.body, entry))]
 
     def _respond(self, msg: ProcessingRequest, kind: str) -> list[ProcessingResponse]:
-        """A routed request's response, sent by a gateway configured to (the endpoint-
-        picker protocol's processing modes): passed on unchanged, observed on the way."""
+        """A routed request's response, sent by a gateway configured to (Envoy Gateway's
+        extension policy, the endpoint-picker protocol's processing modes): the headers
+        get ace-extproc's report, the body passes unchanged, both observed on the way."""
         if kind == "response_headers":
             self.watch = self._watching(msg)
+            served_by = self.observer.pod_at(self.watch.upstream)
             if msg.response_headers.end_of_stream:
                 self._settle()
-            return [mutate.RESPONSE_HEADERS_CONTINUE]
+            return [mutate.reported(self._decided(), served_by)]
         if kind == "response_body":
             body = msg.response_body
             watch = self.watch
@@ -317,10 +320,14 @@ class _Stream:
         self._settle()  # trailers end the response
         return [_UNASKED[kind]]
 
+    def _decided(self) -> Outcome | None:
+        """This stream's decision: at the body, or at the headers alone."""
+        return self.outcome or (self.ctx.outcome if self.ctx is not None else None)
+
     def _watching(self, msg: ProcessingRequest) -> Observation:
         """The observation of a response to a request this stream decided."""
         obs = Observation()
-        outcome = self.outcome or (self.ctx.outcome if self.ctx is not None else None)
+        outcome = self._decided()
         if outcome is not None:
             obs.mode, obs.action = outcome.mode, outcome.action
             obs.pinned = outcome.pod.key if outcome.pod is not None else ""

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from ace_extproc import mutate
 from ace_extproc.envoy_config import GIE_HEADER
 from ace_extproc.sim.app import POD_HEADER
 from tests import bootstrap_parts as parts
@@ -150,6 +151,11 @@ def test_envoy_gateway_honours_the_pod_ace_extproc_picks(
                 answered, endpoints = named[-1]
                 assert (answered, endpoints.split(",")[0]) == (pod, eg.pods[pod]), named[-1]
                 assert body == sent.by_pod[pod][-1]  # ... and its bytes passed unchanged
+                # What ace-extproc did, on the response, as its own Envoy reports it: the
+                # pod it pinned, and the decision (a prefix new, then found warm).
+                assert headers[mutate.PINNED_HEADER] == f"llama/{pod}"
+                action = "hit" if topic in served else "miss"
+                assert headers[mutate.TRACE_HEADER].startswith(f"mode=prod,action={action},")
                 served.setdefault(topic, set()).add(pod)
         # A prefix stays on its pod (its later requests find it warm); prefixes spread.
         assert all(len(pods) == 1 for pods in served.values()), served

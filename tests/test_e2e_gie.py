@@ -26,6 +26,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+from ace_extproc import mutate
 from ace_extproc.app import App
 from ace_extproc.config import Config, parse_fleet, parse_settings
 from ace_extproc.server import start
@@ -296,6 +297,10 @@ def test_responses_reach_the_client_byte_identical(
                 if turn == 0:
                     first = pod
                 assert pod == first
+                # ace-extproc's report on the response: the pod it picked, its decision.
+                assert headers[mutate.PINNED_HEADER].endswith(f"/{pod}")
+                action = "hit" if turn else "miss"
+                assert headers[mutate.TRACE_HEADER].startswith(f"mode=prod,action={action},")
         # Usage read on the way: the ledger counted each response for its pod.
         ledger = g.app.observer.ledger
         assert sum(t.responses for t in ledger.by_pod.values()) == 4

@@ -17,12 +17,13 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ace_extproc import epp, server
+from ace_extproc import epp, mutate, server
 from ace_extproc.app import App, build
 from ace_extproc.config import (
     Config,
     ConfigError,
     EndpointPicker,
+    Mode,
     Settings,
     parse_fleet,
     parse_settings,
@@ -118,14 +119,7 @@ def test_the_endpoint_served_is_what_the_ledger_and_passive_health_count() -> No
     stream, out = _route(app, _headers())
     pinned = _picked(out)
     fallback = next(a for a in ADDRESSES if a != pinned)
-    resp = pb.ProcessingRequest(
-        response_headers=pb.HttpHeaders(
-            headers=HeaderMap(headers=[HeaderValue(key=":status", raw_value=b"200")])
-        )
-    )
-    lb = resp.metadata_context.filter_metadata[epp.SERVED_NAMESPACE]
-    lb.fields[epp.SERVED_KEY].string_value = fallback
-    [answer] = stream.on_message(resp)
+    [answer] = stream.on_message(_response_headers(fallback))
     assert answer.HasField("response_headers")
     chunk = pb.ProcessingRequest(response_body=pb.HttpBody(body=b'{"x":1}', end_of_stream=True))
     [echo] = stream.on_message(chunk)
@@ -137,6 +131,50 @@ def test_the_endpoint_served_is_what_the_ledger_and_passive_health_count() -> No
     # Envoy went past the pick: a strike against the pinned pod.
     pinned_slot = next(s for s, p in enumerate(app.fleet.pods) if p.endpoint == pinned)
     assert app.observer.outliers._records[pinned_slot].in_a_row_gateway == 1
+
+
+def _response_headers(served: str | None) -> pb.ProcessingRequest:
+    resp = pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=":status", raw_value=b"200")])
+        )
+    )
+    if served is not None:
+        lb = resp.metadata_context.filter_metadata[epp.SERVED_NAMESPACE]
+        lb.fields[epp.SERVED_KEY].string_value = served
+    return resp
+
+
+def _set_headers(answer: pb.ProcessingResponse) -> dict[str, str]:
+    mutation = answer.response_headers.response.header_mutation
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+@pytest.mark.parametrize("mode", ["prod", "shadow"])
+def test_the_response_headers_carry_what_ace_extproc_did(mode: str) -> None:
+    """The report ace-extproc's own Envoy adds from metadata, added by ace-extproc where
+    the gateway sends the response's headers: the trace, the pod pinned (prod only),
+    the pod the gateway says served, and no served-by where it says none."""
+    app = _app(mode=Mode(mode))
+    for served_by_fallback in (True, False):
+        stream, out = _route(app, _headers())
+        pod = next(p for p in app.fleet.pods if p.endpoint != ADDRESSES[0])
+        served = pod.endpoint if served_by_fallback else None
+        [answer] = stream.on_message(_response_headers(served))
+        report = _set_headers(answer)
+        # The same trace as the metadata ace-extproc's own Envoy writes it from.
+        [decided] = [r for r in out if r.HasField("request_headers")]
+        ace = decided.dynamic_metadata.fields["ace"].struct_value.fields
+        assert report.pop(mutate.TRACE_HEADER) == ace["trace"].string_value
+        assert ace["trace"].string_value.startswith(f"mode={mode},action=")
+        if mode == "prod":
+            pinned = next(p.key for p in app.fleet.pods if p.endpoint == _picked(out))
+            assert report.pop(mutate.PINNED_HEADER) == pinned
+        assert report == ({mutate.SERVED_BY_HEADER: pod.key} if served else {})
+    # A response to a request this stream did not decide carries no report.
+    stream = server._Stream(app.processor, app.observer)
+    [answer] = stream.on_message(_response_headers(None))
+    assert answer.HasField("response_headers") and _set_headers(answer) == {}
 
 
 def test_a_bug_in_a_full_duplex_response_still_passes_the_chunk_on(
