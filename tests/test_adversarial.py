@@ -329,7 +329,8 @@ def test_a_300_mb_streamed_body_stays_out_of_the_sidecar_s_memory() -> None:
     the whole body, and 300 MB took the sidecar from 61 to 565 MB).
     A body just past max_body_bytes goes first: it takes the same path (held, then
     passed on), so the peak it leaves is that path's fixed cost, whatever the machine's
-    allocator and scheduling make of it. 300 MB may then add little to that peak."""
+    allocator and scheduling make of it. 300 MB may then add to that peak far less
+    than the body."""
     with running(options(processing_mode="full_duplex")) as client:
         pid = client.stack.procs["ace-extproc"].pid
         held = Settings().max_body_bytes  # the default, which options() keeps
@@ -360,7 +361,9 @@ def test_a_300_mb_streamed_body_stays_out_of_the_sidecar_s_memory() -> None:
         grown = memory_mib(pid, "VmHWM") - before - path
         print(f"\nthe held-then-passed path's peak: +{path:.0f} MiB; 300 MB added {grown:.0f}")
         assert path < 160, f"a body just past max_body_bytes grew the sidecar {path:.0f} MiB"
-        assert grown < 64, f"300 MB grew the sidecar {grown:.0f} MiB past the path's {path:.0f}"
+        # Holding it would add 300 MiB or more. Passed through, it adds 2-11 MiB here, and
+        # once 68 in a clean clone's run of the whole suite: the bound is the body's half.
+        assert grown < 150, f"300 MB grew the sidecar {grown:.0f} MiB past the path's {path:.0f}"
         status, headers, _ = client.chat(conversation(0, "after-300mb"))
         assert status == 200 and "x-ace-pinned" in headers  # alive, and routing
 
