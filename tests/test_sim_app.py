@@ -625,12 +625,15 @@ def test_answers_carry_the_engines_ttft_on_its_simulated_clock() -> None:
                 s, "/v1/completions", {"prompt": ["x " * 3000, "y " * 50], "max_tokens": 2}
             )
         # At the model's own pace, a long prompt sent while another's prefill runs waits
-        # for it: its TTFT counts that wait.
+        # for it: its TTFT counts that wait. Each prefill takes ~480 ms, so the second
+        # still waits most of the first's though a loaded machine delays its sending
+        # (with ~140 ms prefills, a CI run once saw it arrive near the first's end).
         async with pod(time_scale=1.0) as (_, s):
 
             async def long(c: str, after_s: float) -> dict[str, Any]:
                 await asyncio.sleep(after_s)
-                return await post(s, "/v1/completions", {"prompt": f"{c} " * 6000, "max_tokens": 1})
+                body = {"prompt": f"{c} " * 20000, "max_tokens": 1}
+                return await post(s, "/v1/completions", body)
 
             queued = await asyncio.gather(long("p", 0.0), long("q", 0.03))
         assert first["sim_ttft_ms"] == pytest.approx(alone(first), abs=0.01)
