@@ -334,7 +334,9 @@ def test_a_300_mb_streamed_body_stays_out_of_the_sidecar_s_memory() -> None:
     passed on), so the peak it leaves is that path's fixed cost, whatever the machine's
     allocator and scheduling make of it. 300 MB may then add to that peak less than the
     body: 2-17 MiB in most runs here, 68 and 188 in two clean clones' runs of the whole
-    suite (unexplained: with the sidecar stopped for 300 ms of every 320, 42)."""
+    suite. Likely gRPC's receive window, which its BDP probing grows while the sidecar
+    stalls (streamed to it directly: +16 MiB, +56 stopped 300 ms of every 320, +9 with
+    probing off; not changed, its cost to the request path unmeasured)."""
     with running(options(processing_mode="full_duplex")) as client:
         pid = client.stack.procs["ace-extproc"].pid
         held = Settings().max_body_bytes  # the default, which options() keeps
